@@ -1,0 +1,1 @@
+"""dptorch: differentially private training for PyTorch."""

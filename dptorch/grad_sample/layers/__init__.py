@@ -1,0 +1,1 @@
+"""Built-in grad samplers, one file per layer family. Importing this package registers them."""

@@ -1,0 +1,70 @@
+"""Registries that map module types to per-sample gradient functions.
+
+A grad sampler is a pure function ``(module, activations, backprops) -> {param: grad_sample}``:
+``activations`` is the tuple of tensor inputs of one call of ``module`` (batch first),
+``backprops`` the gradient of the loss with respect to that call's output (batch first,
+already scaled so that row ``i`` is the gradient of sample ``i``'s loss). It returns, for each
+direct parameter of ``module`` that requires grad, a tensor of shape ``(batch, *param.shape)``.
+
+Lookup order: exact type, then along the type's MRO (a subclass of ``nn.Linear`` uses the
+``nn.Linear`` sampler), then duck-typed rules (predicates over the module instance, such as the
+HF RMSNorm family). Registration may happen at any time before a controller attaches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+GradSampler = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
+ModulePredicate = Callable[[nn.Module], bool]
+
+_GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
+_DUCK_RULES: List[Tuple[ModulePredicate, GradSampler]] = []
+
+
+def register_grad_sampler(*module_types: Type[nn.Module]):
+    """Decorator registering a grad sampler for one or more module types."""
+    if not module_types:
+        raise TypeError("register_grad_sampler needs at least one module type")
+
+    def decorator(fn: GradSampler) -> GradSampler:
+        for module_type in module_types:
+            _GRAD_SAMPLERS[module_type] = fn
+        return fn
+
+    return decorator
+
+
+def register_duck_grad_sampler(predicate: ModulePredicate):
+    """Decorator registering a grad sampler for every module for which ``predicate`` is true.
+
+    Duck rules are consulted only when no registered type matches, in registration order.
+    """
+
+    def decorator(fn: GradSampler) -> GradSampler:
+        _DUCK_RULES.append((predicate, fn))
+        return fn
+
+    return decorator
+
+
+def find_grad_sampler(module: nn.Module) -> Optional[GradSampler]:
+    """The sampler for ``module``: exact type, then MRO, then duck rules; None if none."""
+    _load_builtin_samplers()
+    for cls in type(module).__mro__:
+        if cls in _GRAD_SAMPLERS:
+            return _GRAD_SAMPLERS[cls]
+        if cls is nn.Module:
+            break
+    for predicate, fn in _DUCK_RULES:
+        if predicate(module):
+            return fn
+    return None
+
+
+def _load_builtin_samplers() -> None:
+    """Import the built-in layer samplers once (they register themselves)."""
+    from dptorch.grad_sample import layers  # noqa: F401  (import registers)
