@@ -22,7 +22,8 @@ GradSampler = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict
 ModulePredicate = Callable[[nn.Module], bool]
 
 _GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
-_DUCK_RULES: List[Tuple[ModulePredicate, GradSampler]] = []
+_DUCK_RULES: List[Tuple[ModulePredicate, GradSampler, Optional[ModulePredicate]]] = []
+_VERIFIED: Dict[Tuple[Type[nn.Module], GradSampler], bool] = {}
 
 
 def register_grad_sampler(*module_types: Type[nn.Module]):
@@ -38,14 +39,16 @@ def register_grad_sampler(*module_types: Type[nn.Module]):
     return decorator
 
 
-def register_duck_grad_sampler(predicate: ModulePredicate):
+def register_duck_grad_sampler(predicate: ModulePredicate, *, verify: Optional[ModulePredicate] = None):
     """Decorator registering a grad sampler for every module for which ``predicate`` is true.
 
     Duck rules are consulted only when no registered type matches, in registration order.
+    ``verify(module)``, if given, checks the sampler numerically on one instance of each class;
+    a class that fails it gets no sampler from this rule (the torch.func fallback then applies).
     """
 
     def decorator(fn: GradSampler) -> GradSampler:
-        _DUCK_RULES.append((predicate, fn))
+        _DUCK_RULES.append((predicate, fn, verify))
         return fn
 
     return decorator
@@ -59,10 +62,19 @@ def find_grad_sampler(module: nn.Module) -> Optional[GradSampler]:
             return _GRAD_SAMPLERS[cls]
         if cls is nn.Module:
             break
-    for predicate, fn in _DUCK_RULES:
-        if predicate(module):
+    for predicate, fn, verify in _DUCK_RULES:
+        if predicate(module) and _verified(module, fn, verify):
             return fn
     return None
+
+
+def _verified(module: nn.Module, fn: GradSampler, verify: Optional[ModulePredicate]) -> bool:
+    if verify is None:
+        return True
+    key = (type(module), fn)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = bool(verify(module))
+    return _VERIFIED[key]
 
 
 def _load_builtin_samplers() -> None:

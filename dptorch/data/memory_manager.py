@@ -1,0 +1,161 @@
+"""Split logical (Poisson) batches into physical batches that fit in memory.
+
+The optimizer must add noise and step once per *logical* batch. The manager tells it which
+physical batches close a logical one through ``optimizer.signal_skip_step(do_skip)``, called in
+the training process right before each physical batch is handed to the loop, so prefetching
+workers cannot desynchronise signals and batches.
+
+Length: at the start of each epoch (or on ``plan_epoch()``) the manager first draws all logical
+index lists of the epoch from the underlying batch sampler (indices only, cheap), then splits
+them. From then on ``len()`` is exact for that epoch, until the next epoch is planned. Before
+the first plan, ``len()`` is the estimate ``steps * max(1, ceil(E[batch] / max_physical))``.
+Call ``plan_epoch()`` before building a progress bar to get the exact count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, List, Optional, Tuple
+
+from torch.utils.data import DataLoader
+
+from dptorch.data.poisson import check_map_style, worker_settings
+
+
+def split_logical_batch(indices: List[int], max_physical_batch_size: int) -> List[List[int]]:
+    """Consecutive chunks of at most ``max_physical_batch_size``; ``[[]]`` for an empty batch."""
+    if not indices:
+        return [[]]
+    size = max_physical_batch_size
+    return [list(indices[start : start + size]) for start in range(0, len(indices), size)]
+
+
+def plan_physical_batches(
+    logical_batches: List[List[int]], max_physical_batch_size: int
+) -> List[Tuple[List[int], bool]]:
+    """``(physical indices, closes_logical_batch)`` for every physical batch, in order."""
+    plan = []
+    for logical in logical_batches:
+        chunks = split_logical_batch(logical, max_physical_batch_size)
+        plan.extend((chunk, position == len(chunks) - 1) for position, chunk in enumerate(chunks))
+    return plan
+
+
+def estimated_num_physical_batches(num_logical: int, expected_batch_size: float, max_physical_batch_size: int) -> int:
+    """``num_logical * max(1, ceil(expected_batch_size / max_physical_batch_size))``."""
+    return num_logical * max(1, math.ceil(expected_batch_size / max_physical_batch_size))
+
+
+class _PlannedBatchSampler:
+    """Batch sampler replaying the physical index lists of the current plan."""
+
+    def __init__(self) -> None:
+        self.batches: List[List[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        return iter(self.batches)
+
+
+class PhysicalBatchLoader:
+    """Iterable of physical batches returned by ``BatchMemoryManager.__enter__``."""
+
+    def __init__(self, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any):
+        self.logical_loader = data_loader
+        self.max_physical_batch_size = max_physical_batch_size
+        self.optimizer = optimizer
+        self.dataset = data_loader.dataset
+        self._planned = _PlannedBatchSampler()
+        self._physical_loader = DataLoader(
+            data_loader.dataset,
+            batch_sampler=self._planned,
+            collate_fn=data_loader.collate_fn,
+            **worker_settings(data_loader),
+        )
+        self._plan: Optional[List[Tuple[List[int], bool]]] = None
+        self._plan_is_fresh = False
+        self._planned_epoch: Optional[int] = None
+
+    def plan_epoch(self) -> int:
+        """Draw this epoch's logical batches now (if not already drawn); return the exact len."""
+        if not self._plan_is_fresh:
+            self._planned_epoch = getattr(self.logical_loader.batch_sampler, "epoch", None)
+            logical = [list(batch) for batch in self.logical_loader.batch_sampler]
+            self._plan = plan_physical_batches(logical, self.max_physical_batch_size)
+            self._plan_is_fresh = True
+        return len(self._plan)
+
+    def __len__(self) -> int:
+        if self._plan is not None:
+            return len(self._plan)
+        return estimated_num_physical_batches(
+            len(self.logical_loader.batch_sampler), self._expected_batch_size(), self.max_physical_batch_size
+        )
+
+    def _expected_batch_size(self) -> float:
+        batch_sampler = self.logical_loader.batch_sampler
+        expected = getattr(batch_sampler, "expected_batch_size", None)
+        if expected is None:
+            expected = getattr(batch_sampler, "batch_size", None) or self.max_physical_batch_size
+        return float(expected)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Forward to the logical batch sampler, unless the pending plan is for ``epoch``."""
+        if self._plan_is_fresh and self._planned_epoch == epoch:
+            return
+        self._plan_is_fresh = False
+        batch_sampler = self.logical_loader.batch_sampler
+        if hasattr(batch_sampler, "set_epoch"):
+            batch_sampler.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.plan_epoch()
+        self._plan_is_fresh = False
+        plan = self._plan
+        self._planned.batches = [indices for indices, _ in plan]
+        batches = iter(self._physical_loader)
+        for _, closes_logical in plan:
+            batch = next(batches)
+            self.optimizer.signal_skip_step(do_skip=not closes_logical)
+            yield batch
+
+
+class BatchMemoryManager:
+    """Context manager yielding a loader of physical batches of at most ``max_physical_batch_size``.
+
+    Before each physical batch it calls ``optimizer.signal_skip_step(do_skip=True)``, except
+    before the last physical batch of a logical batch, where it calls ``do_skip=False``; so the
+    usual loop (``backward(); optimizer.step(); optimizer.zero_grad()``) adds noise and steps
+    once per logical batch. An empty logical batch gives one empty physical batch (its step
+    still happens). ``data_loader`` is any map-style DataLoader with a batch sampler, typically
+    a ``DPDataLoader``. See the module docstring for how ``len()`` is computed.
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any):
+        if max_physical_batch_size <= 0:
+            raise ValueError(f"max_physical_batch_size must be positive, got {max_physical_batch_size}")
+        check_map_style(data_loader.dataset)
+        if data_loader.batch_sampler is None:
+            raise ValueError("data_loader must batch its samples (it has no batch_sampler)")
+        if not hasattr(optimizer, "signal_skip_step"):
+            raise TypeError("optimizer must provide signal_skip_step(do_skip: bool)")
+        self.data_loader = data_loader
+        self.max_physical_batch_size = int(max_physical_batch_size)
+        self.optimizer = optimizer
+
+    def __enter__(self) -> PhysicalBatchLoader:
+        return PhysicalBatchLoader(self.data_loader, self.max_physical_batch_size, self.optimizer)
+
+    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+        return False
+
+
+__all__ = [
+    "BatchMemoryManager",
+    "PhysicalBatchLoader",
+    "estimated_num_physical_batches",
+    "plan_physical_batches",
+    "split_logical_batch",
+]

@@ -1,0 +1,19 @@
+"""Per-sample gradients: the GradSampleHooks controller, the optional wrapper and the registry."""
+
+from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
+from dptorch.grad_sample.hooks import GradSampleHooks
+from dptorch.grad_sample.module import GradSampleModule
+from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
+from dptorch.grad_sample.validation import incompatibilities, register_module_check
+
+__all__ = [
+    "GradSampleHooks",
+    "GradSampleModule",
+    "PerSampleGradientError",
+    "UnsupportedModuleError",
+    "find_grad_sampler",
+    "incompatibilities",
+    "register_duck_grad_sampler",
+    "register_grad_sampler",
+    "register_module_check",
+]

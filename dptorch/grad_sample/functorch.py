@@ -1,0 +1,75 @@
+"""torch.func fallback: per-sample gradients of any module's *direct* parameters.
+
+Replays one recorded call of the module under ``vmap(grad(...))``, one sample at a time, with
+the sample's output gradient as the cotangent. Children keep their own weights (only direct
+parameters are differentiated), keyword arguments are replayed, and arguments that do not carry
+the batch (shared masks, broadcast tensors) are passed unbatched. The module's own hooks do not
+run in the replay; its children's do (the controller ignores them while replaying).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence
+
+import torch
+from torch import nn
+from torch.func import grad, vmap
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dptorch.grad_sample.errors import PerSampleGradientError
+
+
+def functorch_per_sample_grads(
+    module: nn.Module,
+    params: Dict[str, nn.Parameter],
+    call_leaves: List[Any],
+    call_spec: Any,
+    output_positions: Sequence[int],
+    grad_outputs: Sequence[torch.Tensor],
+    *,
+    batch_size: int,
+    batch_dim: int = 0,
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per-sample gradients (batch first) of ``params`` for one recorded call of ``module``.
+
+    ``call_leaves``/``call_spec`` are the pytree-flattened ``(args, kwargs)`` of the call;
+    ``output_positions`` index the output's flattened leaves that ``grad_outputs`` belong to.
+    """
+    if batch_size == 0:
+        return {p: p.new_zeros((0, *p.shape)) for p in params.values()}
+    names = list(params)
+    tensor_positions = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [call_leaves[i] for i in tensor_positions]
+    batched = [t.dim() > batch_dim and t.shape[batch_dim] == batch_size for t in tensors]
+    tensor_dims = tuple(batch_dim if b else None for b in batched)
+
+    def sample_loss(param_values, sample_tensors, sample_grads):
+        leaves = list(call_leaves)
+        for pos, t, is_batched in zip(tensor_positions, sample_tensors, batched):
+            leaves[pos] = t.unsqueeze(batch_dim) if is_batched else t
+        args, kwargs = tree_unflatten(leaves, call_spec)
+        # module.forward, not module(): the module's own forward hooks ran before the capture point
+        # (or after it) in the real call, and must not run twice here.
+        with _reparametrize_module(module, dict(zip(names, param_values))):
+            out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
+        return sum((out_leaves[pos] * g.unsqueeze(batch_dim)).sum() for pos, g in zip(output_positions, sample_grads))
+
+    per_sample = vmap(grad(sample_loss), in_dims=(None, tensor_dims, batch_dim))
+    values = tuple(p.detach() for p in params.values())
+    try:
+        grads = per_sample(values, tuple(tensors), tuple(grad_outputs))
+    except RuntimeError as err:
+        raise PerSampleGradientError(_explain(module, err)) from err
+    return dict(zip(params.values(), grads))
+
+
+def _explain(module: nn.Module, err: RuntimeError) -> str:
+    cause = str(err).splitlines()[0]
+    if "random" in cause:
+        cause = "its forward uses random operations (e.g. dropout), which cannot be replayed per sample"
+    return (
+        f"cannot compute per-sample gradients of {type(module).__name__} with the torch.func fallback: "
+        f"{cause}. Register an exact sampler with @dptorch.grad_sample.register_grad_sampler"
+        f"({type(module).__name__}), move the offending operation into a child module, or freeze its parameters."
+    )

@@ -1,0 +1,43 @@
+"""Per-sample gradients of HuggingFace's GPT-2 style ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(in, out)``).
+
+The class is recognised by shape, so ``transformers`` is never imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch import nn
+
+from dptorch.grad_sample.layers.linear import linear_map_grad_samples
+from dptorch.grad_sample.registry import register_duck_grad_sampler
+
+
+def looks_like_hf_conv1d(module: nn.Module) -> bool:
+    """True for a module named ``Conv1D`` with an int ``nf`` and a weight laid out as ``(in, nf)``."""
+    if type(module).__name__ != "Conv1D":
+        return False
+    out_features = getattr(module, "nf", None)
+    weight = module._parameters.get("weight")
+    bias = module._parameters.get("bias")
+    if not isinstance(out_features, int) or weight is None or weight.dim() != 2:
+        return False
+    if weight.shape[1] != out_features:
+        return False
+    in_features = getattr(module, "nx", weight.shape[0])
+    if weight.shape[0] != in_features:
+        return False
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        return False
+    return set(module._parameters) <= {"weight", "bias"} and not any(True for _ in module.children())
+
+
+@register_duck_grad_sampler(looks_like_hf_conv1d)
+def hf_conv1d_grad_sampler(
+    module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """HF ``Conv1D``: the linear-layer closed form with the weight grad laid out as ``(in, out)``."""
+    return linear_map_grad_samples(
+        module.weight, module.bias, activations[0], backprops, weight_is_in_by_out=True
+    )

@@ -1,0 +1,61 @@
+"""Per-sample gradients of ``nn.Linear`` (and the shared math for linear maps over features)."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from dptorch.grad_sample.registry import register_grad_sampler
+
+
+def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
+    """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
+    middle = math.prod(tensor.shape[1:-1])
+    return tensor.reshape(tensor.shape[0], middle, tensor.shape[-1])
+
+
+def common_dtype(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """Cast the tensors to their promoted dtype (activations and backprops may differ under autocast)."""
+    dtype = tensors[0].dtype
+    for tensor in tensors[1:]:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return tuple(tensor.to(dtype) for tensor in tensors)
+
+
+def linear_map_grad_samples(
+    weight: Optional[nn.Parameter],
+    bias: Optional[nn.Parameter],
+    inputs: torch.Tensor,
+    backprops: torch.Tensor,
+    weight_is_in_by_out: bool = False,
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per-sample grads of ``y = x W^T + b`` applied to the last dim of ``(B, *middle, in)`` inputs.
+
+    The weight grad of sample ``b`` is ``sum_m g[b, m] (outer) x[b, m]`` (shape ``(out, in)``), or its
+    transpose when the weight is stored as ``(in, out)`` (``weight_is_in_by_out``); the bias grad is
+    ``sum_m g[b, m]``. Frozen or missing parameters are skipped without any computation.
+    """
+    grads: Dict[nn.Parameter, torch.Tensor] = {}
+    wants_weight = weight is not None and weight.requires_grad
+    wants_bias = bias is not None and bias.requires_grad
+    if not (wants_weight or wants_bias):
+        return grads
+    flat_backprops = flatten_middle_dims(backprops)
+    if wants_weight:
+        flat_inputs, flat_backprops_w = common_dtype(flatten_middle_dims(inputs), flat_backprops)
+        pattern = "bmi,bmo->bio" if weight_is_in_by_out else "bmi,bmo->boi"
+        grads[weight] = torch.einsum(pattern, flat_inputs, flat_backprops_w).to(weight.dtype)
+    if wants_bias:
+        grads[bias] = flat_backprops.sum(dim=1).to(bias.dtype)
+    return grads
+
+
+@register_grad_sampler(nn.Linear)
+def linear_grad_sampler(
+    module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """``nn.Linear`` on inputs ``(B, *middle, in_features)``: einsum over the flattened middle dims."""
+    return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops)

@@ -1,0 +1,250 @@
+"""Per-sample gradients of normalisation layers, from the closed form of the normalised input.
+
+For ``y = x_hat * weight + bias`` the per-sample grads are ``sum(g * x_hat)`` and ``sum(g)`` over the
+dims that the parameter is broadcast along. ``x_hat`` is recomputed from the activation with the
+functional op itself (``weight=None``), so it matches the module exactly.
+
+Also holds the duck-typed rule for the HuggingFace RMSNorm family and :func:`verify_duck_sampler`,
+which checks a duck-typed sampler against ``torch.func`` before it is trusted for a class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from numbers import Real
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from dptorch.grad_sample.layers.linear import common_dtype
+from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
+
+
+def sum_to_parameter(tensor: torch.Tensor, param_dims: int, channels_first: bool) -> torch.Tensor:
+    """Per-sample sum over the dims a parameter is broadcast along.
+
+    ``channels_first``: the parameter indexes dim 1 of ``(B, C, *spatial)``; otherwise it covers
+    the last ``param_dims`` dims of ``(B, *middle, *param_shape)``.
+    """
+    batch = tensor.shape[0]
+    if channels_first:
+        return tensor.reshape(batch, tensor.shape[1], math.prod(tensor.shape[2:])).sum(-1)
+    param_shape = tensor.shape[tensor.dim() - param_dims :]
+    middle = math.prod(tensor.shape[1 : tensor.dim() - param_dims])
+    return tensor.reshape(batch, middle, *param_shape).sum(1)
+
+
+def affine_grad_samples(
+    weight: Optional[nn.Parameter],
+    bias: Optional[nn.Parameter],
+    normalized_input: Callable[[], torch.Tensor],
+    backprops: torch.Tensor,
+    channels_first: bool,
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """Grads of the affine part of a norm layer; ``normalized_input`` is only called if the weight trains."""
+    grads: Dict[nn.Parameter, torch.Tensor] = {}
+    if weight is not None and weight.requires_grad:
+        x_hat, g = common_dtype(normalized_input(), backprops)
+        grads[weight] = sum_to_parameter(g * x_hat, weight.dim(), channels_first).to(weight.dtype)
+    if bias is not None and bias.requires_grad:
+        grads[bias] = sum_to_parameter(backprops, bias.dim(), channels_first).to(bias.dtype)
+    return grads
+
+
+@register_grad_sampler(nn.LayerNorm)
+def layer_norm_grad_sampler(
+    module: nn.LayerNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """``nn.LayerNorm`` over the trailing ``normalized_shape`` dims."""
+    x = activations[0]
+    return affine_grad_samples(
+        module.weight,
+        module.bias,
+        lambda: F.layer_norm(x, module.normalized_shape, None, None, module.eps),
+        backprops,
+        channels_first=False,
+    )
+
+
+@register_grad_sampler(nn.GroupNorm)
+def group_norm_grad_sampler(
+    module: nn.GroupNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """``nn.GroupNorm`` on ``(B, C, *spatial)``; per-channel weight and bias."""
+    x = activations[0]
+    return affine_grad_samples(
+        module.weight,
+        module.bias,
+        lambda: F.group_norm(x, module.num_groups, None, None, module.eps),
+        backprops,
+        channels_first=True,
+    )
+
+
+def instance_normalized(module: nn.modules.instancenorm._InstanceNorm, x: torch.Tensor) -> torch.Tensor:
+    """``x_hat`` as the module's forward computes it, without touching its running statistics."""
+    use_input_stats = module.training or not module.track_running_stats
+    running_mean = None if use_input_stats else module.running_mean
+    running_var = None if use_input_stats else module.running_var
+    return F.instance_norm(
+        x, running_mean, running_var, None, None, use_input_stats=use_input_stats, momentum=0.0, eps=module.eps
+    )
+
+
+@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+def instance_norm_grad_sampler(
+    module: nn.modules.instancenorm._InstanceNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """``nn.InstanceNorm{1,2,3}d`` with ``affine=True`` (input or running statistics)."""
+    x = activations[0]
+    return affine_grad_samples(
+        module.weight, module.bias, lambda: instance_normalized(module, x), backprops, channels_first=True
+    )
+
+
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+
+    @register_grad_sampler(nn.RMSNorm)
+    def rms_norm_grad_sampler(
+        module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+    ) -> Dict[nn.Parameter, torch.Tensor]:
+        """torch's ``nn.RMSNorm`` (``eps=None`` is resolved by ``F.rms_norm`` from the input dtype)."""
+        x = activations[0]
+        return affine_grad_samples(
+            module.weight,
+            None,
+            lambda: F.rms_norm(x, module.normalized_shape, None, module.eps),
+            backprops,
+            channels_first=False,
+        )
+
+
+# ----------------------------------------------------------------------------- HF RMSNorm family
+
+
+def hf_rms_norm_epsilon(module: nn.Module) -> Optional[float]:
+    """The epsilon of an HF RMSNorm (``variance_epsilon`` or ``eps``), or None."""
+    for name in ("variance_epsilon", "eps"):
+        value = getattr(module, name, None)
+        if isinstance(value, Real) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _forward_takes_one_tensor(module: nn.Module) -> bool:
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(parameters) == 1 and parameters[0].kind in positional
+
+
+def looks_like_hf_rms_norm(module: nn.Module) -> bool:
+    """HF RMSNorm look-alikes: ``*RMSNorm`` / ``T5LayerNorm``, a lone 1-D ``weight``, an epsilon, ``forward(x)``."""
+    name = type(module).__name__
+    if not (name.endswith("RMSNorm") or name == "T5LayerNorm"):
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    if list(params) != ["weight"] or params["weight"].dim() != 1:
+        return False
+    if hf_rms_norm_epsilon(module) is None or any(True for _ in module.children()):
+        return False
+    return _forward_takes_one_tensor(module)
+
+
+def hf_rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps)`` in at least float32, as HF computes it."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@register_duck_grad_sampler(looks_like_hf_rms_norm)
+def hf_rms_norm_grad_sampler(
+    module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Dict[nn.Parameter, torch.Tensor]:
+    """HF RMSNorm family (``weight * x_hat`` or ``(1 + weight) * x_hat``: same weight gradient)."""
+    x = activations[0]
+    eps = hf_rms_norm_epsilon(module)
+    return affine_grad_samples(
+        module.weight, None, lambda: hf_rms_normalized(x, eps), backprops, channels_first=False
+    )
+
+
+# ----------------------------------------------------------------------------- duck-rule verification
+
+_VERIFIED: Dict[Tuple[type, Tuple[str, ...]], bool] = {}
+
+
+class _ForwardWithoutHooks(nn.Module):
+    """Calls ``inner.forward`` directly, so hooks on ``inner`` (ours included) never see the probe."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(x)
+
+
+def _probe_tolerance(dtype: torch.dtype) -> float:
+    return max(1e-3, 4 * torch.finfo(dtype).eps)
+
+
+def _sampler_matches_torch_func(module: nn.Module) -> bool:
+    """Compare the module's sampler with ``torch.func`` on a random ``(2, 3, in_features)`` probe.
+
+    The probe uses random float32 parameters (passed functionally, the module is not modified), a
+    non-centred input with per-token shift and scale, and a fixed seed.
+    """
+    sampler = find_grad_sampler(module)
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if sampler is None or weight is None or weight.dim() == 0:
+        return False
+    device = weight.device
+    generator = torch.Generator().manual_seed(0)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
+
+    x = random(2, 3, weight.shape[0]) * random(2, 3, 1).exp() + 2 * random(2, 3, 1)
+    wrapper = _ForwardWithoutHooks(module)
+    probe_params = {f"inner.{name}": random(*p.shape) for name, p in params.items()}
+
+    def sample_loss(probe, x_i, g_i):
+        return (functional_call(wrapper, probe, (x_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
+
+    try:
+        with torch.no_grad():
+            backprops = random(*functional_call(wrapper, probe_params, (x,)).shape)
+        expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(probe_params, x, backprops)
+        computed = sampler(module, (x,), backprops)
+    except Exception:  # a look-alike that cannot even run the probe is not trusted
+        return False
+    trainable = {name: p for name, p in params.items() if p.requires_grad}
+    if set(computed) != set(trainable.values()):
+        return False
+    for name, param in trainable.items():
+        tolerance = _probe_tolerance(param.dtype)
+        got, want = computed[param].float(), expected[f"inner.{name}"].float()
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
+            return False
+    return True
+
+
+def verify_duck_sampler(module: nn.Module) -> bool:
+    """True if the sampler found for ``module`` reproduces ``torch.func`` per-sample grads on a probe.
+
+    Meant for duck-typed rules (modules taking ``(B, tokens, in_features)`` with ``in_features =
+    weight.shape[0]``). Cached per class and set of trainable parameter names.
+    """
+    trainable = tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
+    key = (type(module), trainable)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = _sampler_matches_torch_func(module)
+    return _VERIFIED[key]
