@@ -29,7 +29,7 @@ def projection_loss(output: Any, batch_dim: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(1234)
     weights = torch.randn(per_sample_shape, generator=g, dtype=torch.float64).to(out.dtype)
     products = out * weights.unsqueeze(batch_dim)
-    return products.movedim(batch_dim, 0).reshape(out.shape[batch_dim], -1).sum(dim=1)
+    return products.movedim(batch_dim, 0).flatten(1).sum(dim=1)
 
 
 def call(model: nn.Module, inputs: Any) -> Any:

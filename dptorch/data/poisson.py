@@ -11,7 +11,6 @@ reproducibility or resumption) is fine as long as the seed is not published.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -211,10 +210,10 @@ class PoissonBatchSampler:
 def empty_batch_like(batch: Any) -> Any:
     """A copy of collated ``batch`` with batch size 0: same nesting, dtypes and trailing shapes.
 
-    Tensors and arrays become empty along dim 0; mappings, tuples (incl. named tuples) and
-    lists of tensors are rebuilt with the same type; a list or tuple whose items are all plain
-    values (strings, numbers: a per-sample column as ``default_collate`` makes for strings)
-    becomes empty; any other leaf is returned unchanged.
+    Tensors and arrays become empty along dim 0 (0-dim ones are copied); mappings, named
+    tuples, and tuples or lists holding tensors are rebuilt with the same type; a list or tuple
+    whose items are all plain values (strings, numbers: a per-sample column, as
+    ``default_collate`` makes for strings) becomes empty; any other leaf is returned unchanged.
     """
     if isinstance(batch, torch.Tensor):
         if batch.dim() == 0:
@@ -230,12 +229,12 @@ def empty_batch_like(batch: Any) -> Any:
             return type(batch)(items)
         except TypeError:
             return items
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # named tuple: fields kept
+        return type(batch)(*(empty_batch_like(item) for item in batch))
     if isinstance(batch, (list, tuple)):
         if all(_is_plain_value(item) for item in batch):
-            return type(batch)() if not hasattr(batch, "_fields") else batch
+            return type(batch)()
         items = [empty_batch_like(item) for item in batch]
-        if hasattr(batch, "_fields"):  # named tuple
-            return type(batch)(*items)
         try:
             return type(batch)(items)
         except TypeError:

@@ -91,6 +91,7 @@ class GradSampleHooks:
         self._param_names: Dict[nn.Parameter, str] = {}
         self._grad_samples: Dict[nn.Parameter, torch.Tensor] = {}
         self._received: Dict[nn.Parameter, None] = {}
+        self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
         self._replaying = False
@@ -127,6 +128,8 @@ class GradSampleHooks:
             self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler)
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True))
         for param in self._param_names:
+            if not param.requires_grad:
+                continue
             self._restore_param_hooks.append((param, param._post_accumulate_grad_hooks))
             self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
         _ATTACHED[self.module] = self
@@ -166,7 +169,9 @@ class GradSampleHooks:
         return dict(self._grad_samples)
 
     def parameter_name(self, param: nn.Parameter) -> str:
-        return self._param_names.get(param, "<parameter not in model>")
+        if param in self._param_names:
+            return self._param_names[param]
+        return next((n for n, p in self.module.named_parameters() if p is param), "<parameter not in model>")
 
     def add_backward_listener(self, listener: Callable[["GradSampleHooks"], None]) -> Callable[[], None]:
         """Call ``listener(self)`` at the end of every backward round; returns a remover.
@@ -341,16 +346,17 @@ class GradSampleHooks:
     def _end_round(self) -> None:
         self._in_backward = False
         self._round_done = True
-        missing = [p for p in self._received if p not in self._grad_samples]
+        missing = [p for p in self._received if p not in self._grad_samples] + self._new_parameters_with_grads()
         self._received = {}
-        if missing and self._grad_samples:
+        if missing and (self._grad_samples or self.module.training):
             names = ", ".join(self.parameter_name(p) for p in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             self.clear()
             raise PerSampleGradientError(
                 f"parameters {names}{more} received a gradient but no per-sample gradient. They were used outside a "
-                "hooked forward: a module added after the hooks attached (attach after PEFT/model surgery), a module "
-                "in eval mode, or a weight read directly by another module's code (e.g. a fused LM head)."
+                "hooked forward: a forward run before the hooks attached, a module added after they attached (attach "
+                "after PEFT/model surgery), a module in eval mode, or a weight read directly by another module's "
+                "code (e.g. a fused LM head)."
             )
         for param, grad in self._grad_samples.items():
             param.__dict__["grad_sample"] = grad
@@ -358,6 +364,19 @@ class GradSampleHooks:
             for listener in list(self._listeners):
                 listener(self)
             self._round_consumed = True
+
+
+    def _new_parameters_with_grads(self) -> List[nn.Parameter]:
+        """Parameters added after attaching (no hooks) whose gradient changed since last seen."""
+        changed = []
+        for name, param in self.module.named_parameters():
+            if param in self._param_names or not param.requires_grad or param.grad is None:
+                continue
+            version = (id(param.grad), param.grad._version)
+            if self._unhooked_grad_versions.get(param) != version and param not in self._grad_samples:
+                changed.append(param)
+            self._unhooked_grad_versions[param] = version
+        return changed
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

@@ -87,6 +87,8 @@ def group_norm_grad_sampler(
 
 def instance_normalized(module: nn.modules.instancenorm._InstanceNorm, x: torch.Tensor) -> torch.Tensor:
     """``x_hat`` as the module's forward computes it, without touching its running statistics."""
+    if x.numel() == 0:  # F.instance_norm rejects an empty batch; x_hat is empty too
+        return torch.zeros_like(x)
     use_input_stats = module.training or not module.track_running_stats
     running_mean = None if use_input_stats else module.running_mean
     running_var = None if use_input_stats else module.running_var

@@ -1,0 +1,75 @@
+"""Input checks shared by the accountants, the calibration and the CLI.
+
+Every check raises ``ValueError`` with a message that names the argument, the bad value and
+the valid range, so callers (the CLI in particular) can show it as is.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+
+
+def check_noise_multiplier(value: object, name: str = "noise_multiplier") -> float:
+    """Return ``value`` as a float; it must be finite and > 0."""
+    sigma = _as_float(name, value)
+    if not (sigma > 0 and math.isfinite(sigma)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return sigma
+
+
+def check_sample_rate(value: object, name: str = "sample_rate") -> float:
+    """Return ``value`` as a float; it must lie in (0, 1]."""
+    q = _as_float(name, value)
+    if not 0 < q <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+    return q
+
+
+def check_delta(value: object, name: str = "delta") -> float:
+    """Return ``value`` as a float; it must lie in (0, 1)."""
+    delta = _as_float(name, value)
+    if not 0 < delta < 1:
+        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
+    return delta
+
+
+def check_epsilon(value: object, name: str = "target_epsilon") -> float:
+    """Return ``value`` as a float; it must be finite and > 0."""
+    epsilon = _as_float(name, value)
+    if not (epsilon > 0 and math.isfinite(epsilon)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return epsilon
+
+
+def check_steps(value: object, name: str = "steps") -> int:
+    """Return ``value`` as an int; it must be a whole number >= 0."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    if isinstance(value, Integral):
+        steps = int(value)
+    else:
+        number = _as_float(name, value)
+        if not (math.isfinite(number) and number == int(number)):
+            raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        steps = int(number)
+    if steps < 0:
+        raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+    return steps
+
+
+def check_positive(value: object, name: str) -> float:
+    """Return ``value`` as a float; it must be finite and > 0 (tolerances, epochs)."""
+    number = _as_float(name, value)
+    if not (number > 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return number
