@@ -1,1 +1,27 @@
-"""dptorch: differentially private training for PyTorch."""
+"""dptorch: differentially private training and fine-tuning for PyTorch.
+
+Public names load on first use, so ``import dptorch.grad_sample`` stays light.
+"""
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "PrivacyEngine": "dptorch.engine",
+    "DPOptimizer": "dptorch.optim",
+    "DPDataLoader": "dptorch.data",
+    "BatchMemoryManager": "dptorch.data",
+    "GradSampleHooks": "dptorch.grad_sample",
+    "GradSampleModule": "dptorch.grad_sample",
+    "register_grad_sampler": "dptorch.grad_sample",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dptorch' has no attribute {name!r}")

@@ -73,3 +73,11 @@ def check_positive(value: object, name: str) -> float:
     if not (number > 0 and math.isfinite(number)):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return number
+
+
+def check_non_negative(value: object, name: str) -> float:
+    """Return ``value`` as a float; it must be finite and >= 0."""
+    number = _as_float(name, value)
+    if not (number >= 0 and math.isfinite(number)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    return number

@@ -151,6 +151,11 @@ class GradSampleHooks:
         _ATTACHED.pop(self.module, None)
         self._attached = False
 
+    def __deepcopy__(self, memo: dict) -> "GradSampleHooks":
+        # A deep copy of the model (a reference model, ModuleValidator.fix) carries our hooks;
+        # they must keep pointing here, where they ignore modules and parameters they don't own.
+        return self
+
     def __enter__(self) -> "GradSampleHooks":
         return self
 
@@ -167,6 +172,19 @@ class GradSampleHooks:
     def grad_samples(self) -> Dict[nn.Parameter, torch.Tensor]:
         """Per-sample gradients of the last backward round, by parameter (a copy of the table)."""
         return dict(self._grad_samples)
+
+    def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """Each parameter's per-sample gradient norm (float32, one entry per sample)."""
+        return {p: g.flatten(1).float().norm(dim=1) for p, g in self._grad_samples.items()}
+
+    def clipped_sums(self, clip_factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+        """``sum_i c_i * g_i`` (float32) for each parameter that ``clip_factors`` names."""
+        return {p: torch.einsum("i,i...->...", c, self._grad_samples[p].float()) for p, c in clip_factors.items()}
+
+    @property
+    def batch_size(self) -> int:
+        """Samples in the held round (0 when nothing is held)."""
+        return next((g.shape[0] for g in self._grad_samples.values()), 0)
 
     def parameter_name(self, param: nn.Parameter) -> str:
         if param in self._param_names:
@@ -192,11 +210,11 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ forward side
 
     def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self._replaying:
+        if module is self.module and not self._replaying:
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._replaying:
+        if module is self.module and not self._replaying:
             self._batch_size = None
 
     def _on_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -325,7 +343,7 @@ class GradSampleHooks:
                 self._grad_samples[param] = held + grad
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
-        if param.requires_grad:
+        if param.requires_grad and param in self._param_names:
             self._begin_round()
             self._received[param] = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from torch.func import functional_call, grad, vmap
 from dptorch.grad_sample.layers import norms
 from dptorch.grad_sample.layers.conv import unfold_strided
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
-from dptorch.grad_sample.layers.norms import hf_rms_norm_grad_sampler, verify_duck_sampler
+from dptorch.grad_sample.layers.norms import hf_rms_norm_grad_sampler, looks_like_hf_rms_norm, verify_duck_sampler
 from dptorch.grad_sample.registry import find_grad_sampler
 
 FEW = settings(max_examples=12, deadline=None)
@@ -124,8 +125,13 @@ def test_hf_conv1d_is_verified_and_wrong_orientation_is_not_matched():
 
 
 def test_layers_import_without_transformers():
-    code = "import sys, dptorch.grad_sample.layers; assert 'transformers' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    code = (
+        "import sys, dptorch.grad_sample.registry; before = set(sys.modules); "
+        "import dptorch.grad_sample.layers; "
+        "print(sorted(m for m in set(sys.modules) - before if m.split('.')[0] == 'transformers'))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert result.stdout.strip() == "[]"
 
 
 # ----------------------------------------------------------------------------- Convolutions
@@ -234,18 +240,28 @@ def embedding_bag_reference(
     bag_weights: Optional[Sequence[torch.Tensor]],
     backprops: torch.Tensor,
 ) -> Dict[str, torch.Tensor]:
-    """torch.func grad of each bag alone (bags are ragged, so one call per bag)."""
+    """torch.func grad of each bag alone (bags are ragged, so one call per bag).
+
+    ``scale_grad_by_freq`` is applied by hand (divide each row by its count in the bag, as the docs
+    and nn.Embedding do): torch's CPU embedding_bag backward divides by the wrong count
+    (pytorch/pytorch#190063).
+    """
     params = {"weight": module.weight.detach()}
+    unscaled = copy.deepcopy(module)
+    unscaled.scale_grad_by_freq = False
     per_bag = []
     for b, bag in enumerate(bags):
         offsets = torch.tensor([0, len(bag)] if module.include_last_offset else [0])
         weights = None if bag_weights is None else bag_weights[b]
 
         def bag_loss(p):
-            out = functional_call(module, p, (bag, offsets), {"per_sample_weights": weights})
+            out = functional_call(unscaled, p, (bag, offsets), {"per_sample_weights": weights})
             return (out * backprops[b]).sum()
 
-        per_bag.append(grad(bag_loss)(params)["weight"])
+        bag_grad = grad(bag_loss)(params)["weight"]
+        if module.scale_grad_by_freq:
+            bag_grad = bag_grad / torch.bincount(bag, minlength=module.num_embeddings).clamp(min=1).unsqueeze(-1)
+        per_bag.append(bag_grad)
     return {"weight": torch.stack(per_bag) if per_bag else torch.zeros(0, *module.weight.shape, dtype=torch.float64)}
 
 
@@ -465,31 +481,35 @@ class GatedRMSNorm(nn.Module):
 
 
 def test_look_alike_is_matched_by_the_duck_rule_but_fails_verification():
-    fake = FakeRMSNorm(16)
-    assert find_grad_sampler(fake) is hf_rms_norm_grad_sampler
-    assert not verify_duck_sampler(fake)
+    frozen_first = FakeRMSNorm(16).requires_grad_(False)  # a frozen first instance must not vouch for the class
+    assert looks_like_hf_rms_norm(frozen_first)
+    assert not verify_duck_sampler(frozen_first)
+    assert find_grad_sampler(FakeRMSNorm(16)) is None  # the registry falls back to torch.func
+    assert not looks_like_hf_rms_norm(GatedRMSNorm(4))
     assert find_grad_sampler(GatedRMSNorm(4)) is None
 
 
 def test_verification_is_cached_per_class(monkeypatch):
     calls = []
 
-    def counting(module):
+    def counting(module, sampler):
         calls.append(type(module))
         return True
 
     monkeypatch.setattr(norms, "_VERIFIED", {})
-    monkeypatch.setattr(norms, "_sampler_matches_torch_func", counting)
+    monkeypatch.setattr(norms, "sampler_matches_torch_func", counting)
     llama, qwen, _, _ = hf_rms_norms(4)
     for module in [llama, type(llama)(8), qwen, llama]:
         assert verify_duck_sampler(module)
     assert calls == [type(llama), type(qwen)]
 
 
-def test_verification_ignores_forward_hooks():
-    module = hf_rms_norms(4)[0]
+def test_verification_leaves_the_module_alone_and_skips_its_hooks():
+    module = hf_rms_norms(4)[0].to(torch.bfloat16)
+    weight_before = module.weight.detach().clone()
     seen = []
     module.register_forward_hook(lambda mod, inputs, output: seen.append(inputs))
-    norms._VERIFIED.pop((type(module), ("weight",)), None)
-    assert verify_duck_sampler(module)
+    assert norms.sampler_matches_torch_func(module, hf_rms_norm_grad_sampler)
     assert seen == []
+    assert module.weight.dtype == torch.bfloat16 and torch.equal(module.weight, weight_before)
+    assert list(module._parameters) == ["weight"]

@@ -1,6 +1,7 @@
 """Per-sample gradients of HuggingFace's GPT-2 style ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(in, out)``).
 
-The class is recognised by shape, so ``transformers`` is never imported here.
+The class is recognised by shape, so ``transformers`` is never imported here; the rule is checked
+against torch.func once per class before use (see ``norms.verify_duck_sampler``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.layers.linear import linear_map_grad_samples
-from dptorch.grad_sample.registry import register_duck_grad_sampler
+from dptorch.grad_sample.layers.norms import register_verified_duck_sampler
 
 
 def looks_like_hf_conv1d(module: nn.Module) -> bool:
@@ -33,7 +34,7 @@ def looks_like_hf_conv1d(module: nn.Module) -> bool:
     return set(module._parameters) <= {"weight", "bias"} and not any(True for _ in module.children())
 
 
-@register_duck_grad_sampler(looks_like_hf_conv1d)
+@register_verified_duck_sampler(looks_like_hf_conv1d)
 def hf_conv1d_grad_sampler(
     module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

@@ -5,15 +5,17 @@ dims that the parameter is broadcast along. ``x_hat`` is recomputed from the act
 functional op itself (``weight=None``), so it matches the module exactly.
 
 Also holds the duck-typed rule for the HuggingFace RMSNorm family and :func:`verify_duck_sampler`,
-which checks a duck-typed sampler against ``torch.func`` before it is trusted for a class.
+which checks a built-in duck-typed sampler against ``torch.func`` before the registry trusts it for
+a class (``register_verified_duck_sampler``, also used for HF ``Conv1D``).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from numbers import Real
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +23,12 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from dptorch.grad_sample.layers.linear import common_dtype
-from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
+from dptorch.grad_sample.registry import (
+    GradSampler,
+    ModulePredicate,
+    register_duck_grad_sampler,
+    register_grad_sampler,
+)
 
 
 def sum_to_parameter(tensor: torch.Tensor, param_dims: int, channels_first: bool) -> torch.Tensor:
@@ -125,6 +132,91 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
         )
 
 
+# ----------------------------------------------------------------------------- duck-rule verification
+
+_DUCK_SAMPLERS: List[Tuple[ModulePredicate, GradSampler]] = []
+_VERIFIED: Dict[Tuple[type, GradSampler], bool] = {}
+
+
+class _ForwardWithoutHooks(nn.Module):
+    """Calls ``inner.forward`` directly, so hooks on ``inner`` (ours included) never see the probe."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(x)
+
+
+def sampler_matches_torch_func(module: nn.Module, sampler: GradSampler) -> bool:
+    """Compare ``sampler`` with ``torch.func`` per-sample grads on a random ``(2, 3, in_features)`` probe.
+
+    ``in_features`` is ``weight.shape[0]``. The probe runs on a shallow copy of ``module`` whose
+    direct parameters are replaced by random trainable float32 ones (so the result depends neither
+    on the instance's dtype nor on which of its parameters are frozen; ``module`` is untouched), with
+    a non-centred input (per-token shift and scale) and a fixed seed. Any error means False.
+    """
+    params = dict(module.named_parameters(recurse=False))
+    weight = params.get("weight")
+    if weight is None or weight.dim() == 0:
+        return False
+    device = weight.device
+    generator = torch.Generator().manual_seed(0)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device)
+
+    try:
+        probe = copy.copy(module)
+        probe._parameters = {name: nn.Parameter(random(*p.shape)) for name, p in params.items()}
+        wrapper = _ForwardWithoutHooks(probe)
+        probe_params = {f"inner.{name}": p.detach() for name, p in probe._parameters.items()}
+
+        def sample_loss(values, x_i, g_i):
+            return (functional_call(wrapper, values, (x_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
+
+        with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
+            x = random(2, 3, weight.shape[0]) * random(2, 3, 1).exp() + 2 * random(2, 3, 1)
+            with torch.no_grad():
+                backprops = random(*wrapper(x).shape)
+            expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(probe_params, x, backprops)
+            computed = sampler(probe, (x,), backprops)
+        if set(computed) != set(probe._parameters.values()):
+            return False
+        return all(
+            torch.allclose(computed[p], expected[f"inner.{name}"], rtol=1e-3, atol=1e-5)
+            for name, p in probe._parameters.items()
+        )
+    except Exception:  # a look-alike that cannot even run the probe is not trusted
+        return False
+
+
+def verify_duck_sampler(module: nn.Module) -> bool:
+    """True if the built-in duck rule matching ``module`` reproduces ``torch.func`` on a probe.
+
+    Cached per class (and rule). The registry calls it through ``verify=`` before it hands out the
+    rule's sampler for a class; False there means the generic torch.func fallback is used.
+    """
+    for predicate, sampler in _DUCK_SAMPLERS:
+        if predicate(module):
+            key = (type(module), sampler)
+            if key not in _VERIFIED:
+                _VERIFIED[key] = sampler_matches_torch_func(module, sampler)
+            return _VERIFIED[key]
+    return False
+
+
+def register_verified_duck_sampler(predicate: ModulePredicate):
+    """``register_duck_grad_sampler(predicate, verify=verify_duck_sampler)`` for a built-in duck rule."""
+
+    def decorator(fn: GradSampler) -> GradSampler:
+        _DUCK_SAMPLERS.append((predicate, fn))
+        return register_duck_grad_sampler(predicate, verify=verify_duck_sampler)(fn)
+
+    return decorator
+
+
 # ----------------------------------------------------------------------------- HF RMSNorm family
 
 
@@ -165,7 +257,7 @@ def hf_rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-@register_duck_grad_sampler(looks_like_hf_rms_norm)
+@register_verified_duck_sampler(looks_like_hf_rms_norm)
 def hf_rms_norm_grad_sampler(
     module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -175,78 +267,3 @@ def hf_rms_norm_grad_sampler(
     return affine_grad_samples(
         module.weight, None, lambda: hf_rms_normalized(x, eps), backprops, channels_first=False
     )
-
-
-# ----------------------------------------------------------------------------- duck-rule verification
-
-_VERIFIED: Dict[Tuple[type, Tuple[str, ...]], bool] = {}
-
-
-class _ForwardWithoutHooks(nn.Module):
-    """Calls ``inner.forward`` directly, so hooks on ``inner`` (ours included) never see the probe."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(x)
-
-
-def _probe_tolerance(dtype: torch.dtype) -> float:
-    return max(1e-3, 4 * torch.finfo(dtype).eps)
-
-
-def _sampler_matches_torch_func(module: nn.Module) -> bool:
-    """Compare the module's sampler with ``torch.func`` on a random ``(2, 3, in_features)`` probe.
-
-    The probe uses random float32 parameters (passed functionally, the module is not modified), a
-    non-centred input with per-token shift and scale, and a fixed seed.
-    """
-    sampler = find_grad_sampler(module)
-    params = dict(module.named_parameters(recurse=False))
-    weight = params.get("weight")
-    if sampler is None or weight is None or weight.dim() == 0:
-        return False
-    device = weight.device
-    generator = torch.Generator().manual_seed(0)
-
-    def random(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device)
-
-    x = random(2, 3, weight.shape[0]) * random(2, 3, 1).exp() + 2 * random(2, 3, 1)
-    wrapper = _ForwardWithoutHooks(module)
-    probe_params = {f"inner.{name}": random(*p.shape) for name, p in params.items()}
-
-    def sample_loss(probe, x_i, g_i):
-        return (functional_call(wrapper, probe, (x_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
-
-    try:
-        with torch.no_grad():
-            backprops = random(*functional_call(wrapper, probe_params, (x,)).shape)
-        expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(probe_params, x, backprops)
-        computed = sampler(module, (x,), backprops)
-    except Exception:  # a look-alike that cannot even run the probe is not trusted
-        return False
-    trainable = {name: p for name, p in params.items() if p.requires_grad}
-    if set(computed) != set(trainable.values()):
-        return False
-    for name, param in trainable.items():
-        tolerance = _probe_tolerance(param.dtype)
-        got, want = computed[param].float(), expected[f"inner.{name}"].float()
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=tolerance, atol=tolerance):
-            return False
-    return True
-
-
-def verify_duck_sampler(module: nn.Module) -> bool:
-    """True if the sampler found for ``module`` reproduces ``torch.func`` per-sample grads on a probe.
-
-    Meant for duck-typed rules (modules taking ``(B, tokens, in_features)`` with ``in_features =
-    weight.shape[0]``). Cached per class and set of trainable parameter names.
-    """
-    trainable = tuple(name for name, p in module.named_parameters(recurse=False) if p.requires_grad)
-    key = (type(module), trainable)
-    if key not in _VERIFIED:
-        _VERIFIED[key] = _sampler_matches_torch_func(module)
-    return _VERIFIED[key]

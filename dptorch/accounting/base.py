@@ -1,0 +1,110 @@
+"""Shared history logic of all accountants: compressed step log, state dicts and caching."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Dict, List, Tuple
+
+from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
+
+#: One run of identical steps: (noise_multiplier, sample_rate, count).
+Run = Tuple[float, float, int]
+
+STATE_VERSION = 1
+
+
+def merge_runs(history: List[List[Any]] | Tuple[Run, ...]) -> Tuple[Run, ...]:
+    """Add up the counts of equal (sigma, q) pairs wherever they occur (composition commutes)."""
+    counts: Dict[Tuple[float, float], int] = {}
+    for sigma, q, count in history:
+        counts[(sigma, q)] = counts.get((sigma, q), 0) + count
+    return tuple((sigma, q, count) for (sigma, q), count in counts.items() if count > 0)
+
+
+class Accountant(ABC):
+    """Tracks DP-SGD steps (Poisson-sampled Gaussian mechanism) and converts them to (eps, delta).
+
+    The history is kept compressed: consecutive steps with the same noise multiplier and
+    sample rate form one ``[sigma, q, count]`` entry, so long runs cost nothing to store.
+    """
+
+    #: Short name of the accounting method ("pld", "prv", "rdp", "gdp").
+    mechanism: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._history: List[List[Any]] = []
+        self._epsilon_cache: Dict[Any, float] = {}
+
+    # -- recording -------------------------------------------------------------------------
+
+    def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Record ``num_steps`` steps with noise multiplier sigma and Poisson sample rate q."""
+        sigma = check_noise_multiplier(noise_multiplier)
+        q = check_sample_rate(sample_rate)
+        count = check_steps(num_steps, "num_steps")
+        if count == 0:
+            return
+        if self._history and self._history[-1][0] == sigma and self._history[-1][1] == q:
+            self._history[-1][2] += count
+        else:
+            self._history.append([sigma, q, count])
+        self._epsilon_cache.clear()
+
+    @property
+    def history(self) -> List[List[Any]]:
+        """A copy of the compressed history: a list of ``[sigma, q, count]``."""
+        return [list(entry) for entry in self._history]
+
+    def __len__(self) -> int:
+        return sum(entry[2] for entry in self._history)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(steps={len(self)}, runs={len(self._history)})"
+
+    # -- privacy ---------------------------------------------------------------------------
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon of all recorded steps at the given delta (0.0 before the first step)."""
+        delta = check_delta(delta)
+        if not self._history:
+            return 0.0
+        key = ("epsilon", delta)
+        if key not in self._epsilon_cache:
+            self._epsilon_cache[key] = float(self._compute_epsilon(merge_runs(self._history), delta))
+        return self._epsilon_cache[key]
+
+    @abstractmethod
+    def _compute_epsilon(self, runs: Tuple[Run, ...], delta: float) -> float:
+        """Epsilon of the composition of ``runs`` (non-empty, equal pairs merged) at ``delta``."""
+
+    # -- checkpointing ---------------------------------------------------------------------
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain Python state (str, int, float, lists) that ``torch.load(weights_only=True)`` accepts."""
+        return {
+            "mechanism": self.mechanism,
+            "version": STATE_VERSION,
+            "history": [[float(sigma), float(q), int(count)] for sigma, q, count in self._history],
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Replace the history by the one in ``state_dict`` (as made by :meth:`state_dict`)."""
+        if not isinstance(state_dict, dict) or "history" not in state_dict:
+            raise ValueError("state_dict must be a dict with a 'history' entry, as made by Accountant.state_dict()")
+        mechanism = state_dict.get("mechanism", self.mechanism)
+        if mechanism != self.mechanism:
+            raise ValueError(
+                f"state_dict was saved by a {mechanism!r} accountant and cannot be loaded into a "
+                f"{self.mechanism!r} one; use dptorch.accounting.accountant_from_state_dict(state_dict)"
+            )
+        history: List[List[Any]] = []
+        for index, entry in enumerate(state_dict["history"]):
+            if len(entry) != 3:
+                raise ValueError(f"history[{index}] must be [sigma, q, count], got {entry!r}")
+            sigma = check_noise_multiplier(entry[0], f"history[{index}] noise_multiplier")
+            q = check_sample_rate(entry[1], f"history[{index}] sample_rate")
+            count = check_steps(entry[2], f"history[{index}] count")
+            if count:
+                history.append([sigma, q, count])
+        self._history = history
+        self._epsilon_cache.clear()

@@ -1,0 +1,258 @@
+"""Privacy random variables of the Poisson-sampled Gaussian, discretised and composed by FFT.
+
+Pure functions implementing the PRV accountant of Gopi, Lee and Wutschitz, "Numerical
+Composition of Differential Privacy" (2021), with its error analysis:
+
+* One step compares mu = (1-q) N(1, s^2) + q ... precisely: mu = (1-q) N(0, s^2) + q N(1, s^2)
+  against mu0 = N(0, s^2). The privacy loss Y = log(P/Q)(X), X ~ P, is taken in both
+  directions ("remove": P = mu, Q = mu0; "add": P = mu0, Q = mu) and the larger delta wins.
+  Its CDF is closed form because the loss is monotone in X.
+* Y is clipped to [lo, hi] (the clipped mass is counted in delta) and put on the grid
+  {j h}: each bucket's mass sits at its centre, then the whole grid is shifted so that the
+  discrete mean equals E[clip(Y)]. Then Y~ - Y lies in an interval of length h and has mean
+  zero, so by Hoeffding the sum over K steps is off by at most t = h sqrt(K/2 log(2/eta))
+  except with probability eta.
+* The K-fold sum is one FFT power per run; a Chernoff bound on the discrete sum sizes the
+  FFT window so that wrapped-around mass is below a set budget.
+* delta(eps) = E[(1 - exp(eps - Y))_+] is then piecewise of the form a - b e^eps between grid
+  points, so eps for a given delta is solved exactly on the discrete distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, NamedTuple, Sequence, Tuple
+
+import numpy as np
+from scipy import fft as sp_fft
+from scipy import integrate
+from scipy.special import logsumexp, ndtr, ndtri
+
+REMOVE = "remove"
+ADD = "add"
+
+
+class EpsilonBounds(NamedTuple):
+    """Epsilon of the discrete computation and the proven bounds around it."""
+
+    lower: float
+    estimate: float
+    upper: float
+
+
+# -- one step -------------------------------------------------------------------------------
+
+
+def _remove_loss_of_x(x: np.ndarray, sigma: float, q: float) -> np.ndarray:
+    """Privacy loss log(mu(x) / mu0(x)); increasing in x."""
+    log_1mq = math.log1p(-q) if q < 1 else -math.inf
+    return np.logaddexp(log_1mq, math.log(q) + (2 * np.asarray(x, dtype=float) - 1) / (2 * sigma**2))
+
+
+def _x_of_remove_loss(y: np.ndarray, sigma: float, q: float) -> np.ndarray:
+    """Inverse of :func:`_remove_loss_of_x`; -inf where the loss is below its minimum log(1-q)."""
+    y = np.asarray(y, dtype=float)
+    log_1mq = math.log1p(-q) if q < 1 else -math.inf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # log(e^y - (1 - q)) = y + log(1 - e^(log(1-q) - y))
+        log_excess = y + np.log(-np.expm1(log_1mq - y))
+        x = sigma**2 * (log_excess - math.log(q)) + 0.5
+    return np.where(y > log_1mq, x, -np.inf)
+
+
+def loss_cdf_and_sf(y: np.ndarray, sigma: float, q: float, direction: str) -> Tuple[np.ndarray, np.ndarray]:
+    """P(Y <= y) and P(Y > y) for one step's privacy loss Y in the given direction."""
+    if direction == REMOVE:
+        x = _x_of_remove_loss(y, sigma, q)
+        cdf = (1 - q) * ndtr(x / sigma) + q * ndtr((x - 1) / sigma)
+        sf = (1 - q) * ndtr(-x / sigma) + q * ndtr((1 - x) / sigma)
+    else:
+        # Y = -loss_remove(X) with X ~ N(0, s^2): Y <= y  <=>  X >= x(-y).
+        x = _x_of_remove_loss(-np.asarray(y, dtype=float), sigma, q)
+        cdf = ndtr(-x / sigma)
+        sf = ndtr(x / sigma)
+    return cdf, sf
+
+
+def _clipped_loss_mean(sigma: float, q: float, direction: str, lo: float, hi: float) -> Tuple[float, float]:
+    """E[clip(Y, lo, hi)] and an error estimate, integrating over X (where Y is smooth)."""
+    sign = 1.0 if direction == REMOVE else -1.0
+    # In X the clip points are x(lo), x(hi) (swapped for "add", where Y decreases in X).
+    x_ends = sorted(float(v) for v in _x_of_remove_loss(np.array([sign * lo, sign * hi]), sigma, q))
+    if direction == REMOVE:
+
+        def density(x: float) -> float:
+            return ((1 - q) * math.exp(-0.5 * (x / sigma) ** 2) + q * math.exp(-0.5 * ((x - 1) / sigma) ** 2)) / (
+                sigma * math.sqrt(2 * math.pi)
+            )
+
+    else:
+
+        def density(x: float) -> float:
+            return math.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
+
+    x_a = max(x_ends[0], -40 * sigma)
+    x_b = min(x_ends[1], 1 + 40 * sigma)
+    mass_lo, _ = loss_cdf_and_sf(np.array([lo]), sigma, q, direction)
+    _, mass_hi = loss_cdf_and_sf(np.array([hi]), sigma, q, direction)
+    inner_points = [p for p in (0.0, 0.5, 1.0) if x_a < p < x_b]
+    value, error = integrate.quad(
+        lambda x: sign * float(_remove_loss_of_x(x, sigma, q)) * density(x),
+        x_a,
+        x_b,
+        points=inner_points or None,
+        limit=500,
+        epsabs=1e-15,
+        epsrel=1e-13,
+    )
+    mean = lo * float(mass_lo[0]) + hi * float(mass_hi[0]) + value
+    # Mass of X beyond +-40 sigma is < 1e-300: nothing to add to the error.
+    return mean, abs(error)
+
+
+@dataclass(frozen=True)
+class DiscreteLoss:
+    """One step's clipped privacy loss on the grid: mass ``probs[i]`` at ``(first + i) * h + shift``."""
+
+    first: int
+    probs: np.ndarray
+    shift: float
+    clipped_mass: float
+    mean_error: float
+
+
+@lru_cache(maxsize=64)
+def discretise_loss(sigma: float, q: float, direction: str, mesh: float, tail_mass: float) -> DiscreteLoss:
+    """Discretise one step's privacy loss with mesh ``mesh``, clipping at most ``tail_mass`` per tail."""
+    z = float(ndtri(tail_mass))  # negative
+    if direction == REMOVE:
+        # Both mixture components have CDF <= Phi(x / s) and survival <= Phi((1 - x) / s).
+        y_lo, y_hi = _remove_loss_of_x(np.array([sigma * z, 1 - sigma * z]), sigma, q)
+    else:
+        y_lo, y_hi = -_remove_loss_of_x(np.array([-sigma * z, sigma * z]), sigma, q)
+    first = math.floor(y_lo / mesh)
+    last = math.ceil(y_hi / mesh)
+    edges = (np.arange(first, last + 2) - 0.5) * mesh
+    cdf, sf = loss_cdf_and_sf(edges, sigma, q, direction)
+    # Differences of the CDF below the median, of the survival function above: no cancellation.
+    probs = np.where(cdf[1:] <= 0.5, cdf[1:] - cdf[:-1], sf[:-1] - sf[1:])
+    clipped_mass = float(cdf[0] + sf[-1])
+    probs[0] += cdf[0]
+    probs[-1] += sf[-1]
+    probs = np.clip(probs, 0.0, None)
+    mean, mean_error = _clipped_loss_mean(sigma, q, direction, float(edges[0]), float(edges[-1]))
+    grid_mean = float(np.dot(probs, np.arange(first, last + 1) * mesh))
+    probs.setflags(write=False)
+    return DiscreteLoss(first, probs, mean - grid_mean, clipped_mass, mean_error)
+
+
+# -- composition ----------------------------------------------------------------------------
+
+
+def _log_mgf(loss: DiscreteLoss, mesh: float, lambdas: np.ndarray) -> np.ndarray:
+    values = (loss.first + np.arange(len(loss.probs))) * mesh + loss.shift
+    with np.errstate(divide="ignore"):
+        log_p = np.log(loss.probs)
+    return logsumexp(log_p[None, :] + lambdas[:, None] * values[None, :], axis=1)
+
+
+def _chernoff_window(losses: Sequence[Tuple[DiscreteLoss, int]], mesh: float, tail_mass: float) -> Tuple[float, float]:
+    """[lo, hi] holding the sum of the discrete losses except for <= tail_mass on each side."""
+    lambdas = np.geomspace(1e-3, 1e3, 240)
+    log_tail = math.log(1 / tail_mass)
+    upper_cgf = sum(count * _log_mgf(loss, mesh, lambdas) for loss, count in losses)
+    lower_cgf = sum(count * _log_mgf(loss, mesh, -lambdas) for loss, count in losses)
+    hi = float(np.min((upper_cgf + log_tail) / lambdas))
+    lo = -float(np.min((lower_cgf + log_tail) / lambdas))
+    return lo, hi
+
+
+@dataclass(frozen=True)
+class ComposedLoss:
+    """Distribution of the summed discrete losses: mass ``probs[i]`` at ``values[i]`` (ascending)."""
+
+    values: np.ndarray
+    probs: np.ndarray
+    delta_error: float
+    epsilon_error: float
+
+
+def compose_losses(
+    runs: Sequence[Tuple[float, float, int]], direction: str, mesh: float, delta_error: float
+) -> ComposedLoss:
+    """Sum of the privacy losses of all steps in ``runs`` ([(sigma, q, count)]) in one direction.
+
+    ``delta_error`` is split: half for the Hoeffding rounding bound, a quarter for clipping the
+    steps and a quarter for the FFT window. The result carries the delta and epsilon slack.
+    """
+    total_steps = sum(count for _, _, count in runs)
+    clip_per_tail = delta_error / (8 * total_steps)
+    losses = [(discretise_loss(sigma, q, direction, mesh, clip_per_tail), count) for sigma, q, count in runs]
+    offset = sum(count * loss.shift for loss, count in losses)
+    window_lo, window_hi = _chernoff_window(losses, mesh, delta_error / 8)
+    index_lo = math.floor((window_lo - offset) / mesh) - 1
+    index_hi = math.ceil((window_hi - offset) / mesh) + 1
+    size = sp_fft.next_fast_len(index_hi - index_lo + 1, real=True)
+
+    spectrum = None
+    for loss, count in losses:
+        wrapped = np.bincount(
+            (loss.first + np.arange(len(loss.probs))) % size, weights=loss.probs, minlength=size
+        )
+        factor = sp_fft.rfft(wrapped) ** count
+        spectrum = factor if spectrum is None else spectrum * factor
+    composed = np.clip(sp_fft.irfft(spectrum, size), 0.0, None)
+
+    # Position m of the circular result holds grid sum index_lo + ((m - index_lo) mod size).
+    order = (np.arange(size) + index_lo) % size
+    values = (index_lo + np.arange(size)) * mesh + offset
+    probs = composed[order]
+
+    hoeffding_eta = delta_error / 2
+    clipped = sum(count * loss.clipped_mass for loss, count in losses)
+    epsilon_error = mesh * math.sqrt(total_steps / 2 * math.log(2 / hoeffding_eta)) + sum(
+        count * loss.mean_error for loss, count in losses
+    )
+    return ComposedLoss(values, probs, hoeffding_eta + clipped + delta_error / 4, epsilon_error)
+
+
+def epsilon_of_discrete(values: np.ndarray, probs: np.ndarray, delta: float) -> float:
+    """Smallest eps >= 0 with sum_v p(v) (1 - e^(eps - v))_+ <= delta; inf if none."""
+    if delta <= 0:
+        return math.inf
+    positive = values > 0
+    v, p = values[positive][::-1], probs[positive][::-1]  # descending
+    if len(v) == 0:
+        return 0.0
+    mass_above = np.cumsum(p)  # S1[k] = mass at v[0..k]
+    with np.errstate(divide="ignore"):
+        log_weighted = np.logaddexp.accumulate(np.log(p) - v)  # log S2[k], S2 = sum p e^-v
+    # delta at eps = v[k+1] (everything in v[0..k] is above it), and at eps = 0.
+    delta_at_grid = mass_above[:-1] - np.exp(log_weighted[:-1] + v[1:])
+    delta_at_zero = mass_above[-1] - math.exp(log_weighted[-1])
+    if delta_at_zero <= delta:
+        return 0.0
+    if mass_above[-1] - 0 <= delta:
+        return 0.0
+    # First k (from the top) whose left end v[k+1] gives delta above target: eps in (v[k+1], v[k]).
+    exceeds = np.nonzero(delta_at_grid > delta)[0]
+    if len(exceeds) == 0:
+        k = len(v) - 1  # eps in (0, v[-1])
+    else:
+        k = int(exceeds[0])
+    if mass_above[k] <= delta:
+        return float(v[k])
+    return float(math.log(mass_above[k] - delta) - log_weighted[k])
+
+
+def epsilon_bounds(composed: List[ComposedLoss], delta: float) -> EpsilonBounds:
+    """Epsilon (estimate and proven bounds) of the larger of the directions in ``composed``."""
+    lower = estimate = upper = 0.0
+    for loss in composed:
+        est = epsilon_of_discrete(loss.values, loss.probs, delta)
+        up = epsilon_of_discrete(loss.values, loss.probs, delta - loss.delta_error) + loss.epsilon_error
+        low = max(epsilon_of_discrete(loss.values, loss.probs, delta + loss.delta_error) - loss.epsilon_error, 0.0)
+        lower, estimate, upper = max(lower, low), max(estimate, est), max(upper, up)
+    return EpsilonBounds(lower, estimate, upper)

@@ -1,0 +1,46 @@
+"""Clip factors: pure functions from per-sample norms to per-sample multipliers.
+
+A factor ``c_i = min(1, C / (||g_i|| + 1e-6))`` makes ``||c_i g_i|| <= C`` for every sample.
+Flat clipping uses one norm over all parameters; per-layer clipping one norm and one threshold
+per parameter, so that the whole contribution is bounded by ``sqrt(sum_k C_k^2)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Sequence, Union
+
+import torch
+
+CLIPPING_MODES = ("flat", "per_layer")
+_STABILITY = 1e-6
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
+    """``min(1, C / (norm + 1e-6))`` elementwise."""
+    return (max_grad_norm / (norms + _STABILITY)).clamp(max=1.0)
+
+
+def flat_norms(per_param_norms: Dict[object, torch.Tensor]) -> torch.Tensor:
+    """One norm per sample over all parameters, from each parameter's per-sample norms."""
+    return torch.stack(list(per_param_norms.values())).pow(2).sum(0).sqrt()
+
+
+def per_layer_thresholds(params: Sequence[object], max_grad_norm: Union[float, Sequence[float]]) -> Dict[object, float]:
+    """Thresholds per parameter: a list as given, or one float split so the total stays ``C``."""
+    if isinstance(max_grad_norm, (int, float)):
+        share = float(max_grad_norm) / math.sqrt(max(len(params), 1))
+        return {p: share for p in params}
+    if len(max_grad_norm) != len(params):
+        raise ValueError(
+            f"per-layer clipping needs one max_grad_norm per trainable parameter: got {len(max_grad_norm)} "
+            f"thresholds for {len(params)} parameters"
+        )
+    return dict(zip(params, (float(c) for c in max_grad_norm)))
+
+
+def total_norm_bound(clipping: str, max_grad_norm: Union[float, Sequence[float]]) -> float:
+    """The bound on one sample's whole clipped contribution (the sensitivity)."""
+    if clipping == "flat" or isinstance(max_grad_norm, (int, float)):
+        return float(max_grad_norm)
+    return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm))

@@ -1,0 +1,231 @@
+"""DPOptimizer: clip, accumulate, noise and scale, then let any torch optimizer step.
+
+At the end of every backward pass the controller reports per-sample norms; the optimizer
+turns them into clip factors and adds the clipped sum to its accumulator. Any number of backward
+passes may precede a step (virtual steps, gradient accumulation): ``step()`` adds Gaussian noise
+of std ``noise_multiplier * C`` exactly once per logical step, divides by the expected logical
+batch size when ``loss_reduction="mean"``, writes ``p.grad`` and calls the inner optimizer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from dptorch.grad_sample.hooks import GradSampleHooks
+from dptorch.noise import NoiseGenerator, SecureNoiseGenerator
+from dptorch.optim.clipping import (
+    CLIPPING_MODES,
+    clip_factors,
+    flat_norms,
+    per_layer_thresholds,
+    total_norm_bound,
+)
+
+StepHook = Callable[["DPOptimizer"], None]
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Differentially private wrapper around ``optimizer`` (SGD, Adam, AdamW, HF optimizers...).
+
+    ``state``, ``param_groups``, ``defaults``, ``state_dict`` and ``load_state_dict`` are the
+    inner optimizer's (the state dict also carries the accumulator and noise RNG), so LR
+    schedulers, Accelerate and the HF Trainer work unchanged.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        hooks: GradSampleHooks,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        expected_batch_size: Optional[float],
+        loss_reduction: str = "mean",
+        clipping: str = "flat",
+        noise_generator: Optional[Any] = None,
+        secure_mode: bool = False,
+    ) -> None:
+        if clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+        if noise_multiplier < 0:
+            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
+        if loss_reduction == "mean" and not expected_batch_size:
+            raise ValueError("loss_reduction='mean' needs the expected logical batch size (expected_batch_size > 0)")
+        if clipping == "flat" and not isinstance(max_grad_norm, (int, float)):
+            raise ValueError("flat clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
+        if isinstance(max_grad_norm, (int, float)) and max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        # Not Optimizer.__init__: parameter groups and state belong to the inner optimizer.
+        self.original_optimizer = optimizer
+        self.hooks = hooks
+        self.noise_multiplier = float(noise_multiplier)
+        self.max_grad_norm = max_grad_norm
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = loss_reduction
+        self.clipping = clipping
+        self.secure_mode = secure_mode
+        self.noise_generator = noise_generator or (SecureNoiseGenerator() if secure_mode else NoiseGenerator())
+        self._summed: Dict[nn.Parameter, torch.Tensor] = {}
+        self._samples_seen = 0
+        self._skip_next = False
+        self._last_step_skipped = False
+        self._step_hooks: List[StepHook] = []
+        self.last_clipped_fraction: Optional[float] = None
+        for name in (
+            "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+            "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+            "_optimizer_load_state_dict_post_hooks",
+        ):
+            setattr(self, name, OrderedDict())
+        self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
+
+    # ------------------------------------------------------------------ delegation
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:
+        return self.original_optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[Dict[str, Any]]) -> None:
+        self.original_optimizer.param_groups = value
+
+    @property
+    def state(self) -> Dict[Any, Any]:
+        return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value: Dict[Any, Any]) -> None:
+        self.original_optimizer.state = value
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        return self.original_optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: Dict[str, Any]) -> None:
+        self.original_optimizer.defaults = value
+
+    def __repr__(self) -> str:
+        return f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, clipping={self.clipping!r}, optimizer={self.original_optimizer!r})"
+
+    @property
+    def params(self) -> List[nn.Parameter]:
+        """The trainable parameters this optimizer updates."""
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    # ------------------------------------------------------------------ privatisation
+
+    @property
+    def noise_std(self) -> float:
+        """Standard deviation of the Gaussian noise added to the clipped sum at each step."""
+        return self.noise_multiplier * total_norm_bound(self.clipping, self.max_grad_norm)
+
+    def _clip_and_accumulate(self, hooks: GradSampleHooks) -> None:
+        trainable = set(self.params)
+        norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
+        if not norms:
+            return
+        if self.clipping == "flat":
+            factor = clip_factors(flat_norms(norms), float(self.max_grad_norm))
+            factors = {p: factor for p in norms}
+            self.last_clipped_fraction = float((factor < 1).float().mean()) if factor.numel() else 0.0
+        else:
+            thresholds = per_layer_thresholds(self.params, self.max_grad_norm)
+            unknown = [hooks.parameter_name(p) for p in norms if p not in thresholds]
+            if unknown:
+                raise ValueError(f"per-layer clipping: no threshold for {', '.join(unknown)} (not in the optimizer)")
+            factors = {p: clip_factors(n, thresholds[p]) for p, n in norms.items()}
+        for param, clipped in hooks.clipped_sums(factors).items():
+            held = self._summed.get(param)
+            self._summed[param] = clipped if held is None else held + clipped
+        self._samples_seen += hooks.batch_size
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the next ``step()`` only accumulate (a virtual step), as in Opacus."""
+        self._skip_next = do_skip
+
+    def attach_step_hook(self, hook: StepHook) -> None:
+        """Call ``hook(self)`` after the noise is added at every logical step (the accountant)."""
+        self._step_hooks.append(hook)
+
+    def add_noise(self) -> None:
+        """Write ``p.grad = (clipped sum + noise) / expected batch size`` for every trainable parameter."""
+        std = self.noise_std
+        for param in self.params:
+            summed = self._summed.get(param)
+            if summed is None:
+                summed = torch.zeros_like(param, dtype=torch.float32)
+            noisy = summed + self.noise_generator.noise_like(summed, std) if std > 0 else summed
+            if self.loss_reduction == "mean":
+                noisy = noisy / self.expected_batch_size
+            param.grad = noisy.to(param.dtype)
+
+    def pre_step(self) -> bool:
+        """Privatise the accumulated gradient; False when this step is a skipped virtual step."""
+        if self._skip_next:
+            self._skip_next = False
+            self._last_step_skipped = True
+            self.hooks.clear()
+            return False
+        self.add_noise()
+        for hook in self._step_hooks:
+            hook(self)
+        self._summed = {}
+        self._samples_seen = 0
+        self._last_step_skipped = False
+        self.hooks.clear()
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.pre_step():
+            self.original_optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients and per-sample state; the accumulator survives a skipped step."""
+        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        self.hooks.clear()
+        if not self._last_step_skipped:
+            self._summed = {}
+            self._samples_seen = 0
+
+    def detach(self) -> None:
+        """Stop listening to the controller."""
+        self._remove_listener()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict plus a ``"dp"`` entry (accumulator, RNG, flags)."""
+        state = self.original_optimizer.state_dict()
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        state["dp"] = {
+            "summed": {index[id(p)]: t for p, t in self._summed.items() if id(p) in index},
+            "samples_seen": self._samples_seen,
+            "skip_next": self._skip_next,
+            "last_step_skipped": self._last_step_skipped,
+            "noise_generator": self.noise_generator.state_dict(),
+        }
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        dp = state_dict.pop("dp", None)
+        self.original_optimizer.load_state_dict(state_dict)
+        if dp is None:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        self._summed = {params[int(i)]: t.to(params[int(i)].device) for i, t in dp["summed"].items()}
+        self._samples_seen = int(dp["samples_seen"])
+        self._skip_next = bool(dp["skip_next"])
+        self._last_step_skipped = bool(dp["last_step_skipped"])
+        self.noise_generator.load_state_dict(dp["noise_generator"])
