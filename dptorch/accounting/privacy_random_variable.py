@@ -3,8 +3,7 @@
 Pure functions implementing the PRV accountant of Gopi, Lee and Wutschitz, "Numerical
 Composition of Differential Privacy" (2021), with its error analysis:
 
-* One step compares mu = (1-q) N(1, s^2) + q ... precisely: mu = (1-q) N(0, s^2) + q N(1, s^2)
-  against mu0 = N(0, s^2). The privacy loss Y = log(P/Q)(X), X ~ P, is taken in both
+* One step compares mu = (1-q) N(0, s^2) + q N(1, s^2) with mu0 = N(0, s^2). The privacy loss Y = log(P/Q)(X), X ~ P, is taken in both
   directions ("remove": P = mu, Q = mu0; "add": P = mu0, Q = mu) and the larger delta wins.
   Its CDF is closed form because the loss is monotone in X.
 * Y is clipped to [lo, hi] (the clipped mass is counted in delta) and put on the grid
@@ -152,21 +151,34 @@ def discretise_loss(sigma: float, q: float, direction: str, mesh: float, tail_ma
 
 
 def _log_mgf(loss: DiscreteLoss, mesh: float, lambdas: np.ndarray) -> np.ndarray:
+    """log E[exp(lambda Y~)] of the discrete loss, for each lambda."""
     values = (loss.first + np.arange(len(loss.probs))) * mesh + loss.shift
-    with np.errstate(divide="ignore"):
-        log_p = np.log(loss.probs)
-    return logsumexp(log_p[None, :] + lambdas[:, None] * values[None, :], axis=1)
+    support = loss.probs > 0
+    log_p, values = np.log(loss.probs[support]), values[support]
+    return np.array([logsumexp(log_p + lam * values) for lam in lambdas])
+
+
+def _chernoff_bound(losses: Sequence[Tuple[DiscreteLoss, int]], mesh: float, tail_mass: float, sign: float) -> float:
+    """t with P(sign * sum Y~ >= t) <= tail_mass, minimising the Chernoff bound over lambda.
+
+    The bound (cgf(lambda) + log(1 / tail_mass)) / lambda is unimodal in lambda; any lambda
+    gives a valid bound, so a coarse log grid refined once around its best point suffices.
+    """
+    log_tail = math.log(1 / tail_mass)
+
+    def bounds(lambdas: np.ndarray) -> np.ndarray:
+        cgf = sum(count * _log_mgf(loss, mesh, sign * lambdas) for loss, count in losses)
+        return (cgf + log_tail) / lambdas
+
+    coarse = np.geomspace(1e-2, 1e3, 11)
+    best = coarse[int(np.argmin(bounds(coarse)))]
+    fine = np.geomspace(best / 2, best * 2, 9)
+    return float(np.min(bounds(fine)))
 
 
 def _chernoff_window(losses: Sequence[Tuple[DiscreteLoss, int]], mesh: float, tail_mass: float) -> Tuple[float, float]:
     """[lo, hi] holding the sum of the discrete losses except for <= tail_mass on each side."""
-    lambdas = np.geomspace(1e-3, 1e3, 240)
-    log_tail = math.log(1 / tail_mass)
-    upper_cgf = sum(count * _log_mgf(loss, mesh, lambdas) for loss, count in losses)
-    lower_cgf = sum(count * _log_mgf(loss, mesh, -lambdas) for loss, count in losses)
-    hi = float(np.min((upper_cgf + log_tail) / lambdas))
-    lo = -float(np.min((lower_cgf + log_tail) / lambdas))
-    return lo, hi
+    return -_chernoff_bound(losses, mesh, tail_mass, -1.0), _chernoff_bound(losses, mesh, tail_mass, 1.0)
 
 
 @dataclass(frozen=True)
@@ -206,9 +218,8 @@ def compose_losses(
     composed = np.clip(sp_fft.irfft(spectrum, size), 0.0, None)
 
     # Position m of the circular result holds grid sum index_lo + ((m - index_lo) mod size).
-    order = (np.arange(size) + index_lo) % size
+    probs = np.roll(composed, -(index_lo % size))
     values = (index_lo + np.arange(size)) * mesh + offset
-    probs = composed[order]
 
     hoeffding_eta = delta_error / 2
     clipped = sum(count * loss.clipped_mass for loss, count in losses)
@@ -218,41 +229,45 @@ def compose_losses(
     return ComposedLoss(values, probs, hoeffding_eta + clipped + delta_error / 4, epsilon_error)
 
 
-def epsilon_of_discrete(values: np.ndarray, probs: np.ndarray, delta: float) -> float:
-    """Smallest eps >= 0 with sum_v p(v) (1 - e^(eps - v))_+ <= delta; inf if none."""
-    if delta <= 0:
-        return math.inf
-    positive = values > 0
-    v, p = values[positive][::-1], probs[positive][::-1]  # descending
-    if len(v) == 0:
-        return 0.0
-    mass_above = np.cumsum(p)  # S1[k] = mass at v[0..k]
-    with np.errstate(divide="ignore"):
-        log_weighted = np.logaddexp.accumulate(np.log(p) - v)  # log S2[k], S2 = sum p e^-v
-    # delta at eps = v[k+1] (everything in v[0..k] is above it), and at eps = 0.
-    delta_at_grid = mass_above[:-1] - np.exp(log_weighted[:-1] + v[1:])
-    delta_at_zero = mass_above[-1] - math.exp(log_weighted[-1])
-    if delta_at_zero <= delta:
-        return 0.0
-    if mass_above[-1] - 0 <= delta:
-        return 0.0
-    # First k (from the top) whose left end v[k+1] gives delta above target: eps in (v[k+1], v[k]).
-    exceeds = np.nonzero(delta_at_grid > delta)[0]
-    if len(exceeds) == 0:
-        k = len(v) - 1  # eps in (0, v[-1])
-    else:
-        k = int(exceeds[0])
-    if mass_above[k] <= delta:
-        return float(v[k])
-    return float(math.log(mass_above[k] - delta) - log_weighted[k])
+class DeltaCurve:
+    """delta(eps) = sum_v p(v) (1 - e^(eps - v))_+ of a discrete loss, inverted exactly.
+
+    Between neighbouring grid values delta is S1 - e^eps S2 (S1, S2: mass and e^-v-weighted
+    mass above eps), so eps = log((S1 - delta) / S2) once the right interval is found.
+    """
+
+    def __init__(self, values: np.ndarray, probs: np.ndarray) -> None:
+        positive = values > 0
+        self._v = values[positive][::-1]  # descending
+        p = probs[positive][::-1]
+        self._mass_above = np.cumsum(p)
+        with np.errstate(divide="ignore"):
+            self._log_weighted = np.logaddexp.accumulate(np.log(p) - self._v) if len(p) else np.zeros(0)
+        # delta at eps = v[k+1] (increasing in k), and at eps = 0.
+        self._delta_at_grid = self._mass_above[:-1] - np.exp(self._log_weighted[:-1] + self._v[1:])
+        self._delta_at_zero = (
+            float(self._mass_above[-1] - math.exp(self._log_weighted[-1])) if len(p) else 0.0
+        )
+
+    def epsilon(self, delta: float) -> float:
+        """Smallest eps >= 0 with delta(eps) <= ``delta``; inf when ``delta`` <= 0."""
+        if delta <= 0:
+            return math.inf
+        if self._delta_at_zero <= delta:
+            return 0.0
+        # First k whose lower end v[k+1] already gives more than delta: eps in (v[k+1], v[k]].
+        k = int(np.searchsorted(self._delta_at_grid, delta, side="right"))
+        if self._mass_above[k] <= delta:
+            return float(self._v[k])
+        return float(math.log(self._mass_above[k] - delta) - self._log_weighted[k])
 
 
 def epsilon_bounds(composed: List[ComposedLoss], delta: float) -> EpsilonBounds:
     """Epsilon (estimate and proven bounds) of the larger of the directions in ``composed``."""
     lower = estimate = upper = 0.0
     for loss in composed:
-        est = epsilon_of_discrete(loss.values, loss.probs, delta)
-        up = epsilon_of_discrete(loss.values, loss.probs, delta - loss.delta_error) + loss.epsilon_error
-        low = max(epsilon_of_discrete(loss.values, loss.probs, delta + loss.delta_error) - loss.epsilon_error, 0.0)
-        lower, estimate, upper = max(lower, low), max(estimate, est), max(upper, up)
+        curve = DeltaCurve(loss.values, loss.probs)
+        estimate = max(estimate, curve.epsilon(delta))
+        upper = max(upper, curve.epsilon(delta - loss.delta_error) + loss.epsilon_error)
+        lower = max(lower, curve.epsilon(delta + loss.delta_error) - loss.epsilon_error)
     return EpsilonBounds(lower, estimate, upper)

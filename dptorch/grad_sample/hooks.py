@@ -297,7 +297,8 @@ class GradSampleHooks:
         self._begin_round()
         backprops = self._per_sample_scale(grad_outputs[0], n)
         if self._batch_dim != 0:
-            activations = tuple(a.movedim(self._batch_dim, 0) for a in activations)
+            # 1-D inputs (EmbeddingBag's flat indices and offsets) carry no batch dimension.
+            activations = tuple(a.movedim(self._batch_dim, 0) if a.dim() > 1 else a for a in activations)
             backprops = backprops.movedim(self._batch_dim, 0)
         grads = layer.sampler(layer.module, tuple(activations), backprops)
         self._accumulate(layer, params, grads)

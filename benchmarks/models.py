@@ -1,0 +1,117 @@
+"""End-to-end step time and peak memory of tiny transformers, non-private against private modes.
+
+    python benchmarks/models.py [--shapes narrow wide] [--modes nonprivate hooks] [--steps 7]
+
+Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
+backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
+after two warm-up steps. Peak memory is the process's peak RSS growth over the step loop.
+Prints a table and writes benchmarks/results/models.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    # name: (family, layers, width, seq, batch, vocab, tied)
+    "narrow-gpt2-tied": ("gpt2", 4, 256, 128, 16, 5000, True),
+    "narrow-gpt2-untied": ("gpt2", 4, 256, 128, 16, 5000, False),
+    "narrow-llama": ("llama", 4, 256, 128, 16, 5000, True),
+    "wide-gpt2": ("gpt2", 2, 768, 128, 16, 5000, True),
+}
+MODES = ("nonprivate", "hooks", "functorch")
+
+
+def build(family, layers, width, vocab, tied):
+    import transformers
+
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1), vocab_size=vocab,
+                                      n_positions=2048, tie_word_embeddings=tied, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
+                                   num_attention_heads=max(width // 64, 1), num_key_value_heads=max(width // 64, 1),
+                                   vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=tied)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | None) -> dict:
+    """One (shape, mode) in this process."""
+    import torch
+
+    from dptorch.grad_sample import GradSampleHooks
+    from dptorch.optim import DPOptimizer
+
+    family, layers, width, default_seq, default_batch, vocab, tied = SHAPES[shape]
+    seq, batch = seq or default_seq, batch or default_batch
+    torch.manual_seed(0)
+    model = build(family, layers, width, vocab, tied).train()
+    ids = torch.randint(0, vocab, (batch, seq))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if mode != "nonprivate":
+        hooks = GradSampleHooks(model, grad_sample_mode=mode)
+        optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch)
+
+    def step():
+        optimizer.zero_grad()
+        logits = model(input_ids=ids).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "median_s": statistics.median(times),
+            "min_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_before) / 1024,
+            "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:2]), choices=list(MODES))
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
+    parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
+    parser.add_argument("--one", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        shape, mode, seq, batch = args.one
+        print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None)))
+        return
+    rows = []
+    for shape in args.shapes:
+        for seq in args.seq:
+            for batch in args.batch:
+                base = None
+                for mode in args.modes:
+                    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--one", shape, mode, str(seq or 0), str(batch or 0)]
+                    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+                    row = json.loads(out)
+                    base = base or row
+                    row["time_ratio"] = row["median_s"] / base["median_s"]
+                    row["peak_ratio"] = row["peak_rss_mib"] / base["peak_rss_mib"]
+                    rows.append(row)
+                    print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:11s} "
+                          f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak RSS {row['peak_rss_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
+    out_dir = Path(__file__).parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "models.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
