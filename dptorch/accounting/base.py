@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Tuple
+from typing import Any, ClassVar, Dict, List, Sequence, Tuple
 
 from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
 
@@ -72,6 +72,26 @@ class Accountant(ABC):
         if key not in self._epsilon_cache:
             self._epsilon_cache[key] = float(self._compute_epsilon(merge_runs(self._history), delta))
         return self._epsilon_cache[key]
+
+    def epsilons_after(
+        self, *, noise_multiplier: float, sample_rate: float, steps: Sequence[int], delta: float
+    ) -> List[float]:
+        """Epsilon after each of ``steps`` more steps at (sigma, q), on top of the recorded history.
+
+        The history itself is left unchanged (a projection, e.g. for a curve against steps).
+        """
+        sigma = check_noise_multiplier(noise_multiplier)
+        q = check_sample_rate(sample_rate)
+        counts = [check_steps(count, "steps") for count in steps]
+        delta = check_delta(delta)
+        return self._epsilons_after(sigma, q, counts, delta)
+
+    def _epsilons_after(self, sigma: float, q: float, counts: List[int], delta: float) -> List[float]:
+        epsilons = []
+        for count in counts:
+            runs = merge_runs(self._history + [[sigma, q, count]])
+            epsilons.append(float(self._compute_epsilon(runs, delta)) if runs else 0.0)
+        return epsilons
 
     @abstractmethod
     def _compute_epsilon(self, runs: Tuple[Run, ...], delta: float) -> float:

@@ -170,9 +170,9 @@ def _chernoff_bound(losses: Sequence[Tuple[DiscreteLoss, int]], mesh: float, tai
         cgf = sum(count * _log_mgf(loss, mesh, sign * lambdas) for loss, count in losses)
         return (cgf + log_tail) / lambdas
 
-    coarse = np.geomspace(1e-2, 1e3, 11)
+    coarse = np.geomspace(1e-2, 1e3, 8)
     best = coarse[int(np.argmin(bounds(coarse)))]
-    fine = np.geomspace(best / 2, best * 2, 9)
+    fine = np.geomspace(best / 2.5, best * 2.5, 6)
     return float(np.min(bounds(fine)))
 
 
@@ -191,42 +191,87 @@ class ComposedLoss:
     epsilon_error: float
 
 
-def compose_losses(
-    runs: Sequence[Tuple[float, float, int]], direction: str, mesh: float, delta_error: float
+def _wrapped_spectrum(loss: DiscreteLoss, size: int) -> np.ndarray:
+    """rfft of the loss's masses placed at their grid index modulo ``size``."""
+    indices = (loss.first + np.arange(len(loss.probs))) % size
+    return sp_fft.rfft(np.bincount(indices, weights=loss.probs, minlength=size))
+
+
+def _fft_layout(window: Tuple[float, float], offset: float, mesh: float) -> Tuple[int, int]:
+    """(first grid index, FFT size) covering the window of summed values."""
+    index_lo = math.floor((window[0] - offset) / mesh) - 1
+    index_hi = math.ceil((window[1] - offset) / mesh) + 1
+    return index_lo, sp_fft.next_fast_len(index_hi - index_lo + 1, real=True)
+
+
+def _composed_loss(
+    spectrum: np.ndarray,
+    index_lo: int,
+    size: int,
+    offset: float,
+    mesh: float,
+    delta_error: float,
+    losses: Sequence[Tuple[DiscreteLoss, int]],
 ) -> ComposedLoss:
-    """Sum of the privacy losses of all steps in ``runs`` ([(sigma, q, count)]) in one direction.
+    """Back from the product spectrum to masses and values, with the error budget of the sum.
 
     ``delta_error`` is split: half for the Hoeffding rounding bound, a quarter for clipping the
-    steps and a quarter for the FFT window. The result carries the delta and epsilon slack.
+    steps and a quarter for the FFT window.
     """
-    total_steps = sum(count for _, _, count in runs)
-    clip_per_tail = delta_error / (8 * total_steps)
-    losses = [(discretise_loss(sigma, q, direction, mesh, clip_per_tail), count) for sigma, q, count in runs]
-    offset = sum(count * loss.shift for loss, count in losses)
-    window_lo, window_hi = _chernoff_window(losses, mesh, delta_error / 8)
-    index_lo = math.floor((window_lo - offset) / mesh) - 1
-    index_hi = math.ceil((window_hi - offset) / mesh) + 1
-    size = sp_fft.next_fast_len(index_hi - index_lo + 1, real=True)
-
-    spectrum = None
-    for loss, count in losses:
-        wrapped = np.bincount(
-            (loss.first + np.arange(len(loss.probs))) % size, weights=loss.probs, minlength=size
-        )
-        factor = sp_fft.rfft(wrapped) ** count
-        spectrum = factor if spectrum is None else spectrum * factor
     composed = np.clip(sp_fft.irfft(spectrum, size), 0.0, None)
-
     # Position m of the circular result holds grid sum index_lo + ((m - index_lo) mod size).
     probs = np.roll(composed, -(index_lo % size))
     values = (index_lo + np.arange(size)) * mesh + offset
-
+    total_steps = sum(count for _, count in losses)
     hoeffding_eta = delta_error / 2
     clipped = sum(count * loss.clipped_mass for loss, count in losses)
     epsilon_error = mesh * math.sqrt(total_steps / 2 * math.log(2 / hoeffding_eta)) + sum(
         count * loss.mean_error for loss, count in losses
     )
     return ComposedLoss(values, probs, hoeffding_eta + clipped + delta_error / 4, epsilon_error)
+
+
+def compose_losses(
+    runs: Sequence[Tuple[float, float, int]], direction: str, mesh: float, delta_error: float
+) -> ComposedLoss:
+    """Sum of the privacy losses of all steps in ``runs`` ([(sigma, q, count)]) in one direction.
+
+    The result carries its delta slack (at most ``delta_error``) and epsilon slack.
+    """
+    total_steps = sum(count for _, _, count in runs)
+    clip_per_tail = delta_error / (8 * total_steps)
+    losses = [(discretise_loss(sigma, q, direction, mesh, clip_per_tail), count) for sigma, q, count in runs]
+    offset = sum(count * loss.shift for loss, count in losses)
+    index_lo, size = _fft_layout(_chernoff_window(losses, mesh, delta_error / 8), offset, mesh)
+    spectrum = None
+    for loss, count in losses:
+        factor = _wrapped_spectrum(loss, size) ** count
+        spectrum = factor if spectrum is None else spectrum * factor
+    return _composed_loss(spectrum, index_lo, size, offset, mesh, delta_error, losses)
+
+
+def compose_loss_over_counts(
+    sigma: float, q: float, direction: str, mesh: float, delta_error: float, counts: Sequence[int]
+) -> List[ComposedLoss]:
+    """:func:`compose_losses` for one (sigma, q) at several step counts (> 0), sharing one FFT.
+
+    The mesh and clipping suit the largest count and are only more accurate for the others.
+    """
+    clip_per_tail = delta_error / (8 * max(counts))
+    loss = discretise_loss(sigma, q, direction, mesh, clip_per_tail)
+    lambdas = np.geomspace(1e-2, 1e3, 24)
+    log_tail = math.log(8 / delta_error)
+    cgf_up, cgf_down = _log_mgf(loss, mesh, lambdas), _log_mgf(loss, mesh, -lambdas)
+    window_lo = min(-float(np.min((count * cgf_down + log_tail) / lambdas)) for count in counts)
+    window_hi = max(float(np.min((count * cgf_up + log_tail) / lambdas)) for count in counts)
+    # Offsets differ per count (count * shift, |shift| <= mesh / 2): widen the window by the largest.
+    spread = max(counts) * abs(loss.shift)
+    index_lo, size = _fft_layout((window_lo - spread, window_hi + spread), 0.0, mesh)
+    spectrum = _wrapped_spectrum(loss, size)
+    return [
+        _composed_loss(spectrum**count, index_lo, size, count * loss.shift, mesh, delta_error, [(loss, count)])
+        for count in counts
+    ]
 
 
 class DeltaCurve:

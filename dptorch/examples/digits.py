@@ -73,10 +73,10 @@ def run(
     *,
     epsilon: float = 3.0,
     delta: float = 1e-5,
-    epochs: int = 15,
-    batch_size: int = 64,
+    epochs: int = 20,
+    batch_size: int = 128,
     max_grad_norm: float = 1.0,
-    lr: float = 0.5,
+    lr: float = 0.1,
     mode: str = "hooks",
     wrap_model: bool = False,
     seed: int = 0,
@@ -127,10 +127,10 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epsilon", type=float, default=3.0)
     parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--mode", default="hooks", choices=["hooks", "functorch"])
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")

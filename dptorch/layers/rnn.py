@@ -184,15 +184,29 @@ class DPRNNBase(nn.Module):
         """Parameters per layer-direction, in torch's order."""
         return [[p for p in sweep.parameters()] for sweep in self.sweeps.values()]
 
+    def _torch_named(self, name: str) -> Optional[Tuple[nn.Module, str]]:
+        """``weight_ih_l0_reverse`` -> (the ``l0_reverse`` sweep, ``"weight_ih"``); None otherwise."""
+        match = _TORCH_NAME.match(name)
+        sweeps = self.__dict__.get("_modules", {}).get(_SWEEPS)
+        if match is None or sweeps is None or match.group(2) not in sweeps:
+            return None
+        return sweeps[match.group(2)], match.group(1)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            match = _TORCH_NAME.match(name)
-            sweeps = self.__dict__.get("_modules", {}).get(_SWEEPS)
-            if match is None or sweeps is None or match.group(2) not in sweeps:
+            target = self._torch_named(name)
+            if target is None:
                 raise
-            return getattr(sweeps[match.group(2)], match.group(1))
+            return getattr(*target)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        target = self._torch_named(name)
+        if target is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(*target, value)
 
     def forward(self, input: Union[Tensor, PackedSequence], hx: Optional[HiddenState] = None):
         if isinstance(input, PackedSequence):

@@ -1,0 +1,155 @@
+"""Noise calibration: the smallest noise multiplier that meets an (epsilon, delta) target."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from functools import lru_cache
+from typing import Callable, Optional
+
+from scipy.optimize import brentq
+
+from dptorch.accounting.factory import DEFAULT_ACCOUNTANT, check_accountant_name, create_accountant
+from dptorch.accounting.gdp import clt_mu, gdp_epsilon
+from dptorch.accounting.validation import (
+    check_delta,
+    check_epsilon,
+    check_positive,
+    check_sample_rate,
+    check_steps,
+)
+
+#: The search range of the noise multiplier.
+MIN_NOISE_MULTIPLIER = 0.05
+MAX_NOISE_MULTIPLIER = 1e4
+
+
+def steps_for_epochs(epochs: float, sample_rate: float) -> int:
+    """Number of steps in ``epochs`` passes at Poisson rate q: ceil(epochs / q)."""
+    exact = epochs / sample_rate
+    nearest = round(exact)
+    # 3 / 0.03 is 100.00000000000001 in floating point: that is 100 steps, not 101.
+    return int(nearest) if abs(exact - nearest) <= 1e-9 * max(1.0, exact) else math.ceil(exact)
+
+
+def _resolve_steps(epochs: Optional[float], steps: Optional[int], sample_rate: float) -> int:
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs and steps")
+    if steps is not None:
+        count = check_steps(steps)
+    else:
+        count = steps_for_epochs(check_positive(epochs, "epochs"), sample_rate)
+    if count == 0:
+        raise ValueError("steps must be >= 1 to calibrate noise, got 0")
+    return count
+
+
+def _gdp_seed(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+    """Noise multiplier that the (cheap) central-limit approximation calls exact; a starting point."""
+
+    def gap(log_sigma: float) -> float:
+        mu = clt_mu(((math.exp(log_sigma), sample_rate, steps),))
+        return gdp_epsilon(mu, delta) - target_epsilon
+
+    lo, hi = math.log(MIN_NOISE_MULTIPLIER), math.log(MAX_NOISE_MULTIPLIER)
+    if gap(lo) <= 0 or gap(hi) >= 0:
+        return 1.0
+    return math.exp(brentq(gap, lo, hi, xtol=1e-3))
+
+
+def _smallest_sigma(
+    epsilon_of: Callable[[float], float], target: float, tolerance: float, start: float
+) -> float:
+    """Smallest sigma (up to ``tolerance`` on epsilon) with epsilon_of(sigma) <= target.
+
+    Brackets by growing or shrinking sigma by 25% from ``start``, then narrows the bracket by
+    interpolating log(eps) linearly in log(sigma), kept away from the bracket ends.
+    """
+    factor = 1.25
+    sigma = min(max(start, MIN_NOISE_MULTIPLIER), MAX_NOISE_MULTIPLIER)
+    eps = epsilon_of(sigma)
+    if eps <= target:
+        hi, eps_hi = sigma, eps
+        while True:
+            if hi <= MIN_NOISE_MULTIPLIER:
+                warnings.warn(
+                    f"the target is met even at noise_multiplier={MIN_NOISE_MULTIPLIER}, the smallest "
+                    f"value searched (epsilon {eps_hi:.4g}); smaller values may meet it too",
+                    stacklevel=3,
+                )
+                return hi
+            lo = max(hi / factor, MIN_NOISE_MULTIPLIER)
+            eps_lo = epsilon_of(lo)
+            if eps_lo > target:
+                break
+            hi, eps_hi = lo, eps_lo
+    else:
+        lo, eps_lo = sigma, eps
+        while True:
+            if lo >= MAX_NOISE_MULTIPLIER:
+                raise ValueError(
+                    f"target_epsilon={target:g} is unreachable: even noise_multiplier={MAX_NOISE_MULTIPLIER:g} "
+                    f"gives epsilon {eps_lo:.4g}"
+                )
+            hi = min(lo * factor, MAX_NOISE_MULTIPLIER)
+            eps_hi = epsilon_of(hi)
+            if eps_hi <= target:
+                break
+            lo, eps_lo = hi, eps_hi
+
+    aim = target * (1 - tolerance / 2)
+    while eps_hi < target * (1 - tolerance) and hi / lo - 1 > 1e-9:
+        if eps_hi > 0 and math.isfinite(eps_lo):
+            fraction = math.log(eps_lo / aim) / math.log(eps_lo / eps_hi)
+            fraction = min(max(fraction, 0.1), 0.9)
+        else:
+            fraction = 0.5
+        mid = lo * (hi / lo) ** fraction
+        eps_mid = epsilon_of(mid)
+        if eps_mid <= target:
+            hi, eps_hi = mid, eps_mid
+        else:
+            lo, eps_lo = mid, eps_mid
+    return hi
+
+
+@lru_cache(maxsize=128)
+def _calibrate(
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str, tolerance: float
+) -> float:
+    counter = create_accountant(accountant)
+
+    def epsilon_of(sigma: float) -> float:
+        counter.load_state_dict({"mechanism": accountant, "history": [[sigma, sample_rate, steps]]})
+        return counter.get_epsilon(delta)
+
+    start = _gdp_seed(target_epsilon, delta, sample_rate, steps)
+    return _smallest_sigma(epsilon_of, target_epsilon, tolerance, start)
+
+
+def get_noise_multiplier(
+    *,
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    epochs: Optional[float] = None,
+    steps: Optional[int] = None,
+    accountant: str = DEFAULT_ACCOUNTANT,
+    epsilon_tolerance: float = 0.01,
+) -> float:
+    """Smallest noise multiplier whose epsilon does not exceed ``target_epsilon``.
+
+    Give ``steps`` or ``epochs`` (then steps = ceil(epochs / sample_rate)). The result never
+    overshoots: its epsilon is in [target * (1 - epsilon_tolerance), target] (a relative
+    tolerance; since epsilon falls at least as fast as 1 / sigma, a sigma smaller by that
+    fraction exceeds the target). Raises ValueError for invalid input or a target no sigma up to 1e4 reaches.
+    """
+    target = check_epsilon(target_epsilon, "target_epsilon")
+    delta = check_delta(target_delta, "target_delta")
+    q = check_sample_rate(sample_rate)
+    count = _resolve_steps(epochs, steps, q)
+    name = check_accountant_name(accountant)
+    tolerance = check_positive(epsilon_tolerance, "epsilon_tolerance")
+    if tolerance >= 1:
+        raise ValueError(f"epsilon_tolerance must be in (0, 1), got {epsilon_tolerance!r}")
+    return _calibrate(target, delta, q, count, name, tolerance)

@@ -1,0 +1,241 @@
+"""DPMultiheadAttention: a drop-in ``nn.MultiheadAttention`` with exact per-sample gradients.
+
+The four projections are ``nn.Linear`` modules (the Linear sampler handles them) applied to
+batch-first tensors, whatever the layer's own ``batch_first``: time-major inputs are transposed
+first, so every hooked call has the batch along dim 0. ``bias_k``/``bias_v`` live in two
+``AppendedVector`` modules with their own sampler. An ``nn.MultiheadAttention`` state_dict
+(``in_proj_weight``/``in_proj_bias`` or ``q_proj_weight``..., ``bias_k``, ``bias_v``,
+``out_proj.*``) loads directly; the layer's own state_dict uses its module names.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dptorch.grad_sample.registry import register_grad_sampler
+
+
+class AppendedVector(nn.Module):
+    """Appends a learned vector as one more position of every sequence: ``(N, S, E) -> (N, S + 1, E)``."""
+
+    def __init__(self, dim: int, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, 1, dim, device=device, dtype=dtype))
+        nn.init.xavier_normal_(self.weight)
+
+    def forward(self, sequence: Tensor) -> Tensor:
+        return torch.cat([sequence, self.weight.expand(sequence.shape[0], 1, -1)], dim=1)
+
+
+@register_grad_sampler(AppendedVector)
+def appended_vector_grad_sampler(
+    module: AppendedVector, activations: Tuple[Tensor, ...], backprops: Tensor
+) -> Dict[nn.Parameter, Tensor]:
+    """Each sample's gradient is its backprop at the appended (last) position."""
+    if not module.weight.requires_grad:
+        return {}
+    return {module.weight: backprops[:, None, -1:, :].to(module.weight.dtype)}
+
+
+def additive_mask(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """A boolean mask (True = do not attend) as ``0``/``-inf``; a float mask unchanged."""
+    if mask is None or mask.is_floating_point():
+        return None if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+
+
+def merged_attention_mask(
+    attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, heads: int, dtype: torch.dtype
+) -> Optional[Tensor]:
+    """``attn_mask`` (``(L, S)`` or ``(N * heads, L, S)``) plus ``key_padding_mask`` (``(N, S)``), as
+    one additive mask broadcastable to ``(N, heads, L, S)``."""
+    attn_mask = additive_mask(attn_mask, dtype)
+    key_padding_mask = additive_mask(key_padding_mask, dtype)
+    if attn_mask is not None:
+        attn_mask = attn_mask.view(batch, heads, *attn_mask.shape[-2:]) if attn_mask.dim() == 3 else attn_mask
+    if key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.view(batch, 1, 1, -1)
+        return key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    return attn_mask
+
+
+def scaled_dot_product_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], dropout_p: float, need_weights: bool
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Attention over ``(N, heads, L or S, head_dim)`` tensors; the weights (after dropout, as torch
+    returns them) only if ``need_weights``, else torch's fused kernel."""
+    if not need_weights:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p), None
+    scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores + mask
+    weights = torch.softmax(scores, dim=-1)
+    if dropout_p > 0:
+        weights = F.dropout(weights, dropout_p)
+    return weights @ v, weights
+
+
+class DPMultiheadAttention(nn.Module):
+    """Drop-in ``nn.MultiheadAttention`` built from ``nn.Linear`` projections.
+
+    Same constructor and ``forward`` as torch's, returning ``(attn_output, attn_weights or None)``.
+    ``is_causal=True`` without ``attn_mask`` applies a causal mask (torch raises instead).
+    """
+
+    in_proj_weight = None  # torch's fused-path attributes: the projections here are separate
+    in_proj_bias = None
+    _qkv_same_embed_dim = False
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: Optional[int] = None,
+        vdim: Optional[int] = None,
+        batch_first: bool = False,
+        device: Any = None,
+        dtype: Any = None,
+    ) -> None:
+        super().__init__()
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} and num_heads={num_heads} instead")
+        if embed_dim % num_heads:
+            raise ValueError("embed_dim must be divisible by num_heads")
+        factory = dict(device=device, dtype=dtype)
+        self.embed_dim = embed_dim
+        self.kdim = kdim if kdim is not None else embed_dim
+        self.vdim = vdim if vdim is not None else embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        self.batch_first = batch_first
+        self.add_zero_attn = add_zero_attn
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
+        self.key_bias = AppendedVector(embed_dim, **factory) if add_bias_kv else None
+        self.value_bias = AppendedVector(embed_dim, **factory) if add_bias_kv else None
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
+        self.reset_parameters()
+        self.register_load_state_dict_pre_hook(_load_torch_layout)
+
+    def reset_parameters(self) -> None:
+        """torch's initialisation: Xavier-uniform input projections (over the fused ``(3E, E)``
+        matrix when ``kdim == vdim == embed_dim``), zero biases, Xavier-normal ``bias_k``/``bias_v``."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        if self.kdim == self.vdim == self.embed_dim:
+            fused = torch.empty(3 * self.embed_dim, self.embed_dim)
+            nn.init.xavier_uniform_(fused)
+            with torch.no_grad():
+                for proj, part in zip(projections, fused.chunk(3)):
+                    proj.weight.copy_(part)
+        else:
+            for proj in projections:
+                nn.init.xavier_uniform_(proj.weight)
+        for proj in (*projections, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        for appended in (self.key_bias, self.value_bias):
+            if appended is not None:
+                nn.init.xavier_normal_(appended.weight)
+
+    @property
+    def bias_k(self) -> Optional[nn.Parameter]:
+        return None if self.key_bias is None else self.key_bias.weight
+
+    @property
+    def bias_v(self) -> Optional[nn.Parameter]:
+        return None if self.value_bias is None else self.value_bias.weight
+
+    @property
+    def q_proj_weight(self) -> nn.Parameter:
+        return self.q_proj.weight
+
+    @property
+    def k_proj_weight(self) -> nn.Parameter:
+        return self.k_proj.weight
+
+    @property
+    def v_proj_weight(self) -> nn.Parameter:
+        return self.v_proj.weight
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
+        batched = query.dim() == 3
+        if not batched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+            key_padding_mask = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        batch, tgt_len, src_len = query.shape[0], query.shape[1], key.shape[1]
+        if is_causal and attn_mask is None:
+            attn_mask = torch.ones(tgt_len, src_len, dtype=torch.bool, device=query.device).triu(1)
+
+        q, k, v = self.q_proj(query), self.k_proj(key), self.v_proj(value)
+        mask = merged_attention_mask(attn_mask, key_padding_mask, batch, self.num_heads, q.dtype)
+        if self.key_bias is not None and self.value_bias is not None:
+            k, v = self.key_bias(k), self.value_bias(v)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+        q, k, v = (self._split_heads(t) for t in (q, k, v))
+        if self.add_zero_attn:
+            zeros = k.new_zeros(*k.shape[:2], 1, self.head_dim)
+            k, v = torch.cat([k, zeros], dim=2), torch.cat([v, zeros], dim=2)
+            mask = None if mask is None else F.pad(mask, (0, 1))
+
+        dropout_p = self.dropout if self.training else 0.0
+        out, weights = scaled_dot_product_attention(q, k, v, mask, dropout_p, need_weights)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, tgt_len, self.embed_dim))
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        if weights is not None:
+            weights = weights.mean(dim=1) if average_attn_weights else weights
+            weights = weights if batched else weights.squeeze(0)
+        return out, weights
+
+    def _split_heads(self, t: Tensor) -> Tensor:
+        """``(N, S, E) -> (N, heads, S, head_dim)``."""
+        return t.view(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}"
+
+
+_TORCH_RENAMES = {
+    "q_proj_weight": "q_proj.weight",
+    "k_proj_weight": "k_proj.weight",
+    "v_proj_weight": "v_proj.weight",
+    "bias_k": "key_bias.weight",
+    "bias_v": "value_bias.weight",
+}
+
+
+def _load_torch_layout(module: nn.Module, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """load_state_dict pre-hook: split torch's fused ``in_proj_*`` and rename its other keys."""
+    for fused, part in (("in_proj_weight", "weight"), ("in_proj_bias", "bias")):
+        if prefix + fused in state_dict:
+            chunks = state_dict.pop(prefix + fused).chunk(3)
+            for name, chunk in zip(("q_proj", "k_proj", "v_proj"), chunks):
+                state_dict[f"{prefix}{name}.{part}"] = chunk
+    for torch_name, own_name in _TORCH_RENAMES.items():
+        if prefix + torch_name in state_dict:
+            state_dict[prefix + own_name] = state_dict.pop(prefix + torch_name)
