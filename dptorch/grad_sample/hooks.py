@@ -92,6 +92,7 @@ class GradSampleHooks:
         self._grad_samples: Dict[nn.Parameter, torch.Tensor] = {}
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
+        self._unit_ids: Optional[torch.Tensor] = None
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
         self._replaying = False
@@ -198,6 +199,16 @@ class GradSampleHooks:
         """
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def set_privacy_units(self, unit_ids: Optional[torch.Tensor]) -> None:
+        """Group batch rows into privacy units for the following backward passes.
+
+        ``unit_ids[r]`` names the unit of row ``r`` (any integers; rows with equal ids form one
+        unit, e.g. a DPO example's chosen and rejected rows, or all records of one user). Their
+        gradients are summed before clipping, and per-sample results have one row per unit, in
+        ascending id order. ``None`` makes every row its own unit again.
+        """
+        self._unit_ids = None if unit_ids is None else torch.as_tensor(unit_ids).flatten()
 
     def clear(self) -> None:
         """Forget the held per-sample gradients (and remove ``p.grad_sample``)."""
@@ -377,6 +388,8 @@ class GradSampleHooks:
                 "after PEFT/model surgery), a module in eval mode, or a weight read directly by another module's "
                 "code (e.g. a fused LM head)."
             )
+        if self._unit_ids is not None:
+            self._grad_samples = {p: sum_rows_by_unit(g, self._unit_ids, self.parameter_name(p)) for p, g in self._grad_samples.items()}
         for param, grad in self._grad_samples.items():
             param.__dict__["grad_sample"] = grad
         if self._listeners:
@@ -396,6 +409,19 @@ class GradSampleHooks:
                 changed.append(param)
             self._unhooked_grad_versions[param] = version
         return changed
+
+
+def sum_rows_by_unit(grad_sample: torch.Tensor, unit_ids: torch.Tensor, name: str = "") -> torch.Tensor:
+    """Sum the rows of ``grad_sample`` that share a unit id; one row per unit, ids ascending."""
+    if unit_ids.shape[0] != grad_sample.shape[0]:
+        raise PerSampleGradientError(
+            f"privacy units name {unit_ids.shape[0]} rows but the batch of {name or 'a parameter'} has "
+            f"{grad_sample.shape[0]}; call set_privacy_units with one id per row of every batch"
+        )
+    _, units = torch.unique(unit_ids.to(grad_sample.device), return_inverse=True)
+    num_units = int(units.max()) + 1 if units.numel() else 0
+    summed = grad_sample.new_zeros((num_units, *grad_sample.shape[1:]))
+    return summed.index_add_(0, units, grad_sample)
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

@@ -268,3 +268,26 @@ def test_registration_after_import_is_honoured():
     torch.manual_seed(0)
     check_per_sample_grads(Scale(), (torch.randn(3, 4),))
     assert calls
+
+
+def test_privacy_units_sum_rows_before_clipping():
+    torch.manual_seed(0)
+    model = mlp()
+    x = torch.randn(6, 4)
+    units = torch.tensor([3, 1, 3, 7, 1, 7])  # three units of two rows each
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
+        model(x).sum().backward()
+        rows = hooks.grad_samples
+        hooks.clear()
+        model.zero_grad()
+        hooks.set_privacy_units(units)
+        model(x).sum().backward()
+        grouped = hooks.grad_samples
+        for p in model.parameters():
+            assert grouped[p].shape[0] == 3
+            for k, unit in enumerate([1, 3, 7]):
+                torch.testing.assert_close(grouped[p][k], rows[p][units == unit].sum(0))
+        hooks.clear()
+        hooks.set_privacy_units(torch.tensor([0, 1]))
+        with pytest.raises(PerSampleGradientError, match="privacy units name 2 rows"):
+            model(x).sum().backward()

@@ -10,6 +10,7 @@ from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError, validation
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
+from dptorch.optim import DPOptimizer
 from dptorch.validate import ModuleValidator, fixers, register_module_check, register_module_fixer
 from dptorch.validate.fixers import largest_divisor_at_most
 from tests.helpers import check_per_sample_grads
@@ -249,21 +250,20 @@ def test_fixed_resnet_trains_privately():
     assert [m.num_groups for m in norms] == [8, 8, 8, 24, 24, 24]  # 48 channels: 24 groups
 
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 5, (6,))
-    loss_fn = nn.CrossEntropyLoss()
-    clip, noise, lr = 1.0, 0.5, 0.1
+    before = copy.deepcopy(fixed.state_dict())
     with GradSampleHooks(fixed) as hooks:
-        for _ in range(3):  # clipped, noised DP-SGD steps on the per-sample gradients
-            loss_fn(fixed(x), y).backward()
-            params = [p for p in fixed.parameters() if p.requires_grad]
+        optimizer = DPOptimizer(
+            torch.optim.SGD(fixed.parameters(), lr=0.1), hooks=hooks, noise_multiplier=0.5, max_grad_norm=1.0,
+            expected_batch_size=len(x),
+        )
+        for _ in range(3):
+            nn.functional.cross_entropy(fixed(x), y).backward()
             samples = hooks.grad_samples
-            assert all(samples[p].shape == (6, *p.shape) for p in params)
-            norms_per_sample = torch.stack([samples[p].flatten(1).norm(dim=1) for p in params]).norm(dim=0)
-            factors = (clip / (norms_per_sample + 1e-6)).clamp(max=1.0)
-            with torch.no_grad():
-                for p in params:
-                    summed = torch.einsum("b,b...->...", factors, samples[p])
-                    p -= lr * (summed + noise * clip * torch.randn_like(p)) / len(x)
-            fixed.zero_grad(set_to_none=True)
-            hooks.clear()
+            assert set(samples) == set(fixed.parameters())
+            assert all(samples[p].shape == (len(x), *p.shape) for p in fixed.parameters())
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.detach()
+    assert all(not torch.equal(before[name], p) for name, p in fixed.named_parameters())
     assert all(torch.isfinite(p).all() for p in fixed.parameters())
     check_per_sample_grads(fixed, (x,))
