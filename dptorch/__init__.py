@@ -16,6 +16,8 @@ _EXPORTS = {
     "GradSampleHooks": "dptorch.grad_sample",
     "GradSampleModule": "dptorch.grad_sample",
     "register_grad_sampler": "dptorch.grad_sample",
+    "ModuleValidator": "dptorch.validate",
+    "DPLoss": "dptorch.loss",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -26,9 +26,6 @@ class GDPApproximationWarning(UserWarning):
     """The GDP (central limit) epsilon is an approximation that can be far below the true one."""
 
 
-# Shown every time, not once per call site: each new GDP accountant is a new risk.
-warnings.filterwarnings("always", category=GDPApproximationWarning, append=True)
-
 GDP_WARNING = (
     "GDPAccountant is a central-limit approximation, not a bound: its epsilon can be far below "
     "the true epsilon (46% low at sigma 0.6, q 0.004, 1000 steps, delta 1e-5). Use the default "
@@ -69,7 +66,10 @@ class GDPAccountant(Accountant):
 
     def __init__(self) -> None:
         super().__init__()
-        warnings.warn(GDP_WARNING, GDPApproximationWarning, stacklevel=2)
+        with warnings.catch_warnings():
+            # Every time, not once per call site; appended, so a user's "ignore" still wins.
+            warnings.filterwarnings("always", category=GDPApproximationWarning, append=True)
+            warnings.warn(GDP_WARNING, GDPApproximationWarning, stacklevel=2)
 
     def _compute_epsilon(self, runs: Tuple[Run, ...], delta: float) -> float:
         return gdp_epsilon(clt_mu(runs), delta)

@@ -46,7 +46,7 @@ def _log_a_integer(q: float, sigma: float, alpha: int) -> float:
 
 def _fractional_terms(q: float, sigma: float, alpha: float, k: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Log magnitudes and signs of the k-th terms of both series (A1 + A2) of Mironov et al."""
-    z0 = sigma**2 * (math.log(1 / q - 1)) + 0.5
+    z0 = sigma**2 * (math.log1p(-q) - math.log(q)) + 0.5
     log_coef, sign = _log_binomial(alpha, k)
     j = alpha - k
     log_q, log_1mq = math.log(q), math.log1p(-q)
@@ -73,14 +73,26 @@ def _log_a_fractional(q: float, sigma: float, alpha: float) -> float:
         n_terms *= 4
 
 
+def _rdp_integer_order(q: float, sigma: float, alpha: int) -> float:
+    return max(_log_a_integer(q, sigma, alpha), 0.0) / (alpha - 1)
+
+
 def _rdp_one_order(q: float, sigma: float, alpha: float) -> float:
     if q == 1.0:
         return alpha / (2 * sigma**2)
     if float(alpha).is_integer():
-        log_a = _log_a_integer(q, sigma, int(alpha))
-    else:
-        log_a = _log_a_fractional(q, sigma, alpha)
-    return max(log_a, 0.0) / (alpha - 1)
+        return _rdp_integer_order(q, sigma, int(alpha))
+    # RDP grows with the order, so the neighbouring integer orders (stable finite sums) bracket
+    # the series value; where the alternating series loses precision (small sigma with large
+    # orders, q next to 1) the upper neighbour is a safe stand-in.
+    upper = _rdp_integer_order(q, sigma, math.ceil(alpha))
+    lower = _rdp_integer_order(q, sigma, math.floor(alpha)) if alpha > 2 else 0.0
+    try:
+        value = max(_log_a_fractional(q, sigma, alpha), 0.0) / (alpha - 1)
+    except ArithmeticError:
+        return upper
+    slack = 1e-9 * upper + 1e-300
+    return value if lower - slack <= value <= upper + slack else upper
 
 
 @lru_cache(maxsize=256)

@@ -13,6 +13,7 @@ results are still held, and nobody consumed them, is an error rather than a sile
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -26,11 +27,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
-from dptorch.grad_sample.registry import GradSampler, find_grad_sampler
+from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
+from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.validation import incompatibilities
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost")
 LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, GradSampleHooks]" = weakref.WeakKeyDictionary()
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
@@ -44,6 +46,7 @@ class _Layer:
     module: nn.Module
     params: Dict[str, nn.Parameter]
     sampler: Optional[GradSampler]  # None: torch.func fallback
+    norm_sampler: Optional[NormSampler] = None  # ghost / book-keeping modes only
 
 
 class GradSampleHooks:
@@ -56,7 +59,11 @@ class GradSampleHooks:
     ``loss_reduction="mean"`` means the loss averages the samples' losses (row ``i`` of the
     per-sample gradient is then rescaled to the gradient of sample ``i``'s own loss);
     ``"sum"`` means it sums them. ``grad_sample_mode="functorch"`` uses the torch.func
-    fallback for every layer. With ``strict=True``, modules whose buffers mix samples
+    fallback for every layer; ``"bk"`` (book-keeping) keeps each layer's inputs and output
+    gradients and forms norms and clipped sums from them in one backward pass; ``"ghost"`` does
+    the same norms and takes the clipped sums from a second backward pass of the loss wrapped
+    by ``dptorch.DPLoss``. In these two modes only instantiated parameters (tied weights, layers
+    without a norm sampler) have ``grad_sample``. With ``strict=True``, modules whose buffers mix samples
     (BatchNorm) are refused at attach time; otherwise they only warn.
     """
 
@@ -89,12 +96,14 @@ class GradSampleHooks:
         self._restore_param_hooks: List[Tuple[nn.Parameter, Any]] = []
         self._layers: Dict[nn.Module, _Layer] = {}
         self._param_names: Dict[nn.Parameter, str] = {}
-        self._grad_samples: Dict[nn.Parameter, torch.Tensor] = {}
+        self._strategy = self._new_strategy()
+        self._suspended = False
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
+        self.last_batch_size: Optional[int] = None
         self._replaying = False
         self._in_backward = False
         self._round_done = False
@@ -126,7 +135,8 @@ class GradSampleHooks:
             if not params:
                 continue
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
-            self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler)
+            norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
+            self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True))
         for param in self._param_names:
             if not param.requires_grad:
@@ -169,23 +179,43 @@ class GradSampleHooks:
 
     # ------------------------------------------------------------------ public results
 
+    def _new_strategy(self):
+        if self.grad_sample_mode == "bk":
+            return BookKeeping(self.parameter_name)
+        if self.grad_sample_mode == "ghost":
+            return BookKeeping(self.parameter_name, second_pass=self._capture_suspended)
+        return Instantiate(self.parameter_name)
+
     @property
     def grad_samples(self) -> Dict[nn.Parameter, torch.Tensor]:
-        """Per-sample gradients of the last backward round, by parameter (a copy of the table)."""
-        return dict(self._grad_samples)
+        """Instantiated per-sample gradients of the last backward round, by parameter (a copy)."""
+        return dict(self._strategy.grads)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
-        """Each parameter's per-sample gradient norm (float32, one entry per sample)."""
-        return {p: g.flatten(1).float().norm(dim=1) for p, g in self._grad_samples.items()}
+        """Each parameter's per-sample (per-unit) gradient norm, float32, for the held round."""
+        return self._strategy.per_sample_norms()
 
     def clipped_sums(self, clip_factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         """``sum_i c_i * g_i`` (float32) for each parameter that ``clip_factors`` names."""
-        return {p: torch.einsum("i,i...->...", c, self._grad_samples[p].float()) for p, c in clip_factors.items()}
+        return self._strategy.clipped_sums(clip_factors)
 
     @property
     def batch_size(self) -> int:
-        """Samples in the held round (0 when nothing is held)."""
-        return next((g.shape[0] for g in self._grad_samples.values()), 0)
+        """Samples (units) in the held round (0 when nothing is held)."""
+        return self._strategy.batch_size()
+
+    def register_per_sample_loss(self, per_sample_loss: torch.Tensor) -> None:
+        """Ghost mode: the per-sample loss whose reweighted sum gives the clipped gradient."""
+        if isinstance(self._strategy, BookKeeping):
+            self._strategy.per_sample_loss = per_sample_loss
+
+    @contextlib.contextmanager
+    def _capture_suspended(self):
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     def parameter_name(self, param: nn.Parameter) -> str:
         if param in self._param_names:
@@ -212,9 +242,9 @@ class GradSampleHooks:
 
     def clear(self) -> None:
         """Forget the held per-sample gradients (and remove ``p.grad_sample``)."""
-        for param in self._grad_samples:
+        for param in self._strategy.grads:
             param.__dict__.pop("grad_sample", None)
-        self._grad_samples = {}
+        self._strategy = self._new_strategy()
         self._round_done = False
         self._round_consumed = False
 
@@ -223,6 +253,7 @@ class GradSampleHooks:
     def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is self.module and not self._replaying:
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
+            self.last_batch_size = self._batch_size
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if module is self.module and not self._replaying:
@@ -305,16 +336,20 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ backward side
 
     def _layer_backward(self, layer: _Layer, params, n: int, activations, grad_outputs) -> None:
+        if self._suspended:
+            return
         self._begin_round()
         backprops = self._per_sample_scale(grad_outputs[0], n)
         if self._batch_dim != 0:
             # 1-D inputs (EmbeddingBag's flat indices and offsets) carry no batch dimension.
             activations = tuple(a.movedim(self._batch_dim, 0) if a.dim() > 1 else a for a in activations)
             backprops = backprops.movedim(self._batch_dim, 0)
-        grads = layer.sampler(layer.module, tuple(activations), backprops)
-        self._accumulate(layer, params, grads)
+        call = LayerCall(layer.name, layer.module, params, layer.sampler, layer.norm_sampler, tuple(activations), backprops)
+        self._strategy.on_call(call)
 
     def _replay_backward(self, layer: _Layer, params, n, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
+        if self._suspended:
+            return
         self._begin_round()
         leaves = list(call_leaves)
         for i, t in zip(tensor_positions, saved):
@@ -329,33 +364,13 @@ class GradSampleHooks:
                 )
         finally:
             self._replaying = False
-        self._accumulate(layer, params, grads)
+        self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), grad_outputs[0]), grads)
 
     def _per_sample_scale(self, grad: torch.Tensor, n: int) -> torch.Tensor:
         return grad * n if self.loss_reduction == "mean" else grad
 
-    def _accumulate(self, layer: _Layer, params: Dict[str, nn.Parameter], grads: Dict[nn.Parameter, torch.Tensor]) -> None:
-        for name, param in params.items():
-            grad = grads.get(param)
-            if grad is None:
-                raise PerSampleGradientError(
-                    f"the grad sampler of {layer.name} ({type(layer.module).__name__}) returned no per-sample "
-                    f"gradient for its trainable parameter {name!r}"
-                )
-            held = self._grad_samples.get(param)
-            if held is None:
-                self._grad_samples[param] = grad
-            elif held.shape != grad.shape:
-                raise PerSampleGradientError(
-                    f"parameter {self.parameter_name(param)} was used by calls with different batch sizes "
-                    f"({held.shape[0]} and {grad.shape[0]}) in one backward pass; per-sample gradients need one "
-                    "row per sample in every call"
-                )
-            else:
-                self._grad_samples[param] = held + grad
-
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
-        if param.requires_grad and param in self._param_names:
+        if param.requires_grad and param in self._param_names and not self._suspended:
             self._begin_round()
             self._received[param] = None
 
@@ -376,9 +391,10 @@ class GradSampleHooks:
     def _end_round(self) -> None:
         self._in_backward = False
         self._round_done = True
-        missing = [p for p in self._received if p not in self._grad_samples] + self._new_parameters_with_grads()
+        covered = self._strategy.covers()
+        missing = [p for p in self._received if p not in covered] + self._new_parameters_with_grads(covered)
         self._received = {}
-        if missing and (self._grad_samples or self.module.training):
+        if missing and (covered or self.module.training):
             names = ", ".join(self.parameter_name(p) for p in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             self.clear()
@@ -388,9 +404,8 @@ class GradSampleHooks:
                 "after PEFT/model surgery), a module in eval mode, or a weight read directly by another module's "
                 "code (e.g. a fused LM head)."
             )
-        if self._unit_ids is not None:
-            self._grad_samples = {p: sum_rows_by_unit(g, self._unit_ids, self.parameter_name(p)) for p, g in self._grad_samples.items()}
-        for param, grad in self._grad_samples.items():
+        self._strategy.finish_round(self._unit_ids)
+        for param, grad in self._strategy.grads.items():
             param.__dict__["grad_sample"] = grad
         if self._listeners:
             for listener in list(self._listeners):
@@ -398,30 +413,17 @@ class GradSampleHooks:
             self._round_consumed = True
 
 
-    def _new_parameters_with_grads(self) -> List[nn.Parameter]:
+    def _new_parameters_with_grads(self, covered: set) -> List[nn.Parameter]:
         """Parameters added after attaching (no hooks) whose gradient changed since last seen."""
         changed = []
         for name, param in self.module.named_parameters():
             if param in self._param_names or not param.requires_grad or param.grad is None:
                 continue
             version = (id(param.grad), param.grad._version)
-            if self._unhooked_grad_versions.get(param) != version and param not in self._grad_samples:
+            if self._unhooked_grad_versions.get(param) != version and param not in covered:
                 changed.append(param)
             self._unhooked_grad_versions[param] = version
         return changed
-
-
-def sum_rows_by_unit(grad_sample: torch.Tensor, unit_ids: torch.Tensor, name: str = "") -> torch.Tensor:
-    """Sum the rows of ``grad_sample`` that share a unit id; one row per unit, ids ascending."""
-    if unit_ids.shape[0] != grad_sample.shape[0]:
-        raise PerSampleGradientError(
-            f"privacy units name {unit_ids.shape[0]} rows but the batch of {name or 'a parameter'} has "
-            f"{grad_sample.shape[0]}; call set_privacy_units with one id per row of every batch"
-        )
-    _, units = torch.unique(unit_ids.to(grad_sample.device), return_inverse=True)
-    num_units = int(units.max()) + 1 if units.numel() else 0
-    summed = grad_sample.new_zeros((num_units, *grad_sample.shape[1:]))
-    return summed.index_add_(0, units, grad_sample)
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

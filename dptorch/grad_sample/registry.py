@@ -13,6 +13,7 @@ HF RMSNorm family). Registration may happen at any time before a controller atta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple, Type
 
 import torch
@@ -77,6 +78,63 @@ def _verified(module: nn.Module, fn: GradSampler, verify: Optional[ModulePredica
     return _VERIFIED[key]
 
 
+NormFunction = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class NormSampler:
+    """Per-sample squared norms, and batch gradients from per-sample scaled backprops.
+
+    ``token_wise`` layers act on each position of ``(B, *middle, F)`` independently, so the rows
+    of one privacy unit can be concatenated along the middle dimensions.
+    """
+
+    norms_sq: NormFunction
+    clipped_sum: NormFunction
+    token_wise: bool = False
+
+
+_NORM_SAMPLERS: Dict[Type[nn.Module], NormSampler] = {}
+_NORM_DUCK_RULES: List[Tuple[ModulePredicate, NormSampler]] = []
+
+
+def register_norm_sampler(
+    *module_types: Type[nn.Module],
+    clipped_sum: NormFunction,
+    predicate: Optional[ModulePredicate] = None,
+    token_wise: bool = False,
+):
+    """Decorator registering ``norms_sq(module, activations, backprops)`` for ghost/BK modes.
+
+    ``clipped_sum(module, activations, scaled_backprops)`` must return the batch gradient of each
+    trainable direct parameter given backprops already multiplied by each sample's clip factor.
+    Give module types, or a ``predicate`` for duck-typed families.
+    """
+    if not module_types and predicate is None:
+        raise TypeError("register_norm_sampler needs module types or a predicate")
+
+    def decorator(fn: NormFunction) -> NormFunction:
+        sampler = NormSampler(fn, clipped_sum, token_wise)
+        for module_type in module_types:
+            _NORM_SAMPLERS[module_type] = sampler
+        if predicate is not None:
+            _NORM_DUCK_RULES.append((predicate, sampler))
+        return fn
+
+    return decorator
+
+
+def find_norm_sampler(module: nn.Module) -> Optional[NormSampler]:
+    """The norm sampler for ``module`` (type, MRO, then duck rules), or None."""
+    _load_builtin_samplers()
+    for cls in type(module).__mro__:
+        if cls in _NORM_SAMPLERS:
+            return _NORM_SAMPLERS[cls]
+        if cls is nn.Module:
+            break
+    return next((sampler for predicate, sampler in _NORM_DUCK_RULES if predicate(module)), None)
+
+
 def _load_builtin_samplers() -> None:
-    """Import the built-in layer samplers once (they register themselves)."""
-    from dptorch.grad_sample import layers  # noqa: F401  (import registers)
+    """Import the built-in layer and norm samplers once (they register themselves)."""
+    from dptorch.grad_sample import ghost, layers  # noqa: F401  (import registers)

@@ -1,6 +1,10 @@
-"""DP-ready replacements for torch layers whose fused kernels hide per-sample gradients."""
+"""DP-ready replacements for torch layers whose fused kernels hide per-sample gradients.
 
-from dptorch.layers.attention import AppendedVector, DPMultiheadAttention
-from dptorch.layers.rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase, RecurrentSweep
+``DPRNN``, ``DPGRU``, ``DPLSTM`` and ``DPMultiheadAttention`` take the same arguments, inputs and
+state_dicts as their torch counterparts; ``ModuleValidator.fix`` swaps them in.
+"""
 
-__all__ = ["AppendedVector", "DPGRU", "DPLSTM", "DPMultiheadAttention", "DPRNN", "DPRNNBase", "RecurrentSweep"]
+from dptorch.layers.attention import DPMultiheadAttention
+from dptorch.layers.rnn import DPGRU, DPLSTM, DPRNN, DPRNNBase
+
+__all__ = ["DPGRU", "DPLSTM", "DPMultiheadAttention", "DPRNN", "DPRNNBase"]

@@ -85,11 +85,9 @@ class DPMultiheadAttention(nn.Module):
 
     Same constructor and ``forward`` as torch's, returning ``(attn_output, attn_weights or None)``.
     ``is_causal=True`` without ``attn_mask`` applies a causal mask (torch raises instead).
+    ``in_proj_weight``/``in_proj_bias`` exist for torch's inference fast path (TransformerEncoder in
+    eval mode): they are concatenations computed on access, so write to ``q_proj``/``k_proj``/``v_proj``.
     """
-
-    in_proj_weight = None  # torch's fused-path attributes: the projections here are separate
-    in_proj_bias = None
-    _qkv_same_embed_dim = False
 
     def __init__(
         self,
@@ -119,6 +117,7 @@ class DPMultiheadAttention(nn.Module):
         self.dropout = dropout
         self.batch_first = batch_first
         self.add_zero_attn = add_zero_attn
+        self._qkv_same_embed_dim = self.kdim == self.vdim == embed_dim
         self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(self.kdim, embed_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(self.vdim, embed_dim, bias=bias, **factory)
@@ -132,7 +131,7 @@ class DPMultiheadAttention(nn.Module):
         """torch's initialisation: Xavier-uniform input projections (over the fused ``(3E, E)``
         matrix when ``kdim == vdim == embed_dim``), zero biases, Xavier-normal ``bias_k``/``bias_v``."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        if self.kdim == self.vdim == self.embed_dim:
+        if self._qkv_same_embed_dim:
             fused = torch.empty(3 * self.embed_dim, self.embed_dim)
             nn.init.xavier_uniform_(fused)
             with torch.no_grad():
@@ -147,6 +146,19 @@ class DPMultiheadAttention(nn.Module):
         for appended in (self.key_bias, self.value_bias):
             if appended is not None:
                 nn.init.xavier_normal_(appended.weight)
+
+    @property
+    def in_proj_weight(self) -> Optional[Tensor]:
+        """torch's fused ``(3E, E)`` input projection (None when ``kdim``/``vdim`` differ, as in torch)."""
+        if not self._qkv_same_embed_dim:
+            return None
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    @property
+    def in_proj_bias(self) -> Optional[Tensor]:
+        if self.q_proj.bias is None:
+            return None
+        return torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
 
     @property
     def bias_k(self) -> Optional[nn.Parameter]:
@@ -212,9 +224,12 @@ class DPMultiheadAttention(nn.Module):
             weights = weights if batched else weights.squeeze(0)
         return out, weights
 
+    # torch's own mask merging, for its TransformerEncoderLayer fast path (uses only num_heads).
+    merge_masks = nn.MultiheadAttention.merge_masks
+
     def _split_heads(self, t: Tensor) -> Tensor:
         """``(N, S, E) -> (N, heads, S, head_dim)``."""
-        return t.view(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+        return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}"

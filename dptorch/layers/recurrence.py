@@ -146,14 +146,13 @@ def sweep_backprops(
 
     Samples never interact, so one batched backward pass gives every sample's own gradients.
     """
-    detach = lambda t: None if t is None else t.detach()  # noqa: E731
     with torch.enable_grad():
-        gi = F.linear(x.detach(), weight_ih.detach(), detach(bias_ih)).requires_grad_()
+        gi = F.linear(x.detach(), weight_ih.detach(), _detached(bias_ih)).requires_grad_()
         h0 = h0.detach().requires_grad_()  # so that the first step's hidden map is in the graph
         trace = SweepTrace()
         states = sweep(
-            cell, gi, h0, tuple(e.detach() for e in extra0), weight_hh.detach(), detach(bias_hh),
-            detach(weight_hr), mask, reverse, trace,
+            cell, gi, h0, tuple(e.detach() for e in extra0), weight_hh.detach(), _detached(bias_hh),
+            _detached(weight_hr), mask, reverse, trace,
         )
         targets = [gi, *trace.hidden_outputs]
         if weight_hr is not None:
@@ -161,9 +160,17 @@ def sweep_backprops(
         grads = torch.autograd.grad(states, targets, grad_states, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(targets, grads)]
     steps = len(trace.hidden_outputs)
-    stack = lambda ts: torch.stack(ts, dim=1)  # noqa: E731
-    hidden_map = (stack(trace.hidden_inputs).detach(), stack(grads[1 : 1 + steps]))
+    hidden_map = (_over_time(trace.hidden_inputs).detach(), _over_time(grads[1 : 1 + steps]))
     projection_map = None
     if weight_hr is not None:
-        projection_map = (stack(trace.projection_inputs).detach(), stack(grads[1 + steps :]))
+        projection_map = (_over_time(trace.projection_inputs).detach(), _over_time(grads[1 + steps :]))
     return SweepBackprops((x.detach(), grads[0]), hidden_map, projection_map)
+
+
+def _detached(t: Optional[Tensor]) -> Optional[Tensor]:
+    return None if t is None else t.detach()
+
+
+def _over_time(steps: List[Tensor]) -> Tensor:
+    """Per-step ``(B, F)`` tensors as one ``(B, T, F)`` tensor (step order is irrelevant to sums over time)."""
+    return torch.stack(steps, dim=1)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.layers.linear import linear_map_grad_samples
 from dptorch.grad_sample.registry import register_grad_sampler
 from dptorch.layers.recurrence import CELL_KINDS, CellKind, sweep, sweep_backprops
@@ -109,7 +110,12 @@ def recurrent_sweep_grad_sampler(
     """Per-sample grads of a sweep: recompute it, then contract each map's backprops over time."""
     x, state0, *rest = activations
     mask = rest[0] if rest else None
-    h0, extra0 = module.split_state(state0.reshape(state0.shape[0], -1))
+    if tuple(state0.shape) != (x.shape[0], module.state_size):
+        raise PerSampleGradientError(
+            f"{type(module).__name__} got its inputs with the batch moved off dim 0: DP recurrent layers present "
+            "batch-first calls whatever their batch_first, so attach the controller with batch_first=True"
+        )
+    h0, extra0 = module.split_state(state0)
     maps = sweep_backprops(
         module.kind.step, x, h0, extra0, module.weight_ih, module.bias_ih, module.weight_hh, module.bias_hh,
         module.weight_hr, mask, module.reverse, backprops,
@@ -221,6 +227,8 @@ class DPRNNBase(nn.Module):
             x = input if batched else input.unsqueeze(0 if self.batch_first else 1)
             x = x if self.batch_first else x.transpose(0, 1)
             mask = None
+        if x.shape[1] == 0:
+            raise RuntimeError("Expected sequence length to be larger than 0 in RNN")
         if x.shape[-1] != self.input_size:
             raise RuntimeError(f"{type(self).__name__}: input.size(-1) must be equal to input_size. Expected {self.input_size}, got {x.shape[-1]}")
         states0 = self._initial_states(hx, x, batched)

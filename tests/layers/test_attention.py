@@ -167,19 +167,23 @@ def test_time_major_layer_inside_a_batch_first_model():
     check_per_sample_grads(SelfAttention(), (torch.randn(N, L, E),))
 
 
-def test_fixed_transformer_encoder_layer():
+def test_fixed_transformer_encoder():
     torch.manual_seed(3)
     layer = nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=16, dropout=0.0, batch_first=True)
-    fixed = ModuleValidator.fix(layer)
-    assert isinstance(fixed.self_attn, DPMultiheadAttention)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    fixed = ModuleValidator.fix(encoder)
+    assert all(isinstance(block.self_attn, DPMultiheadAttention) for block in fixed.layers)
     x = torch.randn(N, L, E)
     padding = torch.zeros(N, L, dtype=torch.bool)
-    padding[1, -1] = True
+    padding[1, -2:] = True
     causal = nn.Transformer.generate_square_subsequent_mask(L)
-    for kwargs in (dict(), dict(src_key_padding_mask=padding), dict(src_mask=causal, is_causal=True)):
-        torch.testing.assert_close(fixed(x, **kwargs), layer(x, **kwargs))
-    fixed.eval(), layer.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(fixed(x, src_key_padding_mask=padding), layer(x, src_key_padding_mask=padding))
+    for kwargs in (dict(), dict(src_key_padding_mask=padding), dict(mask=causal, is_causal=True)):
+        torch.testing.assert_close(fixed(x, **kwargs), encoder(x, **kwargs))
+    fixed.eval(), encoder.eval()
+    with torch.no_grad():  # torch's inference fast path, through in_proj_weight and merge_masks
+        got, expected = fixed(x, src_key_padding_mask=padding), encoder(x, src_key_padding_mask=padding)
+        torch.testing.assert_close(got[~padding], expected[~padding])
     fixed.train()
     check_per_sample_grads(fixed, (x,))
+    boolean_causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    check_per_sample_grads(fixed, (x, boolean_causal, padding), loss_fn=lambda out: (out * torch.arange(E)).sum((1, 2)))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import io
-import itertools
 
 import pytest
 import torch
@@ -167,6 +166,8 @@ def test_argument_errors():
         DPGRU(IN, H)(torch.randn(T, B, IN + 1))
     with pytest.raises(RuntimeError, match="hidden size"):
         DPGRU(IN, H)(torch.randn(T, B, IN), torch.randn(1, B + 1, H))
+    with pytest.raises(RuntimeError, match="sequence length"):
+        DPGRU(IN, H)(torch.randn(0, B, IN))
 
 
 # ---------------------------------------------------------------------------------- per-sample
@@ -290,3 +291,22 @@ def test_every_sweep_is_one_hooked_call_per_layer_direction():
     for handle in handles:
         handle.remove()
     assert calls == [(B, T, 2 * H)] * 4
+
+
+def test_empty_batch():
+    dp = DPLSTM(IN, H, batch_first=True, bidirectional=True, proj_size=2)
+    with GradSampleHooks(dp, loss_reduction="sum") as hooks:
+        output, (h_n, c_n) = dp(torch.randn(0, T, IN))
+        assert output.shape == (0, T, 4) and h_n.shape == (2, 0, 2) and c_n.shape == (2, 0, H)
+        output.sum().backward()
+        assert all(hooks.grad_samples[p].shape == (0, *p.shape) for p in dp.parameters())
+
+
+def test_controller_with_time_major_batches_is_refused():
+    """The sweeps' calls are batch-first; a batch_first=False controller must not misread them (here T == B)."""
+    dp = DPGRU(IN, H)
+    with GradSampleHooks(dp, batch_first=False) as hooks:
+        output, _ = dp(torch.randn(B, B, IN))
+        with pytest.raises(Exception, match="batch_first=True"):
+            output.sum().backward()
+        hooks.clear()

@@ -1,0 +1,128 @@
+"""Per-sample gradient norms without per-sample gradients, and clipped sums from (a, b).
+
+For a layer that is linear in its weight, sample ``i``'s gradient is ``G_i = sum_t b_it a_it^T``.
+Its squared norm is ``sum_{t,t'} (a_it . a_it')(b_it . b_it')`` (the "ghost" form, cost about
+``B T^2 (d + p)``) or, instantiated, ``||einsum(b, a)||^2`` (cost ``B T d p``); each call picks
+the cheaper ("mixed ghost clipping"). The clipped sum ``sum_i c_i G_i`` is the ordinary weight
+gradient with each sample's ``b`` scaled by ``c_i`` (book-keeping: no second backward pass).
+
+A norm sampler is ``(module, activations, backprops) -> {param: squared norm per sample}``;
+its clipped-sum partner takes backprops already scaled per sample and returns batch gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import nn
+
+from dptorch.grad_sample.layers.embedding import embedding_grad_sampler
+from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
+from dptorch.grad_sample.layers.linear import flatten_middle_dims
+from dptorch.grad_sample.registry import register_norm_sampler
+
+Tensors = Tuple[torch.Tensor, ...]
+
+
+def _trainable(param: Optional[nn.Parameter]) -> bool:
+    return param is not None and param.requires_grad
+
+
+def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """Squared norms of ``sum_t b_t a_t^T`` per sample, ghost or instantiated, whichever is cheaper."""
+    a = flatten_middle_dims(inputs).float()
+    b = flatten_middle_dims(backprops).float()
+    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
+    if tokens == 1:
+        return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
+    if tokens * (d + p) < d * p:
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+    return torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2))
+
+
+def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:
+    """``sum_i sum_t b_it a_it^T`` as ``(out, in)``: one matmul over all tokens of the batch."""
+    a = inputs.reshape(-1, inputs.shape[-1])
+    b = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).to(a.dtype)
+    return b.t() @ a
+
+
+def _linear_norms(weight, bias, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor]:
+    norms = {}
+    if _trainable(weight):
+        norms[weight] = linear_weight_norms_sq(inputs, backprops)
+    if _trainable(bias):
+        norms[bias] = flatten_middle_dims(backprops).float().sum(1).pow(2).sum(1)
+    return norms
+
+
+def _linear_sums(weight, bias, inputs, scaled_backprops, in_by_out=False) -> Dict[nn.Parameter, torch.Tensor]:
+    sums = {}
+    if _trainable(weight):
+        w = linear_weight_sum(inputs, scaled_backprops)
+        sums[weight] = (w.t() if in_by_out else w).float()
+    if _trainable(bias):
+        sums[bias] = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).float().sum(0)
+    return sums
+
+
+def _linear_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    return _linear_sums(module.weight, module.bias, activations[0], scaled_backprops)
+
+
+def _hf_conv1d_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    return _linear_sums(module.weight, module.bias, activations[0], scaled_backprops, in_by_out=True)
+
+
+@register_norm_sampler(nn.Linear, clipped_sum=_linear_clipped_sum, token_wise=True)
+def linear_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """``nn.Linear``: ghost or instantiated norms per call, bias from the summed backprops."""
+    return _linear_norms(module.weight, module.bias, activations[0], backprops)
+
+
+@register_norm_sampler(predicate=looks_like_hf_conv1d, clipped_sum=_hf_conv1d_clipped_sum, token_wise=True)
+def hf_conv1d_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """transformers' ``Conv1D``: the same norms as a Linear layer (the layout does not matter)."""
+    return _linear_norms(module.weight, module.bias, activations[0], backprops)
+
+
+def embedding_norms_sq(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    """``sum_{t,t'} [x_t = x_t'] (b_t . b_t')`` per sample, padding positions excluded."""
+    ids = indices.reshape(indices.shape[0], -1)
+    b = backprops.reshape(ids.shape[0], ids.shape[1], -1).float()
+    same = ids.unsqueeze(2) == ids.unsqueeze(1)
+    if padding_idx is not None:
+        same &= (ids != padding_idx).unsqueeze(2)
+    return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
+
+
+def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    weight = module.weight
+    if not weight.requires_grad:
+        return {}
+    ids = activations[0].reshape(-1)
+    values = scaled_backprops.reshape(ids.shape[0], -1).float()
+    summed = values.new_zeros(weight.shape).index_add_(0, ids, values)
+    if module.padding_idx is not None:
+        summed[module.padding_idx] = 0
+    return {weight: summed}
+
+
+def _plain_embedding(module: nn.Module) -> bool:
+    return isinstance(module, nn.Embedding) and not module.scale_grad_by_freq
+
+
+@register_norm_sampler(predicate=_plain_embedding, clipped_sum=_embedding_clipped_sum, token_wise=True)
+def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """``nn.Embedding``: ghost norms when ``T^2 < V``, else the instantiated gradient's norm."""
+    weight = module.weight
+    if not weight.requires_grad:
+        return {}
+    ids = activations[0]
+    tokens = math.prod(ids.shape[1:])
+    if tokens * tokens < module.num_embeddings:
+        return {weight: embedding_norms_sq(ids, backprops, module.padding_idx)}
+    grads = embedding_grad_sampler(module, activations, backprops)[weight]
+    return {weight: grads.float().flatten(1).pow(2).sum(1)}
