@@ -11,8 +11,11 @@ from dptorch.accounting.validation import check_delta, check_noise_multiplier, c
 
 
 def step_grid(steps: int, points: int = 41) -> List[int]:
-    """Up to ``points`` distinct step counts from 0 to ``steps`` (both included), evenly spaced."""
-    return sorted({int(round(x)) for x in np.linspace(0, steps, max(2, points))})
+    """Distinct step counts from 0 to ``steps``: ``points`` evenly spaced, plus a few geometric
+    ones inside the first interval, where epsilon rises fastest."""
+    even = np.linspace(0, steps, max(2, points))
+    early = np.geomspace(1, max(1.0, even[1]), 8) if steps > 0 else []
+    return sorted({int(round(x)) for x in [*even, *early]})
 
 
 def epsilon_curve(
