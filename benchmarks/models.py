@@ -23,10 +23,10 @@ SHAPES = {
     # name: (family, layers, width, seq, batch, vocab, tied)
     "narrow-gpt2-tied": ("gpt2", 4, 256, 128, 16, 5000, True),
     "narrow-gpt2-untied": ("gpt2", 4, 256, 128, 16, 5000, False),
-    "narrow-llama": ("llama", 4, 256, 128, 16, 5000, True),
+    "narrow-llama": ("llama", 4, 256, 128, 16, 5000, False),
     "wide-gpt2": ("gpt2", 2, 768, 128, 16, 5000, True),
 }
-MODES = ("nonprivate", "hooks", "functorch")
+MODES = ("nonprivate", "hooks", "bk", "functorch")
 
 
 def build(family, layers, width, vocab, tied):
@@ -83,7 +83,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--modes", nargs="+", default=list(MODES[:2]), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=list(MODES))
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")

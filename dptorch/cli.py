@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -135,6 +136,8 @@ def run_epsilon(args: argparse.Namespace) -> int:
     steps = check_steps(args.steps, "--steps")
     delta = check_delta(args.delta, "--delta")
     names = _accountant_list(args.accountant)
+    if args.plot:
+        _check_plot_target(args.plot)
 
     epsilons: Dict[str, float] = {}
     for name in names:
@@ -168,6 +171,17 @@ def run_epsilon(args: argparse.Namespace) -> int:
         payload["plot"] = args.plot
     _emit(payload, lines, args.json)
     return 0
+
+
+def _check_plot_target(path: str) -> None:
+    """Fail before the (slow) curves are computed if the plot could not be saved anyway."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CommandError(f"cannot write the plot to {path!r}: folder {folder!r} does not exist")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CommandError("--plot needs matplotlib: pip install 'dptorch[plot]'") from None
 
 
 def _plot_curves(path: str, curves: Dict[str, Any], *, sigma: float, q: float, delta: float) -> None:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
-
 from functools import lru_cache
+from typing import Optional, Tuple
 
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution

@@ -3,9 +3,10 @@
 Pure functions implementing the PRV accountant of Gopi, Lee and Wutschitz, "Numerical
 Composition of Differential Privacy" (2021), with its error analysis:
 
-* One step compares mu = (1-q) N(0, s^2) + q N(1, s^2) with mu0 = N(0, s^2). The privacy loss Y = log(P/Q)(X), X ~ P, is taken in both
-  directions ("remove": P = mu, Q = mu0; "add": P = mu0, Q = mu) and the larger delta wins.
-  Its CDF is closed form because the loss is monotone in X.
+* One step compares mu = (1-q) N(0, s^2) + q N(1, s^2) with mu0 = N(0, s^2). The privacy
+  loss Y = log(P/Q)(X), X ~ P, is taken in both directions ("remove": P = mu, Q = mu0;
+  "add": P = mu0, Q = mu) and the larger delta wins. Its CDF is closed form because the loss
+  is monotone in X.
 * Y is clipped to [lo, hi] (the clipped mass is counted in delta) and put on the grid
   {j h}: each bucket's mass sits at its centre, then the whole grid is shifted so that the
   discrete mean equals E[clip(Y)]. Then Y~ - Y lies in an interval of length h and has mean
@@ -13,6 +14,8 @@ Composition of Differential Privacy" (2021), with its error analysis:
   except with probability eta.
 * The K-fold sum is one FFT power per run; a Chernoff bound on the discrete sum sizes the
   FFT window so that wrapped-around mass is below a set budget.
+* FFT round-off, estimated from the negative masses it leaves, is added to the delta slack
+  (it matters only for delta below ~1e-10, where double precision runs out).
 * delta(eps) = E[(1 - exp(eps - Y))_+] is then piecewise of the form a - b e^eps between grid
   points, so eps for a given delta is solved exactly on the discrete distribution.
 """
@@ -32,6 +35,17 @@ from scipy.special import logsumexp, ndtr, ndtri
 
 REMOVE = "remove"
 ADD = "add"
+
+#: Largest grid (points) the PRV accountant will allocate; beyond it, ask for a coarser one.
+MAX_GRID_POINTS = 2**25
+
+
+def _check_grid_size(points: int, what: str) -> None:
+    if points > MAX_GRID_POINTS:
+        raise ValueError(
+            f"the PRV accountant would need {points:,} grid points for {what} (limit {MAX_GRID_POINTS:,}); "
+            "pass a larger eps_error to PRVAccountant or use the 'pld' accountant"
+        )
 
 
 class EpsilonBounds(NamedTuple):
@@ -138,6 +152,7 @@ def discretise_loss(sigma: float, q: float, direction: str, mesh: float, tail_ma
         y_lo, y_hi = -_remove_loss_of_x(np.array([-sigma * z, sigma * z]), sigma, q)
     first = math.floor(y_lo / mesh)
     last = math.ceil(y_hi / mesh)
+    _check_grid_size(last - first + 1, "one step")
     edges = (np.arange(first, last + 2) - 0.5) * mesh
     cdf, sf = loss_cdf_and_sf(edges, sigma, q, direction)
     # Differences of the CDF below the median, of the survival function above: no cancellation.
@@ -206,6 +221,7 @@ def _fft_layout(window: Tuple[float, float], offset: float, mesh: float) -> Tupl
     """(first grid index, FFT size) covering the window of summed values."""
     index_lo = math.floor((window[0] - offset) / mesh) - 1
     index_hi = math.ceil((window[1] - offset) / mesh) + 1
+    _check_grid_size(index_hi - index_lo + 1, "the composition")
     return index_lo, sp_fft.next_fast_len(index_hi - index_lo + 1, real=True)
 
 
@@ -221,9 +237,14 @@ def _composed_loss(
     """Back from the product spectrum to masses and values, with the error budget of the sum.
 
     ``delta_error`` is split: half for the Hoeffding rounding bound, a quarter for clipping the
-    steps and a quarter for the FFT window.
+    steps and a quarter for the FFT window; the estimated FFT round-off comes on top.
     """
-    composed = np.clip(sp_fft.irfft(spectrum, size), 0.0, None)
+    raw = sp_fft.irfft(spectrum, size)
+    # FFT round-off (~1e-18 per entry) shows as negative masses where the true mass is ~0;
+    # their mean size times the number of entries estimates the round-off in any delta.
+    negative = raw[raw < 0]
+    fft_noise = size * float(-negative.mean()) if len(negative) else 0.0
+    composed = np.clip(raw, 0.0, None)
     # Position m of the circular result holds grid sum index_lo + ((m - index_lo) mod size).
     probs = np.roll(composed, -(index_lo % size))
     values = (index_lo + np.arange(size)) * mesh + offset
@@ -233,7 +254,7 @@ def _composed_loss(
     epsilon_error = mesh * math.sqrt(total_steps / 2 * math.log(2 / hoeffding_eta)) + sum(
         count * loss.mean_error for loss, count in losses
     )
-    return ComposedLoss(values, probs, hoeffding_eta + clipped + delta_error / 4, epsilon_error)
+    return ComposedLoss(values, probs, hoeffding_eta + clipped + delta_error / 4 + fft_noise, epsilon_error)
 
 
 def compose_losses(
@@ -241,7 +262,8 @@ def compose_losses(
 ) -> ComposedLoss:
     """Sum of the privacy losses of all steps in ``runs`` ([(sigma, q, count)]) in one direction.
 
-    The result carries its delta slack (at most ``delta_error``) and epsilon slack.
+    The result carries its slack: delta (``delta_error`` plus the estimated FFT round-off)
+    and epsilon (the Hoeffding bound of the rounding).
     """
     total_steps = sum(count for _, _, count in runs)
     clip_per_tail = delta_error / (8 * total_steps)

@@ -34,8 +34,8 @@ class PRVAccountant(Accountant):
     An independent implementation of the same quantity as :class:`PLDAccountant` (both
     directions of the sampled Gaussian, FFT composition). ``get_epsilon`` returns the proven
     upper bound; :meth:`get_epsilon_bounds` also gives the estimate and the lower bound.
-    ``eps_error`` (default: 0.1% of the RDP epsilon, at least 0.001) widens the bounds but makes the
-    FFT smaller; ``delta_error`` (default: delta / 1000) is the delta slack of the bounds.
+    ``eps_error`` (default: 0.1% of the RDP epsilon, at least 0.001) widens the bounds but
+    makes the FFT smaller; ``delta_error`` (default: delta / 1000) is the delta slack of the bounds.
     Slower than PLD for long runs (the grid shrinks like 1/sqrt(steps)).
     """
 
@@ -55,6 +55,10 @@ class PRVAccountant(Accountant):
         if key not in self._epsilon_cache:
             self._epsilon_cache[key] = self._bounds(merge_runs(self._history), delta)  # type: ignore[assignment]
         return self._epsilon_cache[key]  # type: ignore[return-value]
+
+    def get_epsilon(self, delta: float) -> float:
+        """Proven upper bound on epsilon at ``delta`` (see :meth:`get_epsilon_bounds`)."""
+        return self.get_epsilon_bounds(delta).upper
 
     def _delta_error(self, delta: float) -> float:
         delta_error = self.delta_error if self.delta_error is not None else _RELATIVE_DELTA_ERROR * delta

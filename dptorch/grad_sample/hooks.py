@@ -98,6 +98,7 @@ class GradSampleHooks:
         self._param_names: Dict[nn.Parameter, str] = {}
         self._strategy = self._new_strategy()
         self._suspended = False
+        self._suppressed: Dict[nn.Module, Dict[str, nn.Parameter]] = {}
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
@@ -137,7 +138,9 @@ class GradSampleHooks:
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
             norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
             self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
-            self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True))
+            if norm_sampler is not None and self.grad_sample_mode == "bk":
+                self._handles.append(sub.register_forward_pre_hook(self._suppress_weight_grads))
+            self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
             if not param.requires_grad:
                 continue
@@ -259,13 +262,30 @@ class GradSampleHooks:
         if module is self.module and not self._replaying:
             self._batch_size = None
 
+    def _capturing(self, module: nn.Module) -> bool:
+        return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
+
+    def _suppress_weight_grads(self, module: nn.Module, args: tuple) -> None:
+        """Book-keeping: autograd need not compute this layer's weight gradient, which the clipped
+        sum replaces; its parameters stop requiring grad for the duration of the call."""
+        if not self._capturing(module):
+            return
+        params = {name: p for name, p in self._layers[module].params.items() if p.requires_grad}
+        for p in params.values():
+            p.requires_grad_(False)
+        self._suppressed[module] = params
+
     def _on_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        if self._replaying or not torch.is_grad_enabled() or not module.training:
+        suppressed = self._suppressed.pop(module, None)
+        if suppressed:
+            for p in suppressed.values():
+                p.requires_grad_(True)
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                output.requires_grad_()  # no input needed grad: the output becomes the graph's leaf
+        if not self._capturing(module):
             return None
-        layer = self._layers.get(module)
-        if layer is None:
-            return None
-        params = {name: p for name, p in layer.params.items() if p.requires_grad}
+        layer = self._layers[module]
+        params = suppressed or {name: p for name, p in layer.params.items() if p.requires_grad}
         if not params:
             return None
         if layer.sampler is not None:
@@ -339,12 +359,13 @@ class GradSampleHooks:
         if self._suspended:
             return
         self._begin_round()
-        backprops = self._per_sample_scale(grad_outputs[0], n)
+        backprops = grad_outputs[0]
         if self._batch_dim != 0:
             # 1-D inputs (EmbeddingBag's flat indices and offsets) carry no batch dimension.
             activations = tuple(a.movedim(self._batch_dim, 0) if a.dim() > 1 else a for a in activations)
             backprops = backprops.movedim(self._batch_dim, 0)
-        call = LayerCall(layer.name, layer.module, params, layer.sampler, layer.norm_sampler, tuple(activations), backprops)
+        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        call = LayerCall(layer.name, layer.module, params, layer.sampler, layer.norm_sampler, tuple(activations), backprops, scale)
         self._strategy.on_call(call)
 
     def _replay_backward(self, layer: _Layer, params, n, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:

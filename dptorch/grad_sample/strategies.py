@@ -40,6 +40,10 @@ class LayerCall:
     norm_sampler: Optional[NormSampler]
     activations: Tuple[torch.Tensor, ...]
     backprops: torch.Tensor
+    scale: float = 1.0  # backprops times scale are the per-sample gradients of the outputs
+
+    def scaled_backprops(self) -> torch.Tensor:
+        return self.backprops * self.scale if self.scale != 1.0 else self.backprops
 
 
 class Instantiate:
@@ -50,7 +54,7 @@ class Instantiate:
         self.grads: Dict[nn.Parameter, torch.Tensor] = {}
 
     def on_call(self, call: LayerCall) -> None:
-        self.add(call, call.sampler(call.module, call.activations, call.backprops))
+        self.add(call, call.sampler(call.module, call.activations, call.scaled_backprops()))
 
     def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
         for name, param in call.params.items():
@@ -123,7 +127,7 @@ class BookKeeping:
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
             if shared:
-                grads = call.sampler(call.module, call.activations, call.backprops)
+                grads = call.sampler(call.module, call.activations, call.scaled_backprops())
                 self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), grads)
                 call.params = {n: p for n, p in call.params.items() if n not in shared}
             if not call.params:
@@ -147,7 +151,7 @@ class BookKeeping:
             for call in self.calls:
                 squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
                 for param in call.params.values():
-                    norms[param] = squared[param].clamp(min=0).sqrt()
+                    norms[param] = squared[param].clamp(min=0).sqrt() * call.scale
             self._norms = norms
         return self._norms
 
@@ -158,7 +162,7 @@ class BookKeeping:
             return sums
         for call in self.calls:
             for factor, params in _group_by_factor(call.params.values(), factors):
-                scale = factor.to(call.backprops.dtype).view(-1, *([1] * (call.backprops.dim() - 1)))
+                scale = (factor * call.scale).to(call.backprops.dtype).view(-1, *([1] * (call.backprops.dim() - 1)))
                 computed = call.norm_sampler.clipped_sum(call.module, call.activations, call.backprops * scale)
                 for param in params:
                     sums[param] = computed[param]

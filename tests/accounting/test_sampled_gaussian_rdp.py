@@ -52,7 +52,7 @@ def test_small_q_matches_the_leading_order_expansion():
     assert rdp == pytest.approx(expected, rel=1e-3)
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
+@settings(max_examples=25, deadline=None, derandomize=True)
 @given(
     sigma=st.floats(0.5, 20.0),
     q=st.floats(1e-4, 1.0),

@@ -1,0 +1,104 @@
+"""PrivacyArguments: the DP-SGD settings of a private Trainer, as a dataclass for HfArgumentParser.
+
+Field names never collide with ``TrainingArguments``, ``SFTConfig`` or ``DPOConfig``, so one
+parser can hold them all: the clipping bound is ``per_sample_max_grad_norm`` because
+``TrainingArguments.max_grad_norm`` (the Trainer's own, non-private clipping) already exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dptorch.accounting import check_accountant_name
+from dptorch.optim.clipping import CLIPPING_MODES
+
+GRAD_SAMPLE_MODES = ("hooks", "functorch")
+
+
+@dataclass
+class PrivacyArguments:
+    """How to train privately: noise (or a target epsilon), clipping, sampling, accounting.
+
+    Give exactly one of ``noise_multiplier`` and ``target_epsilon``; with ``target_epsilon`` the
+    noise is calibrated so that the planned training (``max_steps`` or ``num_train_epochs``) ends
+    at that epsilon. A "sample" is a privacy unit: one dataset row by default, or all rows that
+    share a value of ``privacy_unit_column`` (user-level DP).
+    """
+
+    noise_multiplier: Optional[float] = field(
+        default=None, metadata={"help": "Std of the Gaussian noise relative to per_sample_max_grad_norm."}
+    )
+    target_epsilon: Optional[float] = field(
+        default=None, metadata={"help": "Calibrate the noise so the planned training spends this epsilon."}
+    )
+    target_delta: float = field(
+        default=1e-5, metadata={"help": "The delta of the (epsilon, delta) guarantee; must be < 1/(number of units)."}
+    )
+    per_sample_max_grad_norm: float = field(
+        default=1.0, metadata={"help": "Clipping bound C of each privacy unit's gradient (the sensitivity)."}
+    )
+    clipping: str = field(default="flat", metadata={"help": f"Clipping mode, one of {CLIPPING_MODES}."})
+    accountant: str = field(default="pld", metadata={"help": "Privacy accountant: pld, prv, rdp or gdp."})
+    max_epsilon: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "Stop training before epsilon would exceed this value (default: target_epsilon when it is given)."
+        },
+    )
+    poisson_sampling: bool = field(
+        default=True,
+        metadata={"help": "Poisson-sample each logical batch; required: False is refused (it would understate epsilon)."},
+    )
+    privacy_unit_column: Optional[str] = field(
+        default=None,
+        metadata={"help": "Dataset column naming each row's privacy unit (e.g. a user id); rows sharing it are one unit."},
+    )
+    grad_sample_mode: str = field(default="hooks", metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES}."})
+    secure_mode: bool = field(default=False, metadata={"help": "Draw noise from the OS CSPRNG (not replayable)."})
+    sampling_seed: Optional[int] = field(
+        default=None,
+        metadata={"help": "Seed of the Poisson sampler; default: a secret seed from OS entropy, kept in checkpoints."},
+    )
+    noise_seed: Optional[int] = field(
+        default=None,
+        metadata={"help": "Seed of the noise generator; default: OS entropy. Never publish a seed you used."},
+    )
+
+    def __post_init__(self) -> None:
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(
+                "PrivacyArguments needs exactly one of noise_multiplier (the noise to add) and target_epsilon (the "
+                f"budget to calibrate the noise to); got noise_multiplier={self.noise_multiplier}, "
+                f"target_epsilon={self.target_epsilon}"
+            )
+        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}")
+        for name in ("target_epsilon", "max_epsilon"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value}")
+        if not 0 < self.target_delta < 1:
+            raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}")
+        if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
+            raise ValueError(f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm}")
+        if self.clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
+        self.accountant = check_accountant_name(self.accountant)
+        if not self.poisson_sampling:
+            raise ValueError(
+                "poisson_sampling=False is refused: the Trainer's shuffled fixed-size batches do not give the "
+                "subsampling guarantee the accountant assumes, so the reported epsilon would be too small. Keep "
+                "poisson_sampling=True (each logical batch then has per_device_train_batch_size * "
+                "gradient_accumulation_steps units on average)."
+            )
+        if self.secure_mode and self.noise_seed is not None:
+            raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
+
+    @property
+    def budget_cap(self) -> Optional[float]:
+        """The epsilon training must not exceed: ``max_epsilon``, else ``target_epsilon``, else None."""
+        return self.max_epsilon if self.max_epsilon is not None else self.target_epsilon

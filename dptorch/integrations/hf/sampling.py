@@ -1,0 +1,137 @@
+"""Poisson sampling for the Trainer: logical batches of units, split into micro-batches.
+
+The accountant needs one Poisson sample of rate ``q`` per optimizer step. The Trainer, though,
+counts micro-batches: it steps after every ``gradient_accumulation_steps`` (GA) of them and
+trusts ``len(dataloader)``. So each logical batch is drawn once (every unit independently with
+probability ``q``) and dealt, unit by unit, into exactly GA micro-batches, possibly empty. The
+Trainer's arithmetic is then exact: ``len = steps * GA``, one optimizer step per logical batch.
+
+A unit's rows always land in one micro-batch, because clipping happens after every backward
+pass: a unit split across two passes would be clipped twice and contribute up to 2C.
+
+An empty micro-batch reaches the Trainer as :class:`EmptyBatch` (an empty ``dict``), never as a
+call of the user's collator on ``[]``; the private trainer skips its forward and backward, and
+the optimizer step still adds the noise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from dptorch.data.poisson import PoissonBatchSampler
+from dptorch.integrations.hf.units import PrivacyUnits
+
+#: Batch key carrying the privacy unit of each example (removed before the model sees the batch).
+UNIT_IDS_KEY = "dp_unit_ids"
+
+
+class EmptyBatch(dict):
+    """The micro-batch that Poisson sampling left empty; has no keys."""
+
+
+def is_empty_batch(batch: Any) -> bool:
+    return isinstance(batch, EmptyBatch) or (isinstance(batch, dict) and len(batch) == 0)
+
+
+class PoissonMicroBatchSampler:
+    """Batch sampler yielding ``micro_batches`` micro-batches (row index lists) per logical batch.
+
+    Each logical batch includes every unit independently with probability ``sample_rate``;
+    ``steps`` logical batches make an epoch. ``seed`` fixes the draws of every epoch (the
+    sampler replays an epoch from ``(seed, epoch)``, which is how a resumed Trainer skips the
+    batches it already trained on). There is no ``.sampler`` attribute, so Accelerate leaves
+    the sampler as it is.
+    """
+
+    def __init__(
+        self, units: PrivacyUnits, sample_rate: float, *, steps: int, micro_batches: int, seed: int
+    ) -> None:
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.units = units
+        self.micro_batches = int(micro_batches)
+        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed)
+
+    @property
+    def sample_rate(self) -> float:
+        return self.logical.sample_rate
+
+    @property
+    def steps(self) -> int:
+        """Logical batches (optimizer steps) per epoch."""
+        return self.logical.steps
+
+    @property
+    def seed(self) -> int:
+        return self.logical.seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        self.logical.seed = int(value)
+
+    def __len__(self) -> int:
+        return self.logical.steps * self.micro_batches
+
+    def set_epoch(self, epoch: int) -> None:
+        self.logical.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for logical_units in self.logical:
+            for group in np.array_split(np.asarray(logical_units, dtype=np.int64), self.micro_batches):
+                yield self.units.rows_of(group)
+
+
+class IndexedDataset(Dataset):
+    """``dataset`` whose items come with their row index: ``(index, item)``."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return index, self.dataset[index]
+
+    def __getitems__(self, indices: List[int]) -> List[Any]:
+        fetch = getattr(self.dataset, "__getitems__", None)
+        items = fetch(indices) if fetch is not None else [self.dataset[i] for i in indices]
+        return list(zip(indices, items))
+
+
+class PrivateCollate:
+    """Wraps a collator: ``[]`` becomes :class:`EmptyBatch`; with ``unit_of_row``, items are
+    ``(index, item)`` pairs and the batch gains ``UNIT_IDS_KEY`` (one unit id per item)."""
+
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], unit_of_row: Optional[np.ndarray] = None) -> None:
+        self.collate_fn = collate_fn
+        self.unit_of_row = unit_of_row
+
+    def __call__(self, items: List[Any]) -> Any:
+        if len(items) == 0:
+            return EmptyBatch()
+        if self.unit_of_row is None:
+            return self.collate_fn(items)
+        indices = [index for index, _ in items]
+        batch = self.collate_fn([item for _, item in items])
+        if not isinstance(batch, dict) and not hasattr(batch, "keys"):
+            raise TypeError(
+                f"privacy units need the collator to return a dict of tensors, got {type(batch).__name__}"
+            )
+        batch[UNIT_IDS_KEY] = torch.as_tensor(self.unit_of_row[indices], dtype=torch.long)
+        return batch
+
+
+def loader_state(sampler: PoissonMicroBatchSampler) -> Dict[str, Any]:
+    """What a checkpoint needs to replay the sampling: the seed and the shape of the plan."""
+    return {
+        "seed": int(sampler.seed),
+        "sample_rate": float(sampler.sample_rate),
+        "steps": int(sampler.steps),
+        "micro_batches": int(sampler.micro_batches),
+        "num_units": int(sampler.units.num_units),
+    }
