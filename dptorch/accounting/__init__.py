@@ -10,7 +10,7 @@ Accountants share one interface (``step``, ``get_epsilon``, ``history``, ``state
 :func:`get_noise_multiplier` calibrates sigma to an (epsilon, delta) target.
 """
 
-from dptorch.accounting.base import Accountant
+from dptorch.accounting.base import Accountant, DeltaResolutionWarning
 from dptorch.accounting.calibration import get_noise_multiplier, steps_for_epochs
 from dptorch.accounting.curve import epsilon_curve
 from dptorch.accounting.factory import (
@@ -30,6 +30,7 @@ __all__ = [
     "ACCOUNTANTS",
     "Accountant",
     "DEFAULT_ACCOUNTANT",
+    "DeltaResolutionWarning",
     "EpsilonBounds",
     "GDPAccountant",
     "GDPApproximationWarning",

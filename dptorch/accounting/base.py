@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import warnings
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Dict, List, Sequence, Tuple
 
@@ -11,6 +13,22 @@ from dptorch.accounting.validation import check_delta, check_noise_multiplier, c
 Run = Tuple[float, float, int]
 
 STATE_VERSION = 1
+
+
+class DeltaResolutionWarning(UserWarning):
+    """A numerical (FFT-based) accountant cannot resolve a delta this small: epsilon is infinite."""
+
+
+def warn_if_unresolved(epsilon: float, delta: float, mechanism: str) -> float:
+    """Warn when an FFT-based accountant returns an infinite epsilon; return epsilon unchanged."""
+    if math.isinf(epsilon):
+        warnings.warn(
+            f"the {mechanism!r} accountant finds no finite epsilon at delta={delta:g}: double-precision "
+            "FFT accounting resolves delta down to about 1e-13; the 'rdp' accountant works for any delta",
+            DeltaResolutionWarning,
+            stacklevel=3,
+        )
+    return epsilon
 
 
 def merge_runs(history: List[List[Any]] | Tuple[Run, ...]) -> Tuple[Run, ...]:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from scipy.optimize import brentq
 
+from dptorch.accounting.base import DeltaResolutionWarning
 from dptorch.accounting.factory import DEFAULT_ACCOUNTANT, check_accountant_name, create_accountant
 from dptorch.accounting.gdp import clt_mu, gdp_epsilon
 from dptorch.accounting.rdp import RDPOrderGridWarning
@@ -88,9 +89,10 @@ def _smallest_sigma(
         lo, eps_lo = sigma, eps
         while True:
             if lo >= MAX_NOISE_MULTIPLIER:
+                hint = "" if math.isfinite(eps_lo) else " (delta is below what this accountant resolves; try 'rdp')"
                 raise ValueError(
                     f"target_epsilon={target:g} is unreachable: even noise_multiplier={MAX_NOISE_MULTIPLIER:g} "
-                    f"gives epsilon {eps_lo:.4g}"
+                    f"gives epsilon {eps_lo:.4g}{hint}"
                 )
             hi = min(lo * factor, MAX_NOISE_MULTIPLIER)
             eps_hi = epsilon_of(hi)
@@ -123,8 +125,10 @@ def _calibrate(
     def epsilon_of(sigma: float) -> float:
         counter.load_state_dict({"mechanism": accountant, "history": [[sigma, sample_rate, steps]]})
         with warnings.catch_warnings():
-            # Far from the answer the best RDP order may sit on the grid's edge: not news.
+            # Far from the answer the best RDP order may sit on the grid's edge: not news. An
+            # unresolvable delta ends in a ValueError that says so.
             warnings.simplefilter("ignore", RDPOrderGridWarning)
+            warnings.simplefilter("ignore", DeltaResolutionWarning)
             return counter.get_epsilon(delta)
 
     start = _gdp_seed(target_epsilon, delta, sample_rate, steps)

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution
 
-from dptorch.accounting.base import Accountant, Run, merge_runs
+from dptorch.accounting.base import Accountant, Run, merge_runs, warn_if_unresolved
 from dptorch.accounting.validation import check_non_negative, check_positive
 
 # The discretisation interval is this fraction of the standard deviation of one step's
@@ -102,7 +102,7 @@ class PLDAccountant(Accountant):
         return self._composed[1]
 
     def _compute_epsilon(self, runs: Tuple[Run, ...], delta: float) -> float:
-        return self._pld_for(runs).get_epsilon_for_delta(delta)
+        return warn_if_unresolved(self._pld_for(runs).get_epsilon_for_delta(delta), delta, self.mechanism)
 
     def get_delta(self, epsilon: float) -> float:
         """Delta of all recorded steps at the given epsilon."""

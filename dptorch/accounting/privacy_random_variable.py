@@ -322,9 +322,14 @@ class DeltaCurve:
         self._v = values[positive][::-1]  # descending
         p = probs[positive][::-1]
         self._mass_above = np.cumsum(p)
-        # p e^-v <= p for v > 0: no overflow, and underflow only drops negligible mass.
+        # log of the running sum of p e^-v: scaled by e^v[0] when the values span < 700 nats
+        # (exact and fast), else in log space throughout.
         with np.errstate(divide="ignore"):
-            self._log_weighted = np.log(np.cumsum(p * np.exp(-self._v)))
+            if len(p) and self._v[0] - self._v[-1] < 700:
+                top = self._v[0]
+                self._log_weighted = np.log(np.cumsum(p * np.exp(top - self._v))) - top
+            else:
+                self._log_weighted = np.logaddexp.accumulate(np.log(p) - self._v)
         # delta at eps = v[k+1] (increasing in k), and at eps = 0.
         self._delta_at_grid = self._mass_above[:-1] - np.exp(self._log_weighted[:-1] + self._v[1:])
         self._delta_at_zero = (

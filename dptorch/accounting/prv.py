@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import List, Optional, Tuple
 
-from dptorch.accounting.base import Accountant, Run, merge_runs
+from dptorch.accounting.base import Accountant, Run, merge_runs, warn_if_unresolved
 from dptorch.accounting.privacy_random_variable import (
     ADD,
     REMOVE,
@@ -74,7 +74,9 @@ class PRVAccountant(Accountant):
         return _RELATIVE_EPSILON_ERROR * max(rdp_epsilon, 1.0)
 
     def _bounds(self, runs: Tuple[Run, ...], delta: float) -> EpsilonBounds:
-        return self._bounds_for(runs, delta, self._delta_error(delta), self._eps_error(runs, delta))
+        bounds = self._bounds_for(runs, delta, self._delta_error(delta), self._eps_error(runs, delta))
+        warn_if_unresolved(bounds.upper, delta, self.mechanism)
+        return bounds
 
     def _epsilons_after(self, sigma: float, q: float, counts: List[int], delta: float) -> List[float]:
         positive = sorted({count for count in counts if count > 0})
@@ -90,7 +92,7 @@ class PRVAccountant(Accountant):
             count: epsilon_bounds([losses[i] for losses in per_direction], delta).upper
             for i, count in enumerate(positive)
         }
-        return [upper.get(count, 0.0) for count in counts]
+        return [warn_if_unresolved(upper.get(count, 0.0), delta, self.mechanism) for count in counts]
 
     @staticmethod
     def _bounds_for(runs: Tuple[Run, ...], delta: float, delta_error: float, eps_error: float) -> EpsilonBounds:

@@ -36,10 +36,15 @@ def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> tor
     b = flatten_middle_dims(backprops).float()
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     if tokens == 1:
-        return a.pow(2).sum((1, 2)) * b.pow(2).sum((1, 2))
+        return squared_norms(a) * squared_norms(b)
     if tokens * (d + p) < d * p:
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-    return torch.bmm(b.transpose(1, 2), a).pow(2).sum((1, 2))
+        return torch.einsum("bts,bts->b", torch.bmm(a, a.transpose(1, 2)), torch.bmm(b, b.transpose(1, 2)))
+    return squared_norms(torch.bmm(b.transpose(1, 2), a))
+
+
+def squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """``||x_i||^2`` for each row ``i`` of a batch, in one fused reduction."""
+    return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:
@@ -54,7 +59,7 @@ def _linear_norms(weight, bias, inputs, backprops) -> Dict[nn.Parameter, torch.T
     if _trainable(weight):
         norms[weight] = linear_weight_norms_sq(inputs, backprops)
     if _trainable(bias):
-        norms[bias] = flatten_middle_dims(backprops).float().sum(1).pow(2).sum(1)
+        norms[bias] = squared_norms(flatten_middle_dims(backprops).float().sum(1))
     return norms
 
 
@@ -125,4 +130,4 @@ def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: t
     if tokens * tokens < module.num_embeddings:
         return {weight: embedding_norms_sq(ids, backprops, module.padding_idx)}
     grads = embedding_grad_sampler(module, activations, backprops)[weight]
-    return {weight: grads.float().flatten(1).pow(2).sum(1)}
+    return {weight: squared_norms(grads.float())}

@@ -84,7 +84,7 @@ class Instantiate:
         return set(self.grads)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
-        return {p: g.flatten(1).float().norm(dim=1) for p, g in self.grads.items()}
+        return {p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for p, g in self.grads.items()}
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         return {p: torch.einsum("i,i...->...", c, self.grads[p].float()) for p, c in factors.items() if p in self.grads}

@@ -159,9 +159,9 @@ class DPOptimizer(torch.optim.Optimizer):
             summed = self._summed.get(param)
             if summed is None:
                 summed = torch.zeros_like(param, dtype=torch.float32)
-            noisy = summed + self.noise_generator.noise_like(summed, std) if std > 0 else summed
+            noisy = summed.add(self.noise_generator.noise_like(summed, std)) if std > 0 else summed.clone()
             if self.loss_reduction == "mean":
-                noisy = noisy / self.expected_batch_size
+                noisy.div_(self.expected_batch_size)
             param.grad = noisy.to(param.dtype)
 
     def pre_step(self) -> bool:

@@ -8,7 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dptorch.accounting import ACCOUNTANTS, Accountant, accountant_from_state_dict, create_accountant
+from dptorch.accounting import (
+    ACCOUNTANTS,
+    Accountant,
+    DeltaResolutionWarning,
+    accountant_from_state_dict,
+    create_accountant,
+)
 
 NAMES = list(ACCOUNTANTS)
 
@@ -124,3 +130,12 @@ def test_large_histories_are_instant_to_record():
     for _ in range(10_000):
         accountant.step(noise_multiplier=1.0, sample_rate=0.01)
     assert len(accountant.history) == 1
+
+
+@pytest.mark.parametrize("name", ["pld", "prv"])
+def test_unresolvable_delta_warns_and_gives_infinity(name):
+    accountant = make(name)
+    accountant.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1000)
+    with pytest.warns(DeltaResolutionWarning, match="'rdp' accountant works for any delta"):
+        assert accountant.get_epsilon(1e-16) == float("inf")
+    assert epsilon("rdp", 1.0, 0.01, 1000, delta=1e-16) < 10

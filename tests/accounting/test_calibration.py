@@ -20,7 +20,7 @@ def epsilon(name, sigma, q, steps, delta):
     [
         ("pld", 8.0, 0.04, 2250),
         ("pld", 1.0, 0.01, 10_000),
-        ("pld", 50.0, 1.0, 10),
+        ("pld", 20.0, 1.0, 10),
         ("rdp", 3.0, 0.004, 20_000),
         ("prv", 2.0, 0.02, 500),
     ],
@@ -57,6 +57,11 @@ def test_smaller_tolerance_gets_closer():
 def test_unreachable_target_is_a_clear_error():
     with pytest.raises(ValueError, match="unreachable"):
         get_noise_multiplier(target_epsilon=1e-9, target_delta=1e-5, sample_rate=1.0, steps=10_000, accountant="rdp")
+
+
+def test_unresolvable_delta_says_so():
+    with pytest.raises(ValueError, match="delta is below what this accountant resolves"):
+        get_noise_multiplier(target_epsilon=5, target_delta=1e-16, sample_rate=0.5, steps=10)
 
 
 @pytest.mark.parametrize(

@@ -72,3 +72,17 @@ def test_delta_error_must_be_below_delta():
     accountant = _run(PRVAccountant, 1.1, 0.01, 10, delta_error=1e-6)
     with pytest.raises(ValueError, match="delta_error"):
         accountant.get_epsilon(1e-6)
+
+
+def test_epsilons_of_thousands_stay_finite_and_exact():
+    # 3000 full-batch steps at sigma 0.3: exactly mu-GDP with mu = sqrt(3000) / 0.3.
+    bounds = _run(PRVAccountant, 0.3, 1.0, 3000).get_epsilon_bounds(1e-5)
+    exact = gdp_epsilon(math.sqrt(3000) / 0.3, 1e-5)
+    assert exact > 1000
+    assert bounds.lower <= exact <= bounds.upper
+
+
+def test_bounds_widen_near_the_double_precision_floor():
+    accountant = _run(PRVAccountant, 1.1, 0.01, 3000)
+    usual, tiny = accountant.get_epsilon_bounds(1e-5), accountant.get_epsilon_bounds(1e-12)
+    assert (tiny.upper - tiny.lower) / tiny.upper > (usual.upper - usual.lower) / usual.upper

@@ -2,7 +2,8 @@
 
 Every optimizer step (one logical batch, empty or not) is recorded with the run's noise
 multiplier and Poisson sample rate. ``steps_within_cap`` answers how many more steps fit under
-an epsilon cap, so the trainer can stop before the cap is crossed rather than after.
+an epsilon cap, and :class:`PrivacyBudgetCallback` stops the Trainer there: before the cap is
+crossed, not after.
 """
 
 from __future__ import annotations
@@ -10,7 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Optional
 
+from transformers import TrainerCallback
+from transformers.trainer_utils import SaveStrategy
+from transformers.utils import logging
+
 from dptorch.accounting import create_accountant, get_noise_multiplier
+
+logger = logging.get_logger(__name__)
 
 
 class PrivacyBudget:
@@ -91,3 +98,36 @@ class PrivacyBudget:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.accountant.load_state_dict(state["accountant"])
         self.steps = int(state["steps"])
+
+
+class PrivacyBudgetCallback(TrainerCallback):
+    """Ends training at the last step whose epsilon stays within the budget's cap.
+
+    At the start of ``train()`` (after a resume has restored the accountant) it works out how
+    many of the remaining steps fit under the cap; it refuses to start when none does.
+    """
+
+    def __init__(self, budget: PrivacyBudget) -> None:
+        self.budget = budget
+        self.last_step: Optional[int] = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        remaining = max(state.max_steps - state.global_step, 0)
+        allowed = self.budget.steps_within_cap(remaining)
+        if remaining > 0 and allowed == 0:
+            raise ValueError(
+                f"the privacy budget is spent: epsilon is {self.budget.epsilon():.4g} after {self.budget.steps} steps "
+                f"and one more step would exceed the cap of {self.budget.cap:g}; raise max_epsilon or stop here"
+            )
+        self.last_step = state.global_step + allowed
+        if allowed < remaining:
+            logger.warning(
+                "training will stop after step %d of %d: later steps would take epsilon above %g",
+                self.last_step, state.max_steps, self.budget.cap,
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.last_step is not None and self.last_step <= state.global_step < state.max_steps:
+            control.should_training_stop = True
+            if args.save_strategy != SaveStrategy.NO:
+                control.should_save = True

@@ -16,6 +16,8 @@ the optimizer step still adds the noise.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -135,3 +137,34 @@ def loader_state(sampler: PoissonMicroBatchSampler) -> Dict[str, Any]:
         "micro_batches": int(sampler.micro_batches),
         "num_units": int(sampler.units.num_units),
     }
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """Sampling rate and step counts of a run, as the Trainer will count them.
+
+    A logical batch holds ``per_device_train_batch_size * gradient_accumulation_steps`` units
+    on average: ``q = that / num_units``; an epoch is ``ceil(num_units / that)`` logical batches.
+    """
+
+    num_units: int
+    sample_rate: float
+    steps_per_epoch: int
+    micro_batches: int
+    total_steps: int
+
+    @property
+    def expected_batch_size(self) -> float:
+        """Expected units per logical batch, ``q * num_units`` (the DP optimizer divides by it)."""
+        return self.sample_rate * self.num_units
+
+    @classmethod
+    def for_training(
+        cls, *, num_units: int, batch_size: int, gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float
+    ) -> "SamplingPlan":
+        if num_units <= 0:
+            raise ValueError("the training dataset is empty: there is nothing to sample")
+        logical = batch_size * gradient_accumulation_steps
+        steps_per_epoch = max(1, math.ceil(num_units / logical))
+        total = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
+        return cls(num_units, min(1.0, logical / num_units), steps_per_epoch, gradient_accumulation_steps, total)

@@ -1,0 +1,185 @@
+"""Loss recipes: how each trainer family yields the SUM of per-unit losses, and its row layout.
+
+The private trainer's controller runs with ``loss_reduction="sum"``: the loss of a micro-batch
+must be the sum over its privacy units of each unit's own loss. A recipe knows how to get that
+from one trainer family, which settings of that family it must refuse, and which batch rows
+belong to which example:
+
+* :class:`OutputsRecipe` (``Trainer`` and subclasses that keep its ``compute_loss``): calls the
+  model without labels and sums a per-sample loss of its outputs (``per_sample_loss_func``).
+* :class:`SFTRecipe` (``trl.SFTTrainer``): the same, bypassing TRL's fused LM head and its
+  batch-token normalisation.
+* :class:`PreferenceRecipe` (``trl.DPOTrainer``): TRL's own pair losses, un-averaged (times the
+  pairs in the micro-batch); each example is two rows (chosen, then rejected).
+* :class:`DeclaredSumRecipe`: a subclass whose ``compute_loss`` declares, by the class attribute
+  ``compute_loss_sums_per_sample_losses = True``, that it already returns such a sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import Trainer
+
+from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss
+
+ComputeLoss = Callable[..., Any]
+
+#: DPO loss types whose value for one pair depends on the other pairs of the batch.
+CROSS_SAMPLE_DPO_LOSSES = {
+    "aot": "sorts the log-ratios across the batch",
+    "aot_unpaired": "sorts the log-ratios across the batch",
+    "sft": "averages the chosen tokens of the whole batch",
+}
+
+
+class LossRecipe:
+    """One example per row; nothing refused. Subclasses say how to get the summed loss."""
+
+    rows_per_example = 1
+
+    def check(self, trainer: Trainer) -> None:
+        """Raise if the trainer is configured in a way this recipe cannot keep private."""
+
+    def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        """The micro-batch loss: a sum over units of each unit's own loss (``parent`` is the trainer's compute_loss)."""
+        raise NotImplementedError
+
+    def row_unit_ids(self, example_unit_ids: Optional[torch.Tensor], inputs: dict) -> Optional[torch.Tensor]:
+        """One unit id per batch row, or None when every row is its own unit."""
+        return example_unit_ids
+
+
+class OutputsRecipe(LossRecipe):
+    """Call the model without labels and sum ``per_sample_loss(outputs, labels)`` over rows."""
+
+    def __init__(self, per_sample_loss: PerSampleLoss, causal: bool) -> None:
+        self.per_sample_loss = per_sample_loss
+        self.causal = causal
+
+    def check(self, trainer: Trainer) -> None:
+        if trainer.compute_loss_func is not None:
+            raise ValueError(
+                "compute_loss_func receives the batch's token count (num_items_in_batch) and returns a batch-level "
+                "loss, which couples the samples' gradients. Pass per_sample_loss_func=fn(outputs, labels) -> one "
+                "loss per row to the private trainer instead."
+            )
+
+    def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError(
+                f"the training batch has no 'labels' (keys: {sorted(inputs)}); the private trainer computes each "
+                "sample's loss from the model outputs and the labels. Use a collator that builds labels, e.g. "
+                "DataCollatorForPrivateCausalLanguageModeling"
+            )
+        if self.causal:
+            inputs["use_cache"] = False
+        outputs = model(**inputs)
+        losses = check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0])
+        loss = losses.sum()
+        return (loss, outputs) if return_outputs else loss
+
+
+class SFTRecipe(OutputsRecipe):
+    """``trl.SFTTrainer``: padded rows only; TRL's loss options that a per-sample sum cannot keep are refused."""
+
+    def check(self, trainer: Trainer) -> None:
+        super().check(trainer)
+        args = trainer.args
+        if getattr(args, "packing", False) or getattr(args, "padding_free", False):
+            raise ValueError(
+                "packing / padding_free put several examples into one row, so rows are no longer samples and "
+                "Poisson sampling would draw packed rows, not examples. Set packing=False and padding_free=False "
+                "in SFTConfig."
+            )
+        if getattr(args, "loss_type", "nll") != "nll":
+            raise ValueError(f"SFTConfig.loss_type={args.loss_type!r} is not supported privately; use loss_type='nll'")
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise ValueError(
+                "the MoE router auxiliary loss is a batch-level loss that couples the samples; set "
+                "router_aux_loss_coef=0.0 in SFTConfig"
+            )
+
+
+class PreferenceRecipe(LossRecipe):
+    """``trl.DPOTrainer``: TRL's mean over the pairs of a micro-batch, multiplied back into a sum."""
+
+    rows_per_example = 2
+
+    def check(self, trainer: Trainer) -> None:
+        cross = [t for t in trainer.loss_types if t in CROSS_SAMPLE_DPO_LOSSES]
+        if cross:
+            why = "; ".join(f"{t!r} {CROSS_SAMPLE_DPO_LOSSES[t]}" for t in cross)
+            raise ValueError(f"DPO loss types that couple the pairs of a batch cannot be trained privately: {why}")
+        if getattr(trainer, "aux_loss_enabled", False):
+            raise ValueError("the MoE router auxiliary loss couples the samples; set router_aux_loss_coef=0.0")
+        head = trainer.model.get_output_embeddings()
+        if head is not None and any(p.requires_grad for p in head.parameters()):
+            raise ValueError(
+                "DPOTrainer computes log-probabilities with TRL's fused LM head, which reads lm_head.weight directly, "
+                "so the LM head (and an input embedding tied to it) gets a gradient without per-sample gradients. "
+                "Freeze it (model.get_output_embeddings().requires_grad_(False)) or train LoRA adapters with PEFT."
+            )
+
+    def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        pairs = inputs["input_ids"].shape[0] // self.rows_per_example
+        result = parent(model, inputs, return_outputs=return_outputs)
+        if return_outputs:
+            return result[0] * pairs, result[1]
+        return result * pairs
+
+    def row_unit_ids(self, example_unit_ids: Optional[torch.Tensor], inputs: dict) -> torch.Tensor:
+        """Rows ``i`` (chosen) and ``i + B`` (rejected) belong to example ``i``'s unit."""
+        pairs = inputs["input_ids"].shape[0] // self.rows_per_example
+        ids = torch.arange(pairs) if example_unit_ids is None else example_unit_ids
+        return torch.cat([ids] * self.rows_per_example)
+
+
+class DeclaredSumRecipe(LossRecipe):
+    """A ``compute_loss`` that declares it returns the sum of per-sample losses; called as is."""
+
+    def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        return parent(model, inputs, return_outputs=return_outputs)
+
+
+def choose_recipe(trainer: Trainer, per_sample_loss_func: Optional[PerSampleLoss], skip: type) -> LossRecipe:
+    """The recipe for ``trainer``'s class; ``skip`` is the private mixin (never the loss owner)."""
+    owner = next(c for c in type(trainer).__mro__ if c is not skip and "compute_loss" in vars(c))
+    sft, dpo = _trl_classes()
+    if getattr(trainer, "compute_loss_sums_per_sample_losses", False):
+        return DeclaredSumRecipe()
+    if dpo is not None and owner is dpo:
+        if per_sample_loss_func is not None:
+            raise ValueError("per_sample_loss_func does not apply to DPOTrainer, whose pair losses are per sample already")
+        return PreferenceRecipe()
+    if owner is Trainer or (sft is not None and owner is sft):
+        model = trainer.model
+        causal = is_causal_lm(model)
+        loss = per_sample_loss_func or default_per_sample_loss(
+            causal, getattr(getattr(model, "config", None), "problem_type", None), trainer.args.label_smoothing_factor
+        )
+        return SFTRecipe(loss, causal) if owner is not Trainer else OutputsRecipe(loss, causal)
+    raise TypeError(
+        f"{owner.__name__} overrides compute_loss, so dptorch cannot tell how it reduces the samples' losses. Make "
+        "it return the SUM over the batch of per-sample losses (each normalised within its sample only) and set the "
+        "class attribute compute_loss_sums_per_sample_losses = True."
+    )
+
+
+def is_causal_lm(model: Any) -> bool:
+    """Whether ``model`` (or the base model under a PEFT wrapper) is a causal language model."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    return name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) or name.endswith(("ForCausalLM", "LMHeadModel"))
+
+
+def _trl_classes():
+    try:
+        from trl import DPOTrainer, SFTTrainer
+    except ImportError:  # TRL is optional
+        return None, None
+    return SFTTrainer, DPOTrainer

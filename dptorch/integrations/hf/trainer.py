@@ -1,0 +1,357 @@
+"""The private Trainer: ``private(trainer_cls)`` and ``DPTrainer = private(transformers.Trainer)``.
+
+One mixin, :class:`PrivateTrainerMixin`, goes in front of any ``Trainer`` subclass. It never
+wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stays one) and a
+:class:`~dptorch.grad_sample.GradSampleHooks` controller is attached to it after the parent's
+``__init__`` (TRL creates PEFT adapters there). What it overrides, and why:
+
+* ``get_train_dataloader``: Poisson-sampled logical batches of privacy units, split into exactly
+  ``gradient_accumulation_steps`` micro-batches (:mod:`.sampling`).
+* ``create_optimizer``: the parent's optimizer wrapped in a :class:`~dptorch.optim.DPOptimizer`
+  (clips after every backward, adds noise once per optimizer step); its step hook feeds the
+  accountant.
+* ``training_step``: skips empty micro-batches, tells the controller which rows form a unit.
+* ``compute_loss``: the sum of per-unit losses, chosen by a recipe (:mod:`.loss_recipes`);
+  ``num_items_in_batch`` is never used, ``loss_is_scaled_for_ga = True``.
+* ``_clip_grad_norm`` / ``_get_grad_norm``: no Trainer clipping, and no norm of the raw
+  (non-private) gradient in the logs; ``grad_norm`` is logged from the privatised gradient.
+* ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
+  accountant and sampling seed travel with Trainer checkpoints (the DP optimizer's accumulator
+  and noise generator travel inside ``optimizer.pt``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import warnings
+from functools import partial
+from typing import Any, Dict, Optional
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
+
+from dptorch.grad_sample import GradSampleHooks
+from dptorch.integrations.hf.arguments import PrivacyArguments
+from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
+from dptorch.integrations.hf.checks import check_setup
+from dptorch.integrations.hf.loss_recipes import choose_recipe
+from dptorch.integrations.hf.losses import PerSampleLoss
+from dptorch.integrations.hf.sampling import (
+    UNIT_IDS_KEY,
+    IndexedDataset,
+    PoissonMicroBatchSampler,
+    PrivateCollate,
+    SamplingPlan,
+    is_empty_batch,
+)
+from dptorch.integrations.hf.units import PrivacyUnits
+from dptorch.noise import NoiseGenerator
+from dptorch.optim.optimizer import DPOptimizer
+
+#: File written into every Trainer checkpoint folder: accountant history and sampling seed.
+PRIVACY_STATE_NAME = "dp_privacy_state.pt"
+_STATE_VERSION = 1
+
+
+class PrivateTrainerMixin:
+    """DP-SGD for a ``transformers.Trainer`` subclass; see the module docstring.
+
+    Extra constructor arguments: ``privacy_args`` (required, :class:`PrivacyArguments`) and
+    ``per_sample_loss_func`` (optional ``fn(outputs, labels) -> one loss per row``; the default
+    is each row's token-mean cross-entropy for language models, the row's loss for classifiers).
+    """
+
+    loss_is_scaled_for_ga = True  # the loss is a sum of per-unit losses: never divide it by GA
+
+    def __init__(
+        self, *args: Any, privacy_args: Optional[PrivacyArguments] = None, per_sample_loss_func: Optional[PerSampleLoss] = None, **kwargs: Any
+    ) -> None:
+        if not isinstance(privacy_args, PrivacyArguments):
+            raise TypeError(
+                f"{type(self).__name__} needs privacy_args=PrivacyArguments(...), got {type(privacy_args).__name__}"
+            )
+        self.privacy_args = privacy_args
+        self.dp_hooks: Optional[GradSampleHooks] = None
+        self.privacy_budget: Optional[PrivacyBudget] = None
+        self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
+        self._dp_grad_norm: Optional[float] = None
+        super().__init__(*args, **kwargs)
+        check_setup(self, privacy_args)
+        self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
+        self._dp_recipe.check(self)
+        self.privacy_units = PrivacyUnits.from_dataset(self.train_dataset, privacy_args.privacy_unit_column)
+        self.sampling_plan = SamplingPlan.for_training(
+            num_units=self.privacy_units.num_units,
+            batch_size=self._train_batch_size,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            max_steps=self.args.max_steps,
+            num_train_epochs=self.args.num_train_epochs,
+        )
+        if privacy_args.target_delta >= 1 / self.privacy_units.num_units:
+            raise ValueError(
+                f"target_delta={privacy_args.target_delta:g} is not below 1/N for N={self.privacy_units.num_units} "
+                "privacy units: such a delta allows releasing a unit outright. Choose target_delta < 1/N."
+            )
+        self.privacy_budget = self._build_budget()
+        self._dp_sampling_seed = privacy_args.sampling_seed if privacy_args.sampling_seed is not None else secrets.randbits(63)
+        self.dp_hooks = GradSampleHooks(self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode)
+        self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
+
+    def _build_budget(self) -> PrivacyBudget:
+        p, plan = self.privacy_args, self.sampling_plan
+        common = dict(accountant=p.accountant, sample_rate=plan.sample_rate, delta=p.target_delta, cap=p.budget_cap)
+        if p.target_epsilon is not None:
+            return PrivacyBudget.calibrated(target_epsilon=p.target_epsilon, steps=plan.total_steps, **common)
+        if p.noise_multiplier == 0:
+            warnings.warn("noise_multiplier=0: the training is not private (epsilon is infinite)", stacklevel=4)
+        return PrivacyBudget(noise_multiplier=p.noise_multiplier, **common)
+
+    # ------------------------------------------------------------------ privacy state
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.privacy_budget.noise_multiplier
+
+    def get_epsilon(self, delta: Optional[float] = None) -> float:
+        """Epsilon spent so far, at ``delta`` (default: ``privacy_args.target_delta``)."""
+        budget = self.privacy_budget
+        if delta is None or delta == budget.delta or budget.steps == 0 or budget.noise_multiplier == 0:
+            return budget.epsilon()
+        return budget.accountant.get_epsilon(delta)
+
+    def privacy_report(self) -> Dict[str, Any]:
+        """The numbers a model card needs to state the guarantee."""
+        p, plan, budget = self.privacy_args, self.sampling_plan, self.privacy_budget
+        return {
+            "epsilon": budget.epsilon(),
+            "delta": budget.delta,
+            "noise_multiplier": budget.noise_multiplier,
+            "per_sample_max_grad_norm": p.per_sample_max_grad_norm,
+            "clipping": p.clipping,
+            "sample_rate": plan.sample_rate,
+            "expected_batch_size": plan.expected_batch_size,
+            "steps": budget.steps,
+            "accountant": p.accountant,
+            "sampling": "poisson",
+            "privacy_unit": p.privacy_unit_column or "row",
+            "num_units": plan.num_units,
+            "secure_mode": p.secure_mode,
+        }
+
+    def privacy_state_dict(self) -> Dict[str, Any]:
+        """Accountant history and sampling plan and seed (plain values, weights_only-loadable)."""
+        plan = self.sampling_plan
+        return {
+            "version": _STATE_VERSION,
+            "budget": self.privacy_budget.state_dict(),
+            "sampling": {
+                "seed": int(self._dp_sampling_seed),
+                "num_units": plan.num_units,
+                "sample_rate": plan.sample_rate,
+                "steps_per_epoch": plan.steps_per_epoch,
+                "micro_batches": plan.micro_batches,
+            },
+        }
+
+    def load_privacy_state_dict(self, state: Dict[str, Any]) -> None:
+        plan = self.sampling_plan
+        saved = state["sampling"]
+        for key in ("num_units", "sample_rate", "steps_per_epoch", "micro_batches"):
+            if saved[key] != getattr(plan, key):
+                raise ValueError(
+                    f"the checkpoint was trained with {key}={saved[key]}, this run has {getattr(plan, key)}: the "
+                    "dataset, batch size or gradient accumulation changed, so the resumed sampling would not continue "
+                    "the original one. Resume with the same data and batch settings."
+                )
+        seed = int(saved["seed"])
+        if self.privacy_args.sampling_seed is not None and self.privacy_args.sampling_seed != seed:
+            warnings.warn("the checkpoint's sampling seed replaces privacy_args.sampling_seed", stacklevel=3)
+        self._dp_sampling_seed = seed
+        if self._dp_sampler is not None:
+            self._dp_sampler.seed = seed
+        self.privacy_budget.load_state_dict(state["budget"])
+
+    # ------------------------------------------------------------------ data
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Poisson-sampled micro-batches; empty ones arrive as ``EmptyBatch``."""
+        dataset, collator = self.train_dataset, self.data_collator
+        if len(dataset) != self.privacy_units.num_rows:
+            raise ValueError(
+                f"train_dataset has {len(dataset)} rows but had {self.privacy_units.num_rows} when the trainer was "
+                "built; the sampling rate and the noise were planned for that size. Build a new trainer."
+            )
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        tag_units = self.privacy_args.privacy_unit_column is not None
+        if tag_units:
+            dataset = IndexedDataset(dataset)
+        plan = self.sampling_plan
+        self._dp_sampler = PoissonMicroBatchSampler(
+            self.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch, micro_batches=plan.micro_batches,
+            seed=self._dp_sampling_seed,
+        )
+        args = self.args
+        loader = DataLoader(
+            dataset,
+            batch_sampler=self._dp_sampler,
+            collate_fn=PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None),
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            persistent_workers=args.dataloader_persistent_workers,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            in_order=args.dataloader_in_order,
+            worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
+        )
+        return self.accelerator.prepare(loader)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
+        """The parent's optimizer, wrapped once in a DPOptimizer."""
+        super().create_optimizer(model)
+        if _find_dp_optimizer(self.optimizer) is None:
+            _check_optimizer_params(self.model, self.optimizer)
+            p = self.privacy_args
+            optimizer = DPOptimizer(
+                self.optimizer,
+                hooks=self.dp_hooks,
+                noise_multiplier=self.privacy_budget.noise_multiplier,
+                max_grad_norm=p.per_sample_max_grad_norm,
+                expected_batch_size=self.sampling_plan.expected_batch_size,
+                loss_reduction="mean",
+                clipping=p.clipping,
+                noise_generator=None if p.secure_mode else NoiseGenerator(seed=p.noise_seed, device=self.args.device),
+                secure_mode=p.secure_mode,
+            )
+            optimizer.attach_step_hook(self._after_private_step)
+            self.optimizer = optimizer
+        return self.optimizer
+
+    def _after_private_step(self, optimizer: DPOptimizer) -> None:
+        """Account the step and keep the norm of the privatised gradient for the logs."""
+        self.privacy_budget.record_step()
+        norms = [p.grad.detach().float().norm() for p in optimizer.params if p.grad is not None]
+        self._dp_grad_norm = float(torch.stack(norms).norm()) if norms else None
+
+    def _clip_grad_norm(self, model: Any) -> None:
+        return None  # each unit is clipped by the DP optimizer; the Trainer's clipping would be on raw gradients
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> None:
+        return None  # the raw gradient's norm is not private; `log` reports the privatised one
+
+    # ------------------------------------------------------------------ steps and loss
+
+    def training_step(self, model: Any, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        """Forward/backward of one micro-batch; returns its summed loss / expected batch size (for logs)."""
+        if is_empty_batch(inputs):
+            return torch.zeros((), device=self.args.device)
+        example_units = inputs.pop(UNIT_IDS_KEY, None)
+        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        return loss / self.sampling_plan.expected_batch_size
+
+    def compute_loss(self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+        """In training: the sum over units of each unit's own loss (``num_items_in_batch`` unused)."""
+        parent = super().compute_loss
+        if self.dp_hooks is None or not (model.training and torch.is_grad_enabled()):
+            return parent(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        return self._dp_recipe.summed_loss(self, model, inputs, return_outputs, parent)
+
+    def _track_num_input_tokens(self, inputs: Dict[str, Any]) -> None:
+        if not is_empty_batch(inputs):
+            super()._track_num_input_tokens(inputs)
+
+    # ------------------------------------------------------------------ logs and checkpoints
+
+    def log(self, logs: Dict[str, float], start_time: Optional[float] = None) -> None:
+        if self.privacy_budget is not None and not any(str(k).startswith(("eval_", "test_")) for k in logs):
+            logs["epsilon"] = self.privacy_budget.epsilon()
+            if "loss" in logs and self._dp_grad_norm is not None:
+                logs["grad_norm"] = self._dp_grad_norm
+        super().log(logs, start_time)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        if self.args.should_save and self.privacy_budget is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            os.makedirs(folder, exist_ok=True)
+            torch.save(self.privacy_state_dict(), os.path.join(folder, PRIVACY_STATE_NAME))
+        super()._save_checkpoint(model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None or self.privacy_budget is None:
+            return
+        path = os.path.join(checkpoint, PRIVACY_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{checkpoint} has no {PRIVACY_STATE_NAME}: it was not written by a private trainer, so its privacy "
+                "spending is unknown and epsilon would restart at 0. Resume from a checkpoint of the private run, or "
+                "load the weights into a new model and start a new private run (whose epsilon adds to the old one)."
+            )
+        self.load_privacy_state_dict(torch.load(path, weights_only=True))
+
+
+class DPTrainer(PrivateTrainerMixin, Trainer):
+    """``transformers.Trainer`` with DP-SGD: ``DPTrainer(model=..., args=..., train_dataset=...,
+    privacy_args=PrivacyArguments(...))``. Same as ``private(Trainer)``."""
+
+
+_PRIVATE_CLASSES: Dict[type, type] = {Trainer: DPTrainer}
+
+
+def private(trainer_cls: type) -> type:
+    """The private version of a ``transformers.Trainer`` subclass, e.g. ``private(trl.SFTTrainer)``.
+
+    The class it returns takes the same arguments plus ``privacy_args`` (and optionally
+    ``per_sample_loss_func``). Calling ``private`` twice gives the same class.
+    """
+    if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, Trainer)):
+        raise TypeError(f"private() takes a transformers.Trainer subclass, got {trainer_cls!r}")
+    if issubclass(trainer_cls, PrivateTrainerMixin):
+        return trainer_cls
+    if trainer_cls not in _PRIVATE_CLASSES:
+        name = f"DP{trainer_cls.__name__}"
+        doc = f"{trainer_cls.__name__} with DP-SGD; takes privacy_args=PrivacyArguments(...). Made by dptorch's private()."
+        _PRIVATE_CLASSES[trainer_cls] = type(
+            name, (PrivateTrainerMixin, trainer_cls), {"__doc__": doc, "__module__": __name__, "__qualname__": name}
+        )
+    return _PRIVATE_CLASSES[trainer_cls]
+
+
+def _find_dp_optimizer(optimizer: Any) -> Optional[DPOptimizer]:
+    """The DPOptimizer inside Accelerate's (or anyone's) ``.optimizer`` chain, if any."""
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, DPOptimizer):
+            return optimizer
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return None
+
+
+def _check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    in_model = {id(p) for p in model.parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [tuple(p.shape) for p in params if id(p) not in in_model]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not in trainer.model (shapes {foreign[:3]}), "
+            "e.g. because it was built before PEFT replaced or added layers; build it from trainer.model's "
+            "parameters, or let the trainer create it"
+        )
+    if not any(p.requires_grad for p in params):
+        raise ValueError("the optimizer has no trainable parameter (all have requires_grad=False)")
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)
