@@ -95,9 +95,9 @@ def test_epsilons_after_is_a_projection(name):
 @pytest.mark.parametrize("name", NAMES)
 @settings(max_examples=4, deadline=None, derandomize=True)
 @given(
-    sigma=st.floats(0.7, 3.0),
-    q=st.floats(0.002, 0.3),
-    steps=st.integers(10, 1000),
+    sigma=st.floats(0.8, 3.0),
+    q=st.floats(0.005, 0.3),
+    steps=st.integers(10, 500),
 )
 def test_epsilon_grows_with_steps_and_q_and_falls_with_sigma(name, sigma, q, steps):
     base = epsilon(name, sigma, q, steps)

@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dptorch.accounting import check_accountant_name
+from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES as _CONTROLLER_MODES
 from dptorch.optim.clipping import CLIPPING_MODES
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch")
+#: "ghost" needs a second backward pass of the loss (``DPLoss``), which the Trainer does not run.
+GRAD_SAMPLE_MODES = tuple(mode for mode in _CONTROLLER_MODES if mode != "ghost")
 
 
 @dataclass
@@ -55,7 +57,10 @@ class PrivacyArguments:
         default=None,
         metadata={"help": "Dataset column naming each row's privacy unit (e.g. a user id); rows sharing it are one unit."},
     )
-    grad_sample_mode: str = field(default="hooks", metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES}."})
+    grad_sample_mode: str = field(
+        default="hooks",
+        metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES} ('bk': book-keeping, norms without instantiating)."},
+    )
     secure_mode: bool = field(default=False, metadata={"help": "Draw noise from the OS CSPRNG (not replayable)."})
     sampling_seed: Optional[int] = field(
         default=None,
@@ -86,7 +91,11 @@ class PrivacyArguments:
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
-            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
+            hint = " ('ghost' needs a second backward pass that the Trainer does not run; 'bk' gives the same saving)"
+            raise ValueError(
+                f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}"
+                + (hint if self.grad_sample_mode == "ghost" else "")
+            )
         self.accountant = check_accountant_name(self.accountant)
         if not self.poisson_sampling:
             raise ValueError(
