@@ -1,0 +1,55 @@
+"""Tiny offline models, tokenizer and datasets for the HF integration tests.
+
+The builders live in ``examples/common.py`` (shared with the examples, which must run from a
+plain checkout); this module loads them by path and adds what only the tests need.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+_COMMON = Path(__file__).resolve().parents[2] / "examples" / "common.py"
+_spec = importlib.util.spec_from_file_location("dptorch_examples_common", _COMMON)
+common = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = common
+_spec.loader.exec_module(common)
+
+word_tokenizer = common.word_tokenizer
+tiny_gpt2 = common.tiny_gpt2
+tiny_llama = common.tiny_llama
+lm_dataset = common.lm_dataset
+text_dataset = common.text_dataset
+preference_dataset = common.preference_dataset
+cpu_training_args = common.cpu_training_args
+
+
+def without_dropout(model):
+    """Set every dropout probability of ``model`` to 0 (per-sample gradient comparisons)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def trainable_copy(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def quiet():
+    """Silence the deprecation chatter of transformers/TRL in test output."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
