@@ -229,8 +229,9 @@ def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool) -> DPD
             "poisson_sampling=True (the data loader is rebuilt with the same expected batch size), or pass a "
             "dptorch.data.DPDataLoader"
         )
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
-        return DPDataLoader.from_data_loader(data_loader)
+        return DPDataLoader.from_data_loader(data_loader, distributed=distributed)
     except (TypeError, ValueError) as err:
         raise ValueError(f"cannot derive the sample rate from the data loader: {err}") from err
 

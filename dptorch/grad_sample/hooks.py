@@ -126,6 +126,11 @@ class GradSampleHooks:
 
         warnings.warn(message, stacklevel=3)
 
+    @property
+    def _under_ddp(self) -> bool:
+        """DDP expects every parameter to get an autograd gradient (see the book-keeping note)."""
+        return isinstance(self.module, nn.parallel.DistributedDataParallel)
+
     def _attach(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(self._on_root_forward_end, always_call=True))
@@ -138,7 +143,7 @@ class GradSampleHooks:
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
             norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
             self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
-            if norm_sampler is not None and self.grad_sample_mode == "bk":
+            if norm_sampler is not None and self.grad_sample_mode == "bk" and not self._under_ddp:
                 self._handles.append(sub.register_forward_pre_hook(self._suppress_weight_grads))
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:

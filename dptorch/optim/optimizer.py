@@ -81,6 +81,7 @@ class DPOptimizer(torch.optim.Optimizer):
             "_optimizer_load_state_dict_post_hooks",
         ):
             setattr(self, name, OrderedDict())
+        self._rank, self._world_size = _distributed_rank_and_size()
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -153,16 +154,26 @@ class DPOptimizer(torch.optim.Optimizer):
         self._step_hooks.append(hook)
 
     def add_noise(self) -> None:
-        """Write ``p.grad = (clipped sum + noise) / expected batch size`` for every trainable parameter."""
+        """Write ``p.grad = (clipped sum + noise) / expected batch size`` for every trainable parameter.
+
+        In distributed training the clipped sums of all ranks are added up and the noise is drawn
+        once, on rank 0, so every rank ends with the same gradient.
+        """
+        params = self.params
+        if not params:
+            return
+        summed = [self._summed.get(p, None) for p in params]
+        device = params[0].device
+        flat = torch.cat([(s if s is not None else torch.zeros_like(p, dtype=torch.float32)).flatten().to(device) for s, p in zip(summed, params)])
         std = self.noise_std
-        for param in self.params:
-            summed = self._summed.get(param)
-            if summed is None:
-                summed = torch.zeros_like(param, dtype=torch.float32)
-            noisy = summed.add(self.noise_generator.noise_like(summed, std)) if std > 0 else summed.clone()
-            if self.loss_reduction == "mean":
-                noisy.div_(self.expected_batch_size)
-            param.grad = noisy.to(param.dtype)
+        if std > 0 and self._rank == 0:
+            flat.add_(self.noise_generator.noise_like(flat, std))
+        if self._world_size > 1:
+            torch.distributed.all_reduce(flat)
+        if self.loss_reduction == "mean":
+            flat.div_(self.expected_batch_size)
+        for param, grad in zip(params, flat.split([p.numel() for p in params])):
+            param.grad = grad.view_as(param).to(param.dtype)
 
     def pre_step(self) -> bool:
         """Privatise the accumulated gradient; False when this step is a skipped virtual step."""
@@ -229,3 +240,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._skip_next = bool(dp["skip_next"])
         self._last_step_skipped = bool(dp["last_step_skipped"])
         self.noise_generator.load_state_dict(dp["noise_generator"])
+
+
+def _distributed_rank_and_size():
+    """(rank, world size) of the default process group, or (0, 1) without one."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
