@@ -57,12 +57,51 @@ class DPLoss:
 
 
 class DPLossValue:
-    """The wrapped loss: reads like a scalar loss; ``backward()`` runs both passes."""
+    """The wrapped loss: reads like a scalar loss; ``backward()`` runs both passes.
+
+    Supports the arithmetic DPO-style objectives need: sums and differences of wrapped losses
+    of the same batch, scaling by constants and negation. Every result keeps one loss per
+    sample, and combining losses of different batch lengths is refused.
+    """
 
     def __init__(self, per_sample: torch.Tensor, loss_reduction: str, hooks: GradSampleHooks) -> None:
         self.per_sample = per_sample
+        self.loss_reduction = loss_reduction
         self.hooks = hooks
         self.value = per_sample.sum() if loss_reduction == "sum" else per_sample.mean()
+
+    def _combine(self, other: "DPLossValue", op) -> "DPLossValue":
+        if not isinstance(other, DPLossValue):
+            return NotImplemented
+        if other.per_sample.shape != self.per_sample.shape or other.loss_reduction != self.loss_reduction:
+            raise ValueError(
+                f"cannot combine wrapped losses of shapes {tuple(self.per_sample.shape)} and "
+                f"{tuple(other.per_sample.shape)} (reductions {self.loss_reduction!r}, {other.loss_reduction!r}): "
+                "both must come from the same batch"
+            )
+        return DPLossValue(op(self.per_sample, other.per_sample), self.loss_reduction, self.hooks)
+
+    def _scale(self, factor: float) -> "DPLossValue":
+        if not isinstance(factor, (int, float)):
+            return NotImplemented
+        return DPLossValue(self.per_sample * factor, self.loss_reduction, self.hooks)
+
+    def __add__(self, other):
+        return self._combine(other, torch.add)
+
+    def __sub__(self, other):
+        return self._combine(other, torch.sub)
+
+    def __mul__(self, factor):
+        return self._scale(factor)
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, factor):
+        return self._scale(1.0 / factor) if isinstance(factor, (int, float)) else NotImplemented
+
+    def __neg__(self):
+        return self._scale(-1.0)
 
     def backward(self) -> None:
         self.hooks.register_per_sample_loss(self.per_sample)

@@ -147,3 +147,40 @@ def test_dploss_refuses_a_scalar_loss_and_handles_losses_without_reduction():
     assert criterion.reduction == "mean" and value.per_sample.shape == (5,)
     torch.testing.assert_close(value.detach(), nn.functional.cross_entropy(out, target))
     hooks.cleanup()
+
+
+def test_ghost_loss_arithmetic_equals_hooks_update():
+    """A DPO-style objective built from two wrapped losses gives the hooks-mode step."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, target = torch.randn(5, 4), torch.randint(0, 3, (5,))
+    results = {}
+    for mode in ("hooks", "ghost"):
+        model = copy.deepcopy(base)
+        hooks = GradSampleHooks(model, grad_sample_mode=mode)
+        opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), hooks=hooks, noise_multiplier=0.0,
+                          max_grad_norm=0.2, expected_batch_size=5)
+        out = model(x)
+        ce = nn.CrossEntropyLoss()
+        square = lambda o: o.pow(2).sum(1)  # noqa: E731  (an HF-style loss without `reduction`)
+        if mode == "ghost":
+            loss = 2.0 * DPLoss(ce, hooks)(out, target) - DPLoss(square, hooks)(out) / 4 + -DPLoss(ce, hooks)(out, target)
+        else:
+            per_sample = 2.0 * nn.functional.cross_entropy(out, target, reduction="none") - square(out) / 4 - nn.functional.cross_entropy(out, target, reduction="none")
+            loss = per_sample.mean()
+        loss.backward()
+        opt.step()
+        hooks.cleanup()
+        results[mode] = [p.detach() for p in model.parameters()]
+    for a, b in zip(results["hooks"], results["ghost"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_ghost_loss_arithmetic_refuses_mismatched_batches():
+    model = nn.Linear(4, 3)
+    hooks = GradSampleHooks(model, grad_sample_mode="ghost")
+    first = DPLoss(nn.CrossEntropyLoss(), hooks)(model(torch.randn(3, 4)), torch.zeros(3, dtype=torch.long))
+    second = DPLoss(nn.CrossEntropyLoss(), hooks)(model(torch.randn(2, 4)), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="same batch"):
+        first + second
+    hooks.cleanup()

@@ -27,6 +27,7 @@ from tests.integrations.tiny import (  # noqa: E402
     lm_dataset,
     quiet,
     tiny_gpt2,
+    tiny_llama,
     trainable_copy,
     without_dropout,
     word_tokenizer,
@@ -79,9 +80,14 @@ def equal_length_rows(count, length=7, seed=0):
 
 
 def test_without_noise_and_clipping_a_step_equals_the_plain_trainer_step(tmp_path):
-    """q=1 (the whole data each step), equal lengths: HF's token mean = mean of per-sample means."""
+    """q=1 (the whole data each step), equal lengths: HF's token mean = mean of per-sample means.
+
+    Llama, not GPT-2: with GPT-2 (``loss_type=None``) the plain Trainer counts unshifted labels in
+    num_items_in_batch, so its loss is scaled by (T-1)/T.
+    """
     data = equal_length_rows(6)
-    model = without_dropout(tiny_gpt2(TOKENIZER))
+    torch.manual_seed(0)
+    model = tiny_llama(TOKENIZER)
     plain = make_trainer(tmp_path / "plain", copy.deepcopy(model), data, Trainer, max_steps=1, per_device_train_batch_size=6,
                          gradient_accumulation_steps=1)
     private_ = make_trainer(tmp_path / "dp", copy.deepcopy(model), data, max_steps=1, per_device_train_batch_size=3,
