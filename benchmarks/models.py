@@ -26,7 +26,7 @@ SHAPES = {
     "narrow-llama": ("llama", 4, 256, 128, 16, 5000, False),
     "wide-gpt2": ("gpt2", 2, 768, 128, 16, 5000, True),
 }
-MODES = ("nonprivate", "hooks", "bk", "functorch")
+MODES = ("nonprivate", "hooks", "bk", "ghost", "functorch", "opacus-hooks", "opacus-ghost")
 
 
 def build(family, layers, width, vocab, tied):
@@ -47,6 +47,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     import torch
 
     from dptorch.grad_sample import GradSampleHooks
+    from dptorch.loss import DPLoss
     from dptorch.optim import DPOptimizer
 
     family, layers, width, default_seq, default_batch, vocab, tied = SHAPES[shape]
@@ -54,15 +55,22 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     torch.manual_seed(0)
     model = build(family, layers, width, vocab, tied).train()
     ids = torch.randint(0, vocab, (batch, seq))
+    # Explicit (B, T) position ids: Opacus cannot take GPT-2's default broadcast (1, T) ones.
+    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, seq)}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    if mode != "nonprivate":
+    criterion = torch.nn.CrossEntropyLoss()
+    if mode.startswith("opacus"):
+        model, optimizer, criterion = opacus_private(model, optimizer, criterion, mode.split("-")[1], batch)
+    elif mode != "nonprivate":
         hooks = GradSampleHooks(model, grad_sample_mode=mode)
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch)
+        if mode == "ghost":
+            criterion = DPLoss(criterion, hooks)
 
     def step():
         optimizer.zero_grad()
-        logits = model(input_ids=ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        logits = model(**inputs).logits
+        loss = criterion(logits.transpose(1, 2), ids)  # per-sample friendly: (B, V, T) against (B, T)
         loss.backward()
         optimizer.step()
 
@@ -80,10 +88,27 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
             "threads": torch.get_num_threads()}
 
 
+def opacus_private(model, optimizer, criterion, mode, batch):
+    """Opacus 1.6 as a peer (optional; never a dependency of dptorch)."""
+    import torch
+    from opacus import PrivacyEngine as OpacusEngine
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(batch * 4, 1)), batch_size=batch)
+    result = OpacusEngine(accountant="rdp").make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+        poisson_sampling=False, grad_sample_mode=mode, **({"criterion": criterion} if mode == "ghost" else {}),
+    )
+    if mode == "ghost":
+        model, optimizer, criterion, _ = result
+    else:
+        model, optimizer, _ = result
+    return model, optimizer, criterion
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk", "ghost", "opacus-hooks", "opacus-ghost"], choices=list(MODES))
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
@@ -100,13 +125,18 @@ def main() -> None:
                 base = None
                 for mode in args.modes:
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--one", shape, mode, str(seq or 0), str(batch or 0)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
-                    row = json.loads(out)
+                    run = subprocess.run(cmd, capture_output=True, text=True)
+                    if run.returncode != 0:
+                        error = (run.stderr.strip().splitlines() or ["failed"])[-1][:90]
+                        rows.append({"shape": shape, "mode": mode, "error": error})
+                        print(f"{shape:20s} {mode:13s} fails: {error}", flush=True)
+                        continue
+                    row = json.loads(run.stdout.strip().splitlines()[-1])
                     base = base or row
                     row["time_ratio"] = row["median_s"] / base["median_s"]
                     row["peak_ratio"] = row["peak_rss_mib"] / base["peak_rss_mib"]
                     rows.append(row)
-                    print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:11s} "
+                    print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
                           f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak RSS {row['peak_rss_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)

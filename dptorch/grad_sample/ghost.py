@@ -18,12 +18,77 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from dataclasses import dataclass
+
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler
 from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 from dptorch.grad_sample.layers.linear import flatten_middle_dims
 from dptorch.grad_sample.registry import register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
+
+
+@dataclass
+class LinearForm:
+    """A per-sample weight gradient ``G_i = sum_t left_it (x) right_it`` kept as its factors.
+
+    ``left`` is ``(B, T, rows)``, or ``(B, T)`` integer indices standing for one-hot rows
+    (embeddings); ``right`` is ``(B, T, cols)``.
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+
+    @property
+    def indexed(self) -> bool:
+        return not self.left.is_floating_point()
+
+
+def _left_gram(x: LinearForm, y: LinearForm) -> torch.Tensor:
+    """``(left_x[t] . left_y[t'])`` for each sample: ``(B, T_x, T_y)``."""
+    if x.indexed and y.indexed:
+        return (x.left.unsqueeze(2) == y.left.unsqueeze(1)).float()
+    if x.indexed:
+        return _left_gram(y, x).transpose(1, 2)
+    if y.indexed:  # one-hot rows pick columns of the dense factor
+        index = y.left.unsqueeze(1).expand(-1, x.left.shape[1], -1)
+        return x.left.float().gather(2, index)
+    return torch.bmm(x.left.float(), y.left.float().transpose(1, 2))
+
+
+def form_inner_products(x: LinearForm, y: LinearForm) -> torch.Tensor:
+    """``<G_i, H_i>`` (Frobenius) for each sample, from the factors alone."""
+    right = torch.bmm(x.right.float(), y.right.float().transpose(1, 2))
+    return torch.einsum("bts,bts->b", _left_gram(x, y), right)
+
+
+def _affine_forms(module: nn.Module, inputs: torch.Tensor, backprops: torch.Tensor, in_by_out: bool) -> Dict[nn.Parameter, LinearForm]:
+    """Weight ``sum_t b_t a_t^T`` (or its transpose) and bias ``sum_t b_t (x) 1``."""
+    a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
+    forms = {}
+    if _trainable(module.weight):
+        forms[module.weight] = LinearForm(a, b) if in_by_out else LinearForm(b, a)
+    if _trainable(module.bias):
+        forms[module.bias] = LinearForm(b, b.new_ones(b.shape[0], b.shape[1], 1))
+    return forms
+
+
+def _linear_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    return _affine_forms(module, activations[0], backprops, in_by_out=False)
+
+
+def _hf_conv1d_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    return _affine_forms(module, activations[0], backprops, in_by_out=True)
+
+
+def _embedding_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    if not module.weight.requires_grad:
+        return {}
+    ids = activations[0].reshape(activations[0].shape[0], -1)
+    right = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    if module.padding_idx is not None:  # the padding row gets no gradient
+        right = right * (ids != module.padding_idx).unsqueeze(-1)
+    return {module.weight: LinearForm(ids, right)}
 
 
 def _trainable(param: Optional[nn.Parameter]) -> bool:
@@ -81,13 +146,13 @@ def _hf_conv1d_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     return _linear_sums(module.weight, module.bias, activations[0], scaled_backprops, in_by_out=True)
 
 
-@register_norm_sampler(nn.Linear, clipped_sum=_linear_clipped_sum, token_wise=True)
+@register_norm_sampler(nn.Linear, clipped_sum=_linear_clipped_sum, token_wise=True, linear_form=_linear_form)
 def linear_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
     """``nn.Linear``: ghost or instantiated norms per call, bias from the summed backprops."""
     return _linear_norms(module.weight, module.bias, activations[0], backprops)
 
 
-@register_norm_sampler(predicate=looks_like_hf_conv1d, clipped_sum=_hf_conv1d_clipped_sum, token_wise=True)
+@register_norm_sampler(predicate=looks_like_hf_conv1d, clipped_sum=_hf_conv1d_clipped_sum, token_wise=True, linear_form=_hf_conv1d_form)
 def hf_conv1d_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
     """transformers' ``Conv1D``: the same norms as a Linear layer (the layout does not matter)."""
     return _linear_norms(module.weight, module.bias, activations[0], backprops)
@@ -119,7 +184,7 @@ def _plain_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and not module.scale_grad_by_freq
 
 
-@register_norm_sampler(predicate=_plain_embedding, clipped_sum=_embedding_clipped_sum, token_wise=True)
+@register_norm_sampler(predicate=_plain_embedding, clipped_sum=_embedding_clipped_sum, token_wise=True, linear_form=_embedding_form)
 def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
     """``nn.Embedding``: ghost norms when ``T^2 < V``, else the instantiated gradient's norm."""
     weight = module.weight

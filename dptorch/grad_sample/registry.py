@@ -86,12 +86,15 @@ class NormSampler:
     """Per-sample squared norms, and batch gradients from per-sample scaled backprops.
 
     ``token_wise`` layers act on each position of ``(B, *middle, F)`` independently, so the rows
-    of one privacy unit can be concatenated along the middle dimensions.
+    of one privacy unit can be concatenated along the middle dimensions. ``linear_form``, if
+    given, returns the weight's per-sample gradient as factors ``sum_t left_t (x) right_t`` so that
+    a weight shared with another layer (tied embeddings) needs no instantiation either.
     """
 
     norms_sq: NormFunction
     clipped_sum: NormFunction
     token_wise: bool = False
+    linear_form: Optional[Callable] = None
 
 
 _NORM_SAMPLERS: Dict[Type[nn.Module], NormSampler] = {}
@@ -103,6 +106,7 @@ def register_norm_sampler(
     clipped_sum: NormFunction,
     predicate: Optional[ModulePredicate] = None,
     token_wise: bool = False,
+    linear_form: Optional[Callable] = None,
 ):
     """Decorator registering ``norms_sq(module, activations, backprops)`` for ghost/BK modes.
 
@@ -114,7 +118,7 @@ def register_norm_sampler(
         raise TypeError("register_norm_sampler needs module types or a predicate")
 
     def decorator(fn: NormFunction) -> NormFunction:
-        sampler = NormSampler(fn, clipped_sum, token_wise)
+        sampler = NormSampler(fn, clipped_sum, token_wise, linear_form)
         for module_type in module_types:
             _NORM_SAMPLERS[module_type] = sampler
         if predicate is not None:

@@ -104,6 +104,7 @@ class BookKeeping:
         self.per_sample_loss: Optional[torch.Tensor] = None
         self._norms: Optional[Dict[nn.Parameter, torch.Tensor]] = None
         self._row_units: Optional[torch.Tensor] = None
+        self._shared: set = set()
 
     @property
     def grads(self) -> Dict[nn.Parameter, torch.Tensor]:
@@ -120,10 +121,11 @@ class BookKeeping:
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
         uses = Counter(p for call in self.calls for p in call.params.values())
-        uses.update(self.dense.grads)
+        uses.update(self.dense.grads.keys())
+        factored = self._factored_shared_params(uses, unit_ids)
         kept = []
         for call in self.calls:
-            shared = {n: p for n, p in call.params.items() if uses[p] > 1}
+            shared = {n: p for n, p in call.params.items() if uses[p] > 1 and p not in factored}
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
             if shared:
@@ -137,10 +139,19 @@ class BookKeeping:
                 call.backprops = group_rows_by_unit(call.backprops, unit_ids)
             kept.append(call)
         self.calls = kept
+        self._shared = factored
         self.dense.finish_round(unit_ids)
         if unit_ids is not None and self.second_pass is not None:
             self._row_units = unit_index(unit_ids, len(unit_ids))
         self._norms = None
+
+    def _factored_shared_params(self, uses: Counter, unit_ids: Optional[torch.Tensor]) -> set:
+        """Shared parameters whose every use has a linear form: their norm comes from the factors."""
+        candidates = {p for p, count in uses.items() if count > 1 and p not in self.dense.grads}
+        for call in self.calls:
+            if call.norm_sampler.linear_form is None or (unit_ids is not None and not call.norm_sampler.token_wise):
+                candidates -= set(call.params.values())
+        return candidates
 
     def covers(self) -> set:
         return self.dense.covers() | {p for call in self.calls for p in call.params.values()}
@@ -148,10 +159,19 @@ class BookKeeping:
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         if self._norms is None:
             norms = self.dense.per_sample_norms()
+            forms: Dict[nn.Parameter, list] = {}
             for call in self.calls:
-                squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
-                for param in call.params.values():
-                    norms[param] = squared[param].clamp(min=0).sqrt() * call.scale
+                own = [p for p in call.params.values() if p not in self._shared]
+                if own:
+                    squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
+                    for param in own:
+                        norms[param] = squared[param].clamp(min=0).sqrt() * call.scale
+                if len(own) < len(call.params):
+                    for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
+                        if param in self._shared:
+                            forms.setdefault(param, []).append((call.scale, form))
+            for param, uses in forms.items():
+                norms[param] = shared_norm(uses)
             self._norms = norms
         return self._norms
 
@@ -165,11 +185,11 @@ class BookKeeping:
                 scale = (factor * call.scale).to(call.backprops.dtype).view(-1, *([1] * (call.backprops.dim() - 1)))
                 computed = call.norm_sampler.clipped_sum(call.module, call.activations, call.backprops * scale)
                 for param in params:
-                    sums[param] = computed[param]
+                    sums[param] = computed[param] + sums[param] if param in sums else computed[param]
         return sums
 
     def _second_pass_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
-        params = [p for call in self.calls for p in call.params.values() if p in factors]
+        params = list(dict.fromkeys(p for call in self.calls for p in call.params.values() if p in factors))
         if not params:
             return {}
         if self.per_sample_loss is None:
@@ -192,6 +212,19 @@ class BookKeeping:
         if self.calls:
             return self.calls[0].backprops.shape[0]
         return self.dense.batch_size()
+
+
+def shared_norm(uses) -> torch.Tensor:
+    """Per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form ``G_k``."""
+    from dptorch.grad_sample.ghost import form_inner_products
+
+    total = None
+    for k, (scale_k, form_k) in enumerate(uses):
+        for scale_l, form_l in uses[k:]:
+            weight = scale_k * scale_l * (1.0 if form_l is form_k else 2.0)
+            term = weight * form_inner_products(form_k, form_l)
+            total = term if total is None else total + term
+    return total.clamp(min=0).sqrt()
 
 
 def _group_by_factor(params, factors: Dict[nn.Parameter, torch.Tensor]):

@@ -150,13 +150,17 @@ class CollatorSpy:
 def test_empty_poisson_batches_skip_the_model_but_still_add_noise_and_count(tmp_path):
     spy = CollatorSpy(COLLATE)
     trainer = make_trainer(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_steps=6,
-                           dataset=lm_dataset(TOKENIZER, 40))
+                           dataset=lm_dataset(TOKENIZER, 40),
+                           privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, sampling_seed=5))
     trainer.data_collator = spy
     before = trainable_copy(trainer.model)
     trainer.train()
-    batches = len(trainer.get_train_dataloader())
-    assert batches == 2 * trainer.sampling_plan.steps_per_epoch  # exactly GA micro-batches per logical batch
-    assert 0 not in spy.sizes and len(spy.sizes) < 12  # some of the 12 micro-batches were empty, never collated
+    sampler = trainer._dp_sampler
+    assert len(trainer.get_train_dataloader()) == 2 * trainer.sampling_plan.steps_per_epoch  # GA micro-batches per step
+    sampler.set_epoch(0)
+    drawn = [len(rows) for rows in sampler][:12]
+    assert 0 in drawn  # this seed leaves micro-batches empty...
+    assert 0 not in spy.sizes and spy.sizes[: 12 - drawn.count(0)] == [n for n in drawn if n]  # ...never collated
     assert trainer.privacy_budget.steps == 6 and len(trainer.privacy_budget.accountant) == 6
     assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 

@@ -264,6 +264,9 @@ class PrivateTrainerMixin:
             return parent(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         return self._dp_recipe.summed_loss(self, model, inputs, return_outputs, parent)
 
+    def _get_num_items_in_batch(self, batch_samples: Any, device: Any) -> None:
+        return None  # the batch's token count is exactly the cross-sample normaliser DP must not use
+
     def _track_num_input_tokens(self, inputs: Dict[str, Any]) -> None:
         if not is_empty_batch(inputs):
             super()._track_num_input_tokens(inputs)

@@ -1,0 +1,111 @@
+"""private(trl.SFTTrainer) and private(trl.DPOTrainer) with the real TRL, PEFT and Accelerate."""
+
+import copy
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+
+from peft import LoraConfig, PeftModel  # noqa: E402
+from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
+
+from dptorch.integrations.hf import PrivacyArguments, private  # noqa: E402
+from tests.integrations.test_hf_trainer import TOKENIZER  # noqa: E402
+from tests.integrations.tiny import (  # noqa: E402
+    preference_dataset,
+    text_dataset,
+    tiny_gpt2,
+    tiny_llama,
+    trainable_copy,
+    without_dropout,
+)
+
+PRIVACY = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3)
+COMMON = dict(use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no",
+              max_length=32, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2)
+
+
+def sft(tmp_path, model, privacy=PRIVACY, peft_config=None, **config):
+    torch.manual_seed(0)
+    args = SFTConfig(output_dir=str(tmp_path), **{**COMMON, **config})
+    return private(SFTTrainer)(model=model, args=args, train_dataset=text_dataset(32), processing_class=TOKENIZER,
+                               peft_config=peft_config, privacy_args=privacy)
+
+
+def dpo(tmp_path, model, dataset=None, privacy=PRIVACY, peft_config=None, ref_model=None, **config):
+    torch.manual_seed(0)
+    args = DPOConfig(output_dir=str(tmp_path), **{**COMMON, **config})
+    return private(DPOTrainer)(model=model, ref_model=ref_model, args=args, train_dataset=dataset or preference_dataset(32),
+                               processing_class=TOKENIZER, peft_config=peft_config, privacy_args=privacy)
+
+
+def test_sft_with_lora_and_activation_checkpointing(tmp_path):
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = sft(tmp_path, tiny_llama(TOKENIZER), peft_config=config)  # TRL's default: gradient checkpointing on
+    assert type(trainer).__name__ == "DPSFTTrainer" and isinstance(trainer.model, PeftModel)
+    assert trainer.args.gradient_checkpointing
+    lora = trainable_copy(trainer.model)
+    trainer.train()
+    assert all(not torch.equal(p, lora[n]) for n, p in trainer.model.named_parameters() if n in lora)
+    assert trainer.privacy_budget.steps == 2 and trainer.state.log_history[-1]["epsilon"] > 0
+
+
+def test_sft_full_fine_tuning_bypasses_the_fused_lm_head(tmp_path):
+    """GPT-2 ties lm_head to wte; TRL's fused head would read it directly, without per-sample grads."""
+    model = tiny_gpt2(TOKENIZER)
+    trainer = sft(tmp_path, model, gradient_checkpointing=False)
+    before = trainable_copy(model)
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_sft_packing_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="packing"):
+        sft(tmp_path, tiny_llama(TOKENIZER), packing=True)
+
+
+def test_dpo_with_lora_trains_privately(tmp_path):
+    config = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, task_type="CAUSAL_LM")
+    trainer = dpo(tmp_path, tiny_gpt2(TOKENIZER), peft_config=config)
+    lora = trainable_copy(trainer.model)
+    trainer.train()
+    assert isinstance(trainer.model, PeftModel)
+    assert all(not torch.equal(p, lora[n]) for n, p in trainer.model.named_parameters() if n in lora)
+    assert trainer.privacy_budget.steps == 2 and trainer.get_epsilon() > 0
+
+
+def test_dpo_units_are_pairs_and_users(tmp_path):
+    """A unit's rows (its chosen and rejected rows, and all pairs of one user) are summed before clipping:
+    each unit's per-sample gradient equals the gradient of its pairs' losses computed alone."""
+    users = ["ann", "bob", "ann", "cid"]
+    data = preference_dataset(4).add_column("user", users)
+    config = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False, task_type="CAUSAL_LM")
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, privacy_unit_column="user")
+    trainer = dpo(tmp_path, without_dropout(tiny_gpt2(TOKENIZER)), dataset=data, privacy=privacy, peft_config=config,
+                  per_device_train_batch_size=3, gradient_checkpointing=False)
+    assert trainer.sampling_plan.sample_rate == 1.0  # 3 units, 3 per batch: every unit every step
+    model, hooks = trainer.model, trainer.dp_hooks
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[0] == 8  # 4 pairs -> 8 rows, chosen then rejected
+    trainer.training_step(model, batch)
+    params = [p for p in model.parameters() if p.requires_grad]
+    per_unit = {p: g.clone() for p, g in hooks.grad_samples.items()}
+    assert all(per_unit[p].shape[0] == 3 for p in params)
+    hooks.clear()
+    for unit, name in enumerate(["ann", "bob", "cid"]):  # units are numbered in order of first appearance
+        model.zero_grad()
+        for i in [i for i, u in enumerate(users) if u == name]:
+            trainer.training_step(model, trainer.data_collator([trainer.train_dataset[i]]))
+            hooks.clear()
+        for p in params:
+            assert torch.allclose(per_unit[p][unit], p.grad, atol=1e-6), (name, hooks.parameter_name(p))
+
+
+def test_dpo_refuses_a_trainable_lm_head_and_cross_sample_losses(tmp_path):
+    with pytest.raises(ValueError, match="fused LM head"):
+        model = tiny_llama(TOKENIZER)  # full fine-tuning: lm_head is read directly by TRL's fused head
+        dpo(tmp_path, model, ref_model=copy.deepcopy(model))
+    config = LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    with pytest.raises(ValueError, match="'aot' sorts"):
+        dpo(tmp_path, tiny_llama(TOKENIZER), peft_config=config, loss_type=["aot"])
