@@ -104,7 +104,7 @@ def measure(name: str, mode: str, batch: int, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", nargs="+", default=list(layer_configs(1)))
-    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk"])
+    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk", "ew"])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()

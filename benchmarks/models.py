@@ -26,7 +26,7 @@ SHAPES = {
     "narrow-llama": ("llama", 4, 256, 128, 16, 5000, False),
     "wide-gpt2": ("gpt2", 2, 768, 128, 16, 5000, True),
 }
-MODES = ("nonprivate", "hooks", "bk", "ghost", "functorch", "opacus-hooks", "opacus-ghost")
+MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 
 def build(family, layers, width, vocab, tied):

@@ -343,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=64, help="expected logical batch size (default 64)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
     parser.add_argument("--lr", type=float, default=2e-3, help="learning rate of the private run (default 2e-3)")
+    parser.add_argument("--non-private-lr", type=float, default=1e-3, help="learning rate of the non-private run")
     parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"], help="per-sample gradient mode")
     parser.add_argument("--train-size", type=int, default=1000, help="training tweets (default 1000)")
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")
@@ -359,7 +360,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     args = build_parser().parse_args(argv)
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
-        max_grad_norm=args.max_grad_norm, lr=args.lr, mode=args.mode, train_size=args.train_size,
+        max_grad_norm=args.max_grad_norm, lr=args.lr, non_private_lr=args.non_private_lr, mode=args.mode, train_size=args.train_size,
         test_size=args.test_size, max_length=args.max_length, train_layers=args.train_layers, seed=args.seed,
         threads=args.threads, plots=args.plots, verbose=not args.json,
     )

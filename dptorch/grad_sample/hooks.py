@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
@@ -32,7 +33,7 @@ from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.validation import incompatibilities
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost")
+GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost", "ew")
 LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, GradSampleHooks]" = weakref.WeakKeyDictionary()
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
@@ -99,6 +100,7 @@ class GradSampleHooks:
         self._strategy = self._new_strategy()
         self._suspended = False
         self._suppressed: Dict[nn.Module, Dict[str, nn.Parameter]] = {}
+        self._expanded: Optional[Any] = None
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
@@ -116,6 +118,13 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ attach / detach
 
     def _check_compatible(self, strict: bool) -> None:
+        if self.grad_sample_mode == "ew":
+            unsupported = expanded_weights.unsupported_modules(self.module)
+            if unsupported:
+                raise UnsupportedModuleError(
+                    "grad_sample_mode='ew' cannot compute per-sample gradients of:\n"
+                    + "\n".join(f"  - {p}" for p in unsupported)
+                )
         problems = incompatibilities(self.module)
         if not problems:
             return
@@ -143,6 +152,9 @@ class GradSampleHooks:
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
             norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
             self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
+            if self.grad_sample_mode == "ew":
+                self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
+                continue
             if norm_sampler is not None and self.grad_sample_mode == "bk" and not self._under_ddp:
                 self._handles.append(sub.register_forward_pre_hook(self._suppress_weight_grads))
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
@@ -262,10 +274,39 @@ class GradSampleHooks:
         if module is self.module and not self._replaying:
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
             self.last_batch_size = self._batch_size
+            if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size:
+                self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
+                self._expanded.__enter__()
 
-    def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if module is self.module and not self._replaying:
-            self._batch_size = None
+    def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if module is not self.module or self._replaying:
+            return None
+        self._batch_size = None
+        if self._expanded is None:
+            return None
+        self._expanded.__exit__(None, None, None)
+        self._expanded = None
+        # torch writes p.grad_sample itself; a tap on the outputs tells us when backward starts.
+        leaves, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None
+        for i, t in zip(positions, tap([leaves[i] for i in positions], [], lambda saved, grads: self._begin_round())):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
+    def _check_expanded_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._expanded is None:
+            return
+        rows = _infer_batch_size(args, kwargs, self._batch_dim)
+        if rows is not None and rows != self.last_batch_size:
+            layer = self._layers[module]
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(module).__name__}) is called with {rows} rows but the batch has "
+                f"{self.last_batch_size}: expanded weights need one row per sample in every call (a broadcast "
+                "input such as GPT-2's default position_ids of shape (1, T) is one). Pass per-row inputs, or use "
+                "grad_sample_mode='hooks', which handles broadcast inputs."
+            )
 
     def _capturing(self, module: nn.Module) -> bool:
         return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
@@ -417,6 +458,8 @@ class GradSampleHooks:
     def _end_round(self) -> None:
         self._in_backward = False
         self._round_done = True
+        if self.grad_sample_mode == "ew":
+            self._collect_expanded_grad_samples()
         covered = self._strategy.covers()
         missing = [p for p in self._received if p not in covered] + self._new_parameters_with_grads(covered)
         self._received = {}
@@ -438,6 +481,13 @@ class GradSampleHooks:
                 listener(self)
             self._round_consumed = True
 
+
+    def _collect_expanded_grad_samples(self) -> None:
+        """Move the ``grad_sample`` torch wrote on each parameter into the strategy's table."""
+        for param in self._param_names:
+            grad = param.__dict__.pop("grad_sample", None)
+            if grad is not None:
+                self._strategy.grads[param] = grad
 
     def _new_parameters_with_grads(self, covered: set) -> List[nn.Parameter]:
         """Parameters added after attaching (no hooks) whose gradient changed since last seen."""

@@ -59,6 +59,12 @@ class OutputsRecipe(LossRecipe):
         self.causal = causal
 
     def check(self, trainer: Trainer) -> None:
+        if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(
+                "encoder-decoder models are not supported by the private trainer yet: their decoder inputs come from "
+                "the labels, and relative position biases (T5) are shared across samples; use a decoder-only or "
+                "encoder-only model"
+            )
         if trainer.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func receives the batch's token count (num_items_in_batch) and returns a batch-level "

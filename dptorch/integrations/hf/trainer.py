@@ -22,6 +22,7 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets
 import warnings
@@ -197,18 +198,18 @@ class PrivateTrainerMixin:
             seed=self._dp_sampling_seed,
         )
         args = self.args
-        loader = DataLoader(
-            dataset,
-            batch_sampler=self._dp_sampler,
-            collate_fn=PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None),
+        settings = dict(
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
             persistent_workers=args.dataloader_persistent_workers,
             multiprocessing_context=args.dataloader_multiprocessing_context,
             prefetch_factor=args.dataloader_prefetch_factor,
-            in_order=args.dataloader_in_order,
             worker_init_fn=partial(seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index),
         )
+        if "in_order" in inspect.signature(DataLoader.__init__).parameters:  # torch >= 2.6
+            settings["in_order"] = args.dataloader_in_order
+        collate = PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None)
+        loader = DataLoader(dataset, batch_sampler=self._dp_sampler, collate_fn=collate, **settings)
         return self.accelerator.prepare(loader)
 
     # ------------------------------------------------------------------ optimizer
