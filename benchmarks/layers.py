@@ -113,7 +113,11 @@ def main() -> None:
     for name in args.layers:
         base = None
         for mode in args.modes:
-            row = measure(name, mode, args.batch, args.repeats)
+            try:
+                row = measure(name, mode, args.batch, args.repeats)
+            except (RuntimeError, ValueError) as err:
+                print(f"{name:13s} {mode:11s} not supported: {str(err).splitlines()[-1][:80]}", flush=True)
+                continue
             base = base or row
             row["time_ratio"] = row["median_ms"] / base["median_ms"]
             row["memory_ratio"] = row["peak_mib"] / max(base["peak_mib"], 1e-9)
