@@ -62,7 +62,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     if mode.startswith("opacus"):
         model, optimizer, criterion = opacus_private(model, optimizer, criterion, mode.split("-")[1], batch)
     elif mode != "nonprivate":
-        hooks = GradSampleHooks(model, grad_sample_mode=mode)
+        hooks = GradSampleHooks(model, grad_sample_mode=mode, keep_param_grads=False)  # as PrivacyEngine does
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch)
         if mode == "ghost":
             criterion = DPLoss(criterion, hooks)

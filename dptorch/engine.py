@@ -66,7 +66,8 @@ class PrivacyEngine:
         self.sample_rate = dp_loader.sample_rate
         self.poisson_sampling = poisson_sampling
         expected_batch_size = dp_loader.sample_rate * len(dp_loader.dataset)
-        hooks_kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, strict=strict, grad_sample_mode=grad_sample_mode)
+        hooks_kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
+                            grad_sample_mode=grad_sample_mode, keep_param_grads=False)
         if wrap_model:
             returned = GradSampleModule(module, **hooks_kwargs)
             self.hooks = returned.hooks

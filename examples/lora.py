@@ -27,7 +27,7 @@ def accuracy(trainer, dataset) -> float:
     return float((predictions.predictions.argmax(-1) == predictions.label_ids).mean())
 
 
-def main(max_steps: int = 40) -> dict:
+def main(max_steps: int = 30) -> dict:
     torch.manual_seed(0)
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -45,11 +45,11 @@ def main(max_steps: int = 40) -> dict:
     output_dir = tempfile.mkdtemp(prefix="dptorch-lora-")
     trainer = DPTrainer(
         model=model,
-        args=cpu_training_args(output_dir, max_steps=max_steps, per_device_train_batch_size=16, learning_rate=5e-3,
+        args=cpu_training_args(output_dir, max_steps=max_steps, per_device_train_batch_size=32, learning_rate=1e-2,
                                logging_steps=10, per_device_eval_batch_size=64),
         train_dataset=train,
         data_collator=DataCollatorWithPadding(tokenizer),
-        privacy_args=PrivacyArguments(target_epsilon=4.0, target_delta=1e-4, per_sample_max_grad_norm=1.0),
+        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-4, per_sample_max_grad_norm=1.0),
     )
     print(f"trainable parameters: {sum(p.numel() for p in model.parameters() if p.requires_grad):,} "
           f"of {sum(p.numel() for p in model.parameters()):,}")

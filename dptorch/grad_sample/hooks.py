@@ -60,12 +60,15 @@ class GradSampleHooks:
     ``loss_reduction="mean"`` means the loss averages the samples' losses (row ``i`` of the
     per-sample gradient is then rescaled to the gradient of sample ``i``'s own loss);
     ``"sum"`` means it sums them. ``grad_sample_mode="functorch"`` uses the torch.func
-    fallback for every layer; ``"bk"`` (book-keeping) keeps each layer's inputs and output
+    fallback for every layer; ``"ew"`` uses torch's expanded weights; ``"bk"`` (book-keeping) keeps each layer's inputs and output
     gradients and forms norms and clipped sums from them in one backward pass; ``"ghost"`` does
     the same norms and takes the clipped sums from a second backward pass of the loss wrapped
     by ``dptorch.DPLoss``. In these two modes only instantiated parameters (tied weights, layers
     without a norm sampler) have ``grad_sample``. With ``strict=True``, modules whose buffers mix samples
     (BatchNorm) are refused at attach time; otherwise they only warn.
+    ``keep_param_grads=False`` spares autograd the ordinary parameter gradients of layers whose
+    per-sample results are computed here (``p.grad`` then stays empty for them; the DP
+    optimizer writes it); it is the default for ``"bk"``.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class GradSampleHooks:
         loss_reduction: str = "mean",
         strict: bool = True,
         grad_sample_mode: str = "hooks",
+        keep_param_grads: Optional[bool] = None,
     ) -> None:
         if loss_reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
@@ -92,6 +96,12 @@ class GradSampleHooks:
         self.batch_first = batch_first
         self.loss_reduction = loss_reduction
         self.grad_sample_mode = grad_sample_mode
+        # Whether autograd still fills p.grad for layers whose per-sample results we compute
+        # ourselves. The DP optimizer overwrites p.grad, so it turns this off; book-keeping
+        # defaults to off, the two-pass ghost mode needs the parameters in the graph.
+        self.keep_param_grads = grad_sample_mode != "bk" if keep_param_grads is None else keep_param_grads
+        if grad_sample_mode == "ghost":
+            self.keep_param_grads = True
         self._batch_dim = 0 if batch_first else 1
         self._handles: List[Any] = []
         self._restore_param_hooks: List[Tuple[nn.Parameter, Any]] = []
@@ -155,7 +165,7 @@ class GradSampleHooks:
             if self.grad_sample_mode == "ew":
                 self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
                 continue
-            if norm_sampler is not None and self.grad_sample_mode == "bk" and not self._under_ddp:
+            if sampler is not None and not self.keep_param_grads and not self._under_ddp:
                 self._handles.append(sub.register_forward_pre_hook(self._suppress_weight_grads))
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
@@ -312,8 +322,8 @@ class GradSampleHooks:
         return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
 
     def _suppress_weight_grads(self, module: nn.Module, args: tuple) -> None:
-        """Book-keeping: autograd need not compute this layer's weight gradient, which the clipped
-        sum replaces; its parameters stop requiring grad for the duration of the call."""
+        """Autograd need not compute this layer's parameter gradients, which the clipped sum
+        replaces; its parameters stop requiring grad for the duration of the call."""
         if not self._capturing(module):
             return
         params = {name: p for name, p in self._layers[module].params.items() if p.requires_grad}

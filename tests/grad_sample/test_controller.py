@@ -291,3 +291,18 @@ def test_privacy_units_sum_rows_before_clipping():
         hooks.set_privacy_units(torch.tensor([0, 1]))
         with pytest.raises(PerSampleGradientError, match="privacy units name 2 rows"):
             model(x).sum().backward()
+
+
+def test_without_param_grads_per_sample_grads_stay_exact():
+    model = mlp()
+    x = torch.randn(4, 4)
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
+        model(x).sum().backward()
+        reference = {p: g.clone() for p, g in hooks.grad_samples.items()}
+    model.zero_grad(set_to_none=True)
+    with GradSampleHooks(model, loss_reduction="sum", keep_param_grads=False) as hooks:
+        model(x).sum().backward()
+        assert all(p.grad is None for p in model.parameters())  # autograd skipped them
+        for p, g in reference.items():
+            torch.testing.assert_close(hooks.grad_samples[p], g)
+    assert all(p.requires_grad for p in model.parameters())
