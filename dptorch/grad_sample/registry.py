@@ -14,7 +14,7 @@ HF RMSNorm family). Registration may happen at any time before a controller atta
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -58,14 +58,22 @@ def register_duck_grad_sampler(predicate: ModulePredicate, *, verify: Optional[M
 def find_grad_sampler(module: nn.Module) -> Optional[GradSampler]:
     """The sampler for ``module``: exact type, then MRO, then duck rules; None if none."""
     _load_builtin_samplers()
-    for cls in type(module).__mro__:
-        if cls in _GRAD_SAMPLERS:
-            return _GRAD_SAMPLERS[cls]
-        if cls is nn.Module:
-            break
+    found = _by_type(_GRAD_SAMPLERS, module)
+    if found is not None:
+        return found
     for predicate, fn, verify in _DUCK_RULES:
         if predicate(module) and _verified(module, fn, verify):
             return fn
+    return None
+
+
+def _by_type(table: Dict[Type[nn.Module], Any], module: nn.Module) -> Any:
+    """The entry for the module's type, else for the nearest registered base class."""
+    for cls in type(module).__mro__:
+        if cls in table:
+            return table[cls]
+        if cls is nn.Module:
+            break
     return None
 
 
@@ -131,11 +139,9 @@ def register_norm_sampler(
 def find_norm_sampler(module: nn.Module) -> Optional[NormSampler]:
     """The norm sampler for ``module`` (type, MRO, then duck rules), or None."""
     _load_builtin_samplers()
-    for cls in type(module).__mro__:
-        if cls in _NORM_SAMPLERS:
-            return _NORM_SAMPLERS[cls]
-        if cls is nn.Module:
-            break
+    found = _by_type(_NORM_SAMPLERS, module)
+    if found is not None:
+        return found
     return next((sampler for predicate, sampler in _NORM_DUCK_RULES if predicate(module)), None)
 
 
