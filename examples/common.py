@@ -129,3 +129,15 @@ def cpu_training_args(output_dir: str, **overrides):
     )
     settings.update(overrides)
     return TrainingArguments(**settings)
+
+
+def prompt_completion_dataset(count: int, seed: int = 0):
+    """TRL's prompt-completion format: "question what does the cat see ?" -> " answer the moon ."."""
+    from datasets import Dataset
+
+    rows: Dict[str, List[str]] = {"prompt": [], "completion": []}
+    for sentence in sentences(count, seed):
+        words = sentence.split()
+        rows["prompt"].append(f"question what does {' '.join(words[:3])} ?")
+        rows["completion"].append(f" answer {' '.join(words[3:-1])} .")
+    return Dataset.from_dict(rows)

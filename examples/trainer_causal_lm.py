@@ -22,7 +22,8 @@ from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling
 
 DEFAULTS = [
     "--use_cpu", "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no",
-    "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "2", "--max_steps", "40",
+    "--per_device_train_batch_size", "16", "--per_device_eval_batch_size", "64", "--gradient_accumulation_steps", "2",
+    "--max_steps", "40",
     "--learning_rate", "3e-3", "--logging_steps", "10", "--seed", "0",
     "--target_epsilon", "8", "--target_delta", "1e-4", "--per_sample_max_grad_norm", "1.0",
 ]

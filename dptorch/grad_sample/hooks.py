@@ -9,6 +9,9 @@ One backward pass is one *round*: the per-sample gradients of all calls of a par
 it are summed (tied weights, modules called twice, the two halves of a DPO batch). When the
 round ends, listeners (the DP optimizer) are told; a further backward pass while a round's
 results are still held, and nobody consumed them, is an error rather than a silent mix.
+
+What is kept of each layer call, and how norms and clipped sums are formed from it, is the
+mode's strategy (``strategies.py``); the capture itself is the same for every mode.
 """
 
 from __future__ import annotations

@@ -68,6 +68,10 @@ def test_units_group_rows_by_column_value():
     assert units.num_units == 3 and units.num_rows == 6 and not units.trivial
     assert units.rows_of([0]) == [0, 2, 5] and units.rows_of([2, 1]) == [3, 1, 4]
     assert units.largest_unit() == 3
+    from_items = PrivacyUnits.from_dataset([{"u": 7}, {"u": 8}, {"u": 7}], "u")
+    assert from_items.rows_of([0]) == [0, 2] and from_items.num_units == 2
+    with pytest.raises(ValueError, match="no key 'user'"):
+        PrivacyUnits.from_dataset([{"u": 7}], "user")
 
 
 def test_plan_matches_the_trainers_step_arithmetic():

@@ -25,7 +25,6 @@ from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     cpu_training_args,
     lm_dataset,
-    quiet,
     tiny_gpt2,
     tiny_llama,
     trainable_copy,
@@ -33,7 +32,6 @@ from tests.integrations.tiny import (  # noqa: E402
     word_tokenizer,
 )
 
-quiet()
 TOKENIZER = word_tokenizer()
 COLLATE = DataCollatorForPrivateCausalLanguageModeling(TOKENIZER)
 
@@ -165,13 +163,35 @@ def test_empty_poisson_batches_skip_the_model_but_still_add_noise_and_count(tmp_
     assert all(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
-def test_resume_continues_epsilon_and_parameters_exactly(tmp_path):
-    settings = dict(max_steps=4, save_strategy="steps", save_steps=2, per_device_train_batch_size=2)
-    full = make_trainer(tmp_path / "full", **settings)  # secret sampling and noise seeds, drawn per trainer
+class SaveBeforeOptimizerStep(TrainerCallback):
+    """Like a JIT checkpoint on SIGTERM: saved after the backward passes of step 3, before its optimizer step."""
+
+    def __init__(self):
+        self.trainer = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.trainer._save_checkpoint(self.trainer.model, trial=None)
+
+
+@pytest.mark.parametrize("when", ["after_step", "before_optimizer_step"])
+def test_resume_continues_epsilon_and_parameters_exactly(tmp_path, when):
+    settings = dict(max_steps=4, per_device_train_batch_size=2)
+    if when == "after_step":
+        settings.update(save_strategy="steps", save_steps=2)
+    # Mid-step, the Trainer saves torch's RNG after the forward passes: dropout would then differ on resume.
+    model = tiny_gpt2 if when == "after_step" else lambda tokenizer: without_dropout(tiny_gpt2(tokenizer))
+    torch.manual_seed(0)
+    full = make_trainer(tmp_path / "full", model(TOKENIZER), **settings)  # secret sampling and noise seeds
+    if when == "before_optimizer_step":
+        callback = SaveBeforeOptimizerStep()
+        callback.trainer = full
+        full.add_callback(callback)
     full.train()
     checkpoint = tmp_path / "full" / "checkpoint-2"
     assert (checkpoint / PRIVACY_STATE_NAME).is_file()
-    resumed = make_trainer(tmp_path / "resumed", **settings)
+    torch.manual_seed(0)
+    resumed = make_trainer(tmp_path / "resumed", model(TOKENIZER), **settings)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.privacy_budget.steps == 4
     assert resumed.get_epsilon() == full.get_epsilon()

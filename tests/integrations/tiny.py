@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -38,18 +37,3 @@ def without_dropout(model):
 
 def trainable_copy(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def quiet():
-    """Silence the deprecation chatter of transformers/TRL in test output."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
-    try:
-        import datasets
-
-        datasets.disable_progress_bars()
-    except ImportError:
-        pass

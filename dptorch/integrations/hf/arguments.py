@@ -51,15 +51,15 @@ class PrivacyArguments:
     )
     poisson_sampling: bool = field(
         default=True,
-        metadata={"help": "Poisson-sample each logical batch; required: False is refused (it would understate epsilon)."},
+        metadata={"help": "Poisson-sample each logical batch; False is refused (it would understate epsilon)."},
     )
     privacy_unit_column: Optional[str] = field(
         default=None,
-        metadata={"help": "Dataset column naming each row's privacy unit (e.g. a user id); rows sharing it are one unit."},
+        metadata={"help": "Dataset column with each row's privacy unit (a user id...); rows sharing it are one unit."},
     )
     grad_sample_mode: str = field(
         default="hooks",
-        metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES} ('bk': book-keeping, norms without instantiating)."},
+        metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES} ('bk': book-keeping, one backward pass)."},
     )
     secure_mode: bool = field(default=False, metadata={"help": "Draw noise from the OS CSPRNG (not replayable)."})
     sampling_seed: Optional[int] = field(
@@ -78,7 +78,8 @@ class PrivacyArguments:
                 f"budget to calibrate the noise to); got noise_multiplier={self.noise_multiplier}, "
                 f"target_epsilon={self.target_epsilon}"
             )
-        if self.noise_multiplier is not None and not (self.noise_multiplier >= 0 and math.isfinite(self.noise_multiplier)):
+        sigma = self.noise_multiplier
+        if sigma is not None and not (sigma >= 0 and math.isfinite(sigma)):
             raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}")
         for name in ("target_epsilon", "max_epsilon"):
             value = getattr(self, name)
@@ -87,7 +88,9 @@ class PrivacyArguments:
         if not 0 < self.target_delta < 1:
             raise ValueError(f"target_delta must be in (0, 1), got {self.target_delta}")
         if not (self.per_sample_max_grad_norm > 0 and math.isfinite(self.per_sample_max_grad_norm)):
-            raise ValueError(f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm}")
+            raise ValueError(
+                f"per_sample_max_grad_norm must be a finite number > 0, got {self.per_sample_max_grad_norm}"
+            )
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:

@@ -38,11 +38,19 @@ class PrivacyBudget:
 
     @classmethod
     def calibrated(
-        cls, *, accountant: str, target_epsilon: float, sample_rate: float, delta: float, steps: int, cap: Optional[float]
+        cls,
+        *,
+        accountant: str,
+        target_epsilon: float,
+        sample_rate: float,
+        delta: float,
+        steps: int,
+        cap: Optional[float],
     ) -> "PrivacyBudget":
         """A budget whose noise multiplier makes ``steps`` steps spend ``target_epsilon``."""
         sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps, accountant=accountant
+            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
+            accountant=accountant,
         )
         return cls(accountant=accountant, noise_multiplier=sigma, sample_rate=sample_rate, delta=delta, cap=cap)
 

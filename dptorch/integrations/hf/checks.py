@@ -16,37 +16,40 @@ from dptorch.integrations.hf.arguments import PrivacyArguments
 
 def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     """Every reason ``trainer`` cannot train privately as configured (empty when it can)."""
-    args = trainer.args
-    problems = []
-
-    def refuse(condition: bool, message: str) -> None:
-        if condition:
-            problems.append(message)
-
-    refuse(trainer.train_dataset is None, "train_dataset is required at construction: the sampling rate and the noise depend on its size")
-    refuse(
-        isinstance(trainer.train_dataset, IterableDataset) or (trainer.train_dataset is not None and not hasattr(trainer.train_dataset, "__getitem__")),
-        "Poisson sampling needs a map-style train_dataset (random access and a length), not an iterable/streaming one",
-    )
-    refuse(args.world_size > 1 or args.n_gpu > 1, "distributed or multi-GPU training is not supported yet: noise would be added on every rank; run on one device")
-    refuse(getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False), "DeepSpeed and FSDP are not supported: they shard or replace the gradients the clipping needs")
-    refuse(args.fp16, "fp16 is not supported: the GradScaler scales the per-sample gradients before clipping; use bf16 or fp32")
-    refuse(trainer.model_init is not None, "model_init is not supported: it builds a new model in train(), after the privacy hooks were attached; pass model=")
-    refuse(args.auto_find_batch_size, "auto_find_batch_size changes the batch size, hence the sampling rate, mid-run; set per_device_train_batch_size yourself")
-    refuse(args.neftune_noise_alpha is not None, "NEFTune adds data-dependent noise through an embedding hook; unset neftune_noise_alpha")
-    refuse(args.use_liger_kernel, "Liger kernels replace the model's forward and fuse the LM head; unset use_liger_kernel")
-    refuse(bool(args.torch_compile), "torch_compile is not supported with per-sample gradient hooks yet; unset torch_compile")
-    refuse(args.ignore_data_skip, "ignore_data_skip=True would replay already used Poisson batches on resume, which the accountant cannot cover; unset it")
-    refuse(str(getattr(args.optim, "value", args.optim)).lower() in ("lomo", "adalomo"), "LOMO optimizers update parameters inside backward, before clipping and noise; choose another optim")
-    refuse(
-        getattr(args, "train_sampling_strategy", "random") in ("group_by_length", "batch_rebalance"),
-        "train_sampling_strategy must be 'random' (it is replaced by Poisson sampling); length grouping would make batches data-dependent",
-    )
-    refuse(
-        args.save_only_model and privacy_args.noise_seed is not None,
-        "save_only_model=True does not save the noise generator, so with noise_seed a resumed run would replay noise it already used; drop one of them",
-    )
-    return problems
+    args, dataset = trainer.args, trainer.train_dataset
+    optimizer_name = str(getattr(args.optim, "value", args.optim)).lower()
+    refusals = [
+        (dataset is None,
+         "train_dataset is required at construction: the sampling rate and the noise depend on its size"),
+        (isinstance(dataset, IterableDataset) or (dataset is not None and not hasattr(dataset, "__getitem__")),
+         "Poisson sampling needs a map-style train_dataset (random access and a length), not an iterable one"),
+        (args.world_size > 1 or args.n_gpu > 1,
+         "distributed or multi-GPU training is not supported yet (noise would be added per rank); use one device"),
+        (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
+         "DeepSpeed and FSDP are not supported: they shard or replace the gradients that clipping needs"),
+        (args.fp16,
+         "fp16 is not supported: its GradScaler scales the per-sample gradients before clipping; use bf16 or fp32"),
+        (trainer.model_init is not None,
+         "model_init is not supported: it builds a new model in train(), after the hooks attached; pass model="),
+        (args.auto_find_batch_size,
+         "auto_find_batch_size changes the batch size, hence the sampling rate, mid-run; set the batch size yourself"),
+        (args.neftune_noise_alpha is not None,
+         "NEFTune adds data-dependent noise through an embedding hook; unset neftune_noise_alpha"),
+        (args.use_liger_kernel,
+         "Liger kernels replace the model's forward and fuse the LM head; unset use_liger_kernel"),
+        (bool(args.torch_compile),
+         "torch_compile is not supported with the per-sample gradient hooks yet; unset torch_compile"),
+        (args.ignore_data_skip,
+         "ignore_data_skip=True would replay used Poisson batches on resume, which the accountant does not cover"),
+        (optimizer_name in ("lomo", "adalomo"),
+         "LOMO optimizers update the parameters inside backward, before clipping and noise; choose another optim"),
+        (getattr(args, "train_sampling_strategy", "random") in ("group_by_length", "batch_rebalance"),
+         "train_sampling_strategy must be 'random' (Poisson sampling replaces it); length grouping is data-dependent"),
+        (args.save_only_model and privacy_args.noise_seed is not None,
+         "save_only_model=True does not save the noise generator, so with noise_seed a resumed run would replay "
+         "noise it already used; drop one of them"),
+    ]
+    return [message for refused, message in refusals if refused]
 
 
 def check_setup(trainer: Any, privacy_args: PrivacyArguments) -> None:

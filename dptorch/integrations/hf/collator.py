@@ -38,7 +38,8 @@ class DataCollatorForPrivateCausalLanguageModeling:
     def __post_init__(self) -> None:
         if getattr(self.tokenizer, "pad_token_id", None) is None:
             raise ValueError(
-                "the tokenizer has no pad token; set one before collating, e.g. tokenizer.pad_token = tokenizer.eos_token"
+                "the tokenizer has no pad token; set one before collating, e.g. "
+                "tokenizer.pad_token = tokenizer.eos_token"
             )
 
     def __call__(self, examples: List[Example]) -> Dict[str, torch.Tensor]:
@@ -82,7 +83,8 @@ class DataCollatorForPrivateCausalLanguageModeling:
             labels = list(ids)
         if not (len(ids) == len(mask) == len(labels)):
             raise ValueError(
-                f"input_ids, attention_mask and labels of an example differ in length ({len(ids)}, {len(mask)}, {len(labels)})"
+                "input_ids, attention_mask and labels of an example differ in length "
+                f"({len(ids)}, {len(mask)}, {len(labels)})"
             )
         if self.max_length is not None:
             ids, mask, labels = ids[: self.max_length], mask[: self.max_length], labels[: self.max_length]

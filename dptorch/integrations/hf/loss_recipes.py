@@ -158,7 +158,7 @@ def choose_recipe(trainer: Trainer, per_sample_loss_func: Optional[PerSampleLoss
         return DeclaredSumRecipe()
     if dpo is not None and owner is dpo:
         if per_sample_loss_func is not None:
-            raise ValueError("per_sample_loss_func does not apply to DPOTrainer, whose pair losses are per sample already")
+            raise ValueError("per_sample_loss_func does not apply to DPOTrainer: its pair losses are per sample")
         return PreferenceRecipe()
     if owner is Trainer or (sft is not None and owner is sft):
         model = trainer.model

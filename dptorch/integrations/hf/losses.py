@@ -80,7 +80,9 @@ def sequence_per_sample_loss(
     return F.cross_entropy(logits.float(), labels.view(-1), reduction="none", label_smoothing=label_smoothing)
 
 
-def default_per_sample_loss(causal: bool, problem_type: Optional[str] = None, label_smoothing: float = 0.0) -> PerSampleLoss:
+def default_per_sample_loss(
+    causal: bool, problem_type: Optional[str] = None, label_smoothing: float = 0.0
+) -> PerSampleLoss:
     """The per-sample loss for a model: token-level for (B, T, V) logits (shifted when ``causal``),
     sequence-level for (B, C) logits."""
 

@@ -160,7 +160,13 @@ class SamplingPlan:
 
     @classmethod
     def for_training(
-        cls, *, num_units: int, batch_size: int, gradient_accumulation_steps: int, max_steps: int, num_train_epochs: float
+        cls,
+        *,
+        num_units: int,
+        batch_size: int,
+        gradient_accumulation_steps: int,
+        max_steps: int,
+        num_train_epochs: float,
     ) -> "SamplingPlan":
         if num_units <= 0:
             raise ValueError("the training dataset is empty: there is nothing to sample")

@@ -68,7 +68,11 @@ class PrivateTrainerMixin:
     loss_is_scaled_for_ga = True  # the loss is a sum of per-unit losses: never divide it by GA
 
     def __init__(
-        self, *args: Any, privacy_args: Optional[PrivacyArguments] = None, per_sample_loss_func: Optional[PerSampleLoss] = None, **kwargs: Any
+        self,
+        *args: Any,
+        privacy_args: Optional[PrivacyArguments] = None,
+        per_sample_loss_func: Optional[PerSampleLoss] = None,
+        **kwargs: Any,
     ) -> None:
         if not isinstance(privacy_args, PrivacyArguments):
             raise TypeError(
@@ -97,8 +101,10 @@ class PrivateTrainerMixin:
                 "privacy units: such a delta allows releasing a unit outright. Choose target_delta < 1/N."
             )
         self.privacy_budget = self._build_budget()
-        self._dp_sampling_seed = privacy_args.sampling_seed if privacy_args.sampling_seed is not None else secrets.randbits(63)
-        self.dp_hooks = GradSampleHooks(self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode)
+        seed = privacy_args.sampling_seed
+        self._dp_sampling_seed = seed if seed is not None else secrets.randbits(63)  # secret unless given
+        mode = privacy_args.grad_sample_mode
+        self.dp_hooks = GradSampleHooks(self.model, loss_reduction="sum", grad_sample_mode=mode)
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
     def _build_budget(self) -> PrivacyBudget:
@@ -258,7 +264,9 @@ class PrivateTrainerMixin:
         loss = super().training_step(model, inputs, num_items_in_batch)
         return loss / self.sampling_plan.expected_batch_size
 
-    def compute_loss(self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None) -> Any:
+    def compute_loss(
+        self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
         """In training: the sum over units of each unit's own loss (``num_items_in_batch`` unused)."""
         parent = super().compute_loss
         if self.dp_hooks is None or not (model.training and torch.is_grad_enabled()):
@@ -283,7 +291,8 @@ class PrivateTrainerMixin:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.args.should_save and self.privacy_budget is not None:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), name)
             os.makedirs(folder, exist_ok=True)
             torch.save(self.privacy_state_dict(), os.path.join(folder, PRIVACY_STATE_NAME))
         super()._save_checkpoint(model, trial)
@@ -300,6 +309,9 @@ class PrivateTrainerMixin:
                 "load the weights into a new model and start a new private run (whose epsilon adds to the old one)."
             )
         self.load_privacy_state_dict(torch.load(path, weights_only=True))
+        # The Trainer resumes at the first micro-batch of a logical step; clipped sums saved in the
+        # middle of one (a JIT checkpoint before the optimizer step) would be added twice.
+        _find_dp_optimizer(self.optimizer).zero_grad(set_to_none=True)
 
 
 class DPTrainer(PrivateTrainerMixin, Trainer):
@@ -322,7 +334,7 @@ def private(trainer_cls: type) -> type:
         return trainer_cls
     if trainer_cls not in _PRIVATE_CLASSES:
         name = f"DP{trainer_cls.__name__}"
-        doc = f"{trainer_cls.__name__} with DP-SGD; takes privacy_args=PrivacyArguments(...). Made by dptorch's private()."
+        doc = f"{trainer_cls.__name__} with DP-SGD; also takes privacy_args=PrivacyArguments(...). Made by private()."
         _PRIVATE_CLASSES[trainer_cls] = type(
             name, (PrivateTrainerMixin, trainer_cls), {"__doc__": doc, "__module__": __name__, "__qualname__": name}
         )

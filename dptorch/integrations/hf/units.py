@@ -51,7 +51,7 @@ class PrivacyUnits:
             if column not in column_names:
                 raise ValueError(
                     f"privacy_unit_column={column!r} is not a column of the (prepared) training dataset; its columns "
-                    f"are {sorted(column_names)}. Add the column, or leave privacy_unit_column unset for one unit per row."
+                    f"are {sorted(column_names)}. Add the column, or leave privacy_unit_column unset (a unit per row)."
                 )
             return cls.from_values(list(dataset[column]), column)
         values = []
