@@ -20,6 +20,15 @@ NEGATIVE = ["terrible", "awful", "boring", "dreadful", "poor", "unpleasant"]
 SPECIAL_TOKENS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "bos_token": "[BOS]", "eos_token": "[EOS]"}
 
 
+def one_thread() -> None:
+    """Run torch on one intra-op thread. Models this small gain nothing from more, and on a shared
+    machine spinning OpenMP threads slow everything down (here: 7 s instead of 90 s per example).
+    Not advice for real workloads."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def sentences(count: int, seed: int = 0) -> List[str]:
     """``count`` sentences such as "the cat finds a small bird by the lake ." (deterministic)."""
     combos = list(itertools.product(SUBJECTS, VERBS, OBJECTS, PLACES))

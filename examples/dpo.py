@@ -20,11 +20,12 @@ import torch
 from peft import LoraConfig
 from trl import DPOConfig, DPOTrainer
 
-from common import preference_dataset, tiny_gpt2, word_tokenizer
+from common import one_thread, preference_dataset, tiny_gpt2, word_tokenizer
 from dptorch.integrations.hf import PrivacyArguments, private
 
 
 def main(max_steps: int = 20) -> dict:
+    one_thread()
     torch.manual_seed(0)
     tokenizer = word_tokenizer()
     data = preference_dataset(960)

@@ -18,7 +18,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from common import cpu_training_args, minilm_path, sentiment_dataset
+from common import cpu_training_args, minilm_path, one_thread, sentiment_dataset
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments
 
 
@@ -27,7 +27,8 @@ def accuracy(trainer, dataset) -> float:
     return float((predictions.predictions.argmax(-1) == predictions.label_ids).mean())
 
 
-def main(max_steps: int = 30) -> dict:
+def main(max_steps: int = 60) -> dict:
+    one_thread()
     torch.manual_seed(0)
     path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

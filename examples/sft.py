@@ -18,11 +18,12 @@ import time
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from common import prompt_completion_dataset, tiny_llama, word_tokenizer
+from common import one_thread, prompt_completion_dataset, tiny_llama, word_tokenizer
 from dptorch.integrations.hf import PrivacyArguments, private
 
 
 def main(max_steps: int = 40) -> dict:
+    one_thread()
     torch.manual_seed(0)
     tokenizer = word_tokenizer()
     config = SFTConfig(

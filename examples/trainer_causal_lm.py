@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from common import lm_dataset, tiny_gpt2, word_tokenizer
+from common import lm_dataset, one_thread, tiny_gpt2, word_tokenizer
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments
 
 DEFAULTS = [
@@ -37,6 +37,7 @@ def main(argv=None) -> dict:
     output_dir = tempfile.mkdtemp(prefix="dptorch-trainer-")
     parser = HfArgumentParser((TrainingArguments, PrivacyArguments))
     training_args, privacy_args = parser.parse_args_into_dataclasses(["--output_dir", output_dir] + DEFAULTS + list(argv or []))
+    one_thread()
     torch.manual_seed(training_args.seed)
     tokenizer = word_tokenizer()
     model = tiny_gpt2(tokenizer)

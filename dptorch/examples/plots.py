@@ -1,10 +1,10 @@
-"""What an example run records, and how it is shown: the final report (text) and pictures (PNG).
+"""What the examples record and how they show it: the final report (text) and pictures (PNG).
 
 A :class:`RunHistory` collects one value per optimizer step (training loss, epsilon spent,
 fraction of clipped samples). :func:`format_report` turns the numbers of a finished private
 run and its non-private twin into a few lines; the ``plot_*`` functions turn histories into PNG
-files. They are pure: nothing is trained or computed here, and matplotlib (Agg backend, no
-display) is imported only when a picture is drawn.
+files. They are pure: nothing is trained here, and matplotlib (Agg backend, no display) is
+imported only when a picture is drawn. :func:`default_threads` is the examples' CPU thread count.
 """
 
 from __future__ import annotations
@@ -39,6 +39,21 @@ class RunHistory:
     @property
     def steps(self) -> int:
         return len(self.loss)
+
+
+def default_threads(limit: int = 4) -> int:
+    """Torch threads for a CPU run: the CPUs this process may use that are not already busy
+    (1-minute load average), between 1 and ``limit``. Threads that wait for a busy core slow
+    small models down many times over, so a shared machine gets fewer."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        busy = round(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        busy = 0
+    return max(1, min(limit, cpus - busy))
 
 
 # ---------------------------------------------------------------------------------- report

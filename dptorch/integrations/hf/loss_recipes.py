@@ -115,7 +115,9 @@ class PreferenceRecipe(LossRecipe):
     rows_per_example = 2
 
     def check(self, trainer: Trainer) -> None:
-        cross = [t for t in trainer.loss_types if t in CROSS_SAMPLE_DPO_LOSSES]
+        loss_types = getattr(trainer, "loss_types", None) or getattr(trainer.args, "loss_type", "sigmoid")
+        loss_types = [loss_types] if isinstance(loss_types, str) else list(loss_types)
+        cross = [t for t in loss_types if t in CROSS_SAMPLE_DPO_LOSSES]
         if cross:
             why = "; ".join(f"{t!r} {CROSS_SAMPLE_DPO_LOSSES[t]}" for t in cross)
             raise ValueError(f"DPO loss types that couple the pairs of a batch cannot be trained privately: {why}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -126,17 +126,6 @@ class PrivateCollate:
             )
         batch[UNIT_IDS_KEY] = torch.as_tensor(self.unit_of_row[indices], dtype=torch.long)
         return batch
-
-
-def loader_state(sampler: PoissonMicroBatchSampler) -> Dict[str, Any]:
-    """What a checkpoint needs to replay the sampling: the seed and the shape of the plan."""
-    return {
-        "seed": int(sampler.seed),
-        "sample_rate": float(sampler.sample_rate),
-        "steps": int(sampler.steps),
-        "micro_batches": int(sampler.micro_batches),
-        "num_units": int(sampler.units.num_units),
-    }
 
 
 @dataclass(frozen=True)

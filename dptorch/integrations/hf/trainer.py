@@ -103,8 +103,10 @@ class PrivateTrainerMixin:
         self.privacy_budget = self._build_budget()
         seed = privacy_args.sampling_seed
         self._dp_sampling_seed = seed if seed is not None else secrets.randbits(63)  # secret unless given
-        mode = privacy_args.grad_sample_mode
-        self.dp_hooks = GradSampleHooks(self.model, loss_reduction="sum", grad_sample_mode=mode)
+        # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
+        self.dp_hooks = GradSampleHooks(
+            self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode, keep_param_grads=False
+        )
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
     def _build_budget(self) -> PrivacyBudget:
