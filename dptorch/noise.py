@@ -139,7 +139,7 @@ class NoiseGenerator:
         return {"rng_state": self.generator.get_state()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.generator.set_state(state["rng_state"])
+        self.generator.set_state(state["rng_state"].cpu())  # Accelerate may have moved it to the device
 
 
 class SecureNoiseGenerator:
