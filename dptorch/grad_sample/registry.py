@@ -57,27 +57,25 @@ def register_duck_grad_sampler(predicate: ModulePredicate, *, verify: Optional[M
 
 def find_grad_sampler(module: nn.Module) -> Optional[GradSampler]:
     """The sampler for ``module``: exact type, then MRO, then duck rules; None if none."""
+    return _lookup(_GRAD_SAMPLERS, _DUCK_RULES, module)
+
+
+def _lookup(table: Dict[Type[nn.Module], Any], duck_rules: list, module: nn.Module) -> Any:
+    """The entry for the module's type or nearest registered base class, else the first duck
+    rule that matches (and, if it has a check, passes it for this class); None if none."""
     _load_builtin_samplers()
-    found = _by_type(_GRAD_SAMPLERS, module)
-    if found is not None:
-        return found
-    for predicate, fn, verify in _DUCK_RULES:
-        if predicate(module) and _verified(module, fn, verify):
-            return fn
-    return None
-
-
-def _by_type(table: Dict[Type[nn.Module], Any], module: nn.Module) -> Any:
-    """The entry for the module's type, else for the nearest registered base class."""
     for cls in type(module).__mro__:
         if cls in table:
             return table[cls]
         if cls is nn.Module:
             break
+    for predicate, entry, verify in duck_rules:
+        if predicate(module) and _verified(module, entry, verify):
+            return entry
     return None
 
 
-def _verified(module: nn.Module, fn: GradSampler, verify: Optional[ModulePredicate]) -> bool:
+def _verified(module: nn.Module, fn: Any, verify: Optional[ModulePredicate]) -> bool:
     if verify is None:
         return True
     key = (type(module), fn)
@@ -106,7 +104,7 @@ class NormSampler:
 
 
 _NORM_SAMPLERS: Dict[Type[nn.Module], NormSampler] = {}
-_NORM_DUCK_RULES: List[Tuple[ModulePredicate, NormSampler]] = []
+_NORM_DUCK_RULES: List[Tuple[ModulePredicate, NormSampler, None]] = []
 
 
 def register_norm_sampler(
@@ -130,7 +128,7 @@ def register_norm_sampler(
         for module_type in module_types:
             _NORM_SAMPLERS[module_type] = sampler
         if predicate is not None:
-            _NORM_DUCK_RULES.append((predicate, sampler))
+            _NORM_DUCK_RULES.append((predicate, sampler, None))
         return fn
 
     return decorator
@@ -138,11 +136,7 @@ def register_norm_sampler(
 
 def find_norm_sampler(module: nn.Module) -> Optional[NormSampler]:
     """The norm sampler for ``module`` (type, MRO, then duck rules), or None."""
-    _load_builtin_samplers()
-    found = _by_type(_NORM_SAMPLERS, module)
-    if found is not None:
-        return found
-    return next((sampler for predicate, sampler in _NORM_DUCK_RULES if predicate(module)), None)
+    return _lookup(_NORM_SAMPLERS, _NORM_DUCK_RULES, module)
 
 
 def _load_builtin_samplers() -> None:
