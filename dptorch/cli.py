@@ -277,10 +277,47 @@ def run_noise(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- dptorch example ------------------------------------------------------------------------
+
+#: Runnable examples: name -> (module, one-line description).
+EXAMPLES = {
+    "minilm": ("dptorch.examples.minilm", "DP fine-tuning of MiniLM on labelled tweets through DPTrainer (a few minutes)"),
+    "digits": ("dptorch.examples.digits", "private CNN on scikit-learn's digits with PrivacyEngine (seconds)"),
+}
+
+
+def add_example_command(subparsers: Any) -> None:
+    listing = "; ".join(f"{name}: {text}" for name, (_, text) in EXAMPLES.items())
+    parser = subparsers.add_parser(
+        "example",
+        help="run an example end to end (offline)",
+        description=f"Run an example end to end, offline. {listing}. Flags after NAME go to the example; "
+        "'dptorch example NAME --help' lists them.",
+    )
+    parser.add_argument("name", choices=list(EXAMPLES), metavar="NAME", help=", ".join(EXAMPLES))
+    parser.add_argument("flags", nargs=argparse.REMAINDER, help="the example's own flags, e.g. --epsilon 3 --plots DIR")
+    parser.set_defaults(handler=run_example)
+
+
+def run_example(args: argparse.Namespace) -> int:
+    import importlib
+
+    module_name = EXAMPLES[args.name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise CommandError(f"example {args.name!r} needs the examples extra: pip install 'dptorch[hf,plot,examples]' ({error})") from None
+    try:
+        module.main(args.flags, prog=f"{PROG} example {args.name}")
+    except SystemExit as exit_request:  # the example's --help or a bad flag (argparse has printed it)
+        return exit_request.code if isinstance(exit_request.code, int) else 2
+    return 0
+
+
 # -- entry point ----------------------------------------------------------------------------
 
 #: Each function adds one subcommand; append yours to extend the CLI.
-COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command]
+COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command, add_example_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

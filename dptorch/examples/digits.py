@@ -1,22 +1,25 @@
 """Private training of a small CNN on scikit-learn's bundled handwritten digits (8x8 images).
 
-Runs offline in well under a minute: ``python -m dptorch.examples.digits``. Prints the test
-accuracy of the private model next to a non-private one trained the same way, and the
-privacy spent (epsilon at delta) with the noise multiplier that reached it.
+Runs offline in well under a minute: ``python -m dptorch.examples.digits`` (or ``dptorch
+example digits``). A plain PyTorch loop made private by ``PrivacyEngine.make_private_with_epsilon``
+in non-wrapping mode (``wrap_model=False``: the CNN stays the CNN). Prints the test accuracy of
+the private model next to a non-private one trained the same way, and the privacy spent
+(epsilon at delta) with the noise multiplier that reached it; ``--plots DIR`` saves pictures.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
+from dptorch.examples.plots import RunHistory, save_pictures, show_report
 
 
 def load_digits_splits(seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -50,23 +53,46 @@ def accuracy(model: nn.Module, dataset: TensorDataset) -> float:
     return correct
 
 
-def train_epochs(model, optimizer, loader, epochs: int, on_epoch=None) -> List[float]:
-    """Plain training loop (identical for private and non-private runs); returns epoch losses."""
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader: DataLoader,
+    epochs: int,
+    history: RunHistory,
+    *,
+    epsilon: Optional[Callable[[], float]] = None,
+    show_progress: bool = True,
+) -> float:
+    """The same plain loop for both runs; records each step into ``history``; returns seconds.
+
+    ``epsilon`` (private run) is asked after every step; the clipped fraction comes from the
+    optimizer when it is a ``DPOptimizer``.
+    """
+    from tqdm.auto import tqdm
+
     criterion = nn.CrossEntropyLoss()
-    losses = []
-    for epoch in range(epochs):
-        total, count = 0.0, 0
-        for x, y in loader:
-            optimizer.zero_grad()
-            if len(y):  # a Poisson batch may be empty: the private step then adds noise only
-                loss = criterion(model(x), y)
-                loss.backward()
-                total, count = total + loss.item() * len(y), count + len(y)
-            optimizer.step()
-        losses.append(total / max(count, 1))
-        if on_epoch:
-            on_epoch(epoch, losses[-1])
-    return losses
+    start = time.perf_counter()
+    with tqdm(total=epochs * len(loader), desc=history.label, unit="step", disable=not show_progress) as bar:
+        for _ in range(epochs):
+            for x, y in loader:
+                optimizer.zero_grad()
+                loss = math.nan
+                if len(y):  # a Poisson batch may be empty: the private step then adds noise only
+                    batch_loss = criterion(model(x), y)
+                    batch_loss.backward()
+                    loss = batch_loss.item()
+                optimizer.step()
+                history.record(
+                    loss=loss,
+                    epsilon=epsilon() if epsilon else None,
+                    clipped_fraction=getattr(optimizer, "last_clipped_fraction", None),
+                )
+                shown = {"loss": f"{loss:.3f}"}
+                if epsilon:
+                    shown["epsilon"] = f"{history.epsilon[-1]:.2f}"
+                bar.set_postfix(shown, refresh=False)
+                bar.update()
+    return time.perf_counter() - start
 
 
 def run(
@@ -80,24 +106,32 @@ def run(
     mode: str = "hooks",
     wrap_model: bool = False,
     seed: int = 0,
+    threads: Optional[int] = None,
+    plots: Optional[str] = None,
     verbose: bool = True,
 ) -> Dict[str, Any]:
-    """Train private and non-private models; return the report as a dict."""
-    say = print if verbose else (lambda *a, **k: None)
-    train, test = load_digits_splits(seed)
+    """Train private and non-private models; return the report as a dict (pictures if ``plots``)."""
+    threads = threads or 1  # the CNN is too small to gain from more, and waiting threads cost much
+    torch.set_num_threads(threads)
+    start = time.perf_counter()
+    train_set, test_set = load_digits_splits(seed)
+
     torch.manual_seed(seed)
     baseline = digits_cnn()
-    start = time.perf_counter()
-    train_epochs(baseline, torch.optim.SGD(baseline.parameters(), lr=0.1, momentum=0.9),
-                 DataLoader(train, batch_size=batch_size, shuffle=True), epochs)
-    baseline_acc = accuracy(baseline, test)
+    non_private_history = RunHistory("non-private")
+    non_private_seconds = train(
+        baseline, torch.optim.SGD(baseline.parameters(), lr=0.1, momentum=0.9),
+        DataLoader(train_set, batch_size=batch_size, shuffle=True), epochs, non_private_history, show_progress=verbose,
+    )
+    non_private_accuracy = accuracy(baseline, test_set)
+
     torch.manual_seed(seed)
     model = digits_cnn()
     engine = PrivacyEngine()
     private_model, optimizer, loader = engine.make_private_with_epsilon(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
-        data_loader=DataLoader(train, batch_size=batch_size, shuffle=True),
+        data_loader=DataLoader(train_set, batch_size=batch_size, shuffle=True),
         target_epsilon=epsilon,
         target_delta=delta,
         epochs=epochs,
@@ -105,51 +139,56 @@ def run(
         grad_sample_mode=mode,
         wrap_model=wrap_model,
     )
-    say(f"private training: noise multiplier {optimizer.noise_multiplier:.3f}, sample rate {engine.sample_rate:.4f}")
-    private_start = time.perf_counter()
-    losses = train_epochs(
-        private_model, optimizer, loader, epochs,
-        on_epoch=lambda e, l: say(f"  epoch {e + 1:2d}/{epochs}  loss {l:.3f}  epsilon {engine.get_epsilon(delta):.2f}"),
+    private_history = RunHistory("private")
+    private_seconds = train(
+        private_model, optimizer, loader, epochs, private_history,
+        epsilon=lambda: engine.get_epsilon(delta), show_progress=verbose,
     )
     report = engine.privacy_report(delta)
     report.update(
-        private_accuracy=accuracy(private_model, test),
-        non_private_accuracy=baseline_acc,
-        final_loss=losses[-1],
-        private_seconds=time.perf_counter() - private_start,
+        private_accuracy=accuracy(private_model, test_set),
+        non_private_accuracy=non_private_accuracy,
+        test_size=len(test_set),
+        final_loss=private_history.loss[-1],
+        threads=threads,
+        private_seconds=private_seconds,
+        non_private_seconds=non_private_seconds,
         total_seconds=time.perf_counter() - start,
+        histories={"private": private_history, "non_private": non_private_history},
     )
-    engine.detach()
+    engine.detach()  # hooks and optimizer listener removed: `model` is exactly a plain CNN again
+    if plots:
+        report["pictures"] = save_pictures(plots, private_history, non_private_history, delta=delta, target_epsilon=epsilon)
     return report
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epsilon", type=float, default=3.0)
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--mode", default="hooks", choices=["hooks", "functorch"])
+def build_parser(prog: str = "python -m dptorch.examples.digits") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--epsilon", type=float, default=3.0, help="target epsilon (default 3)")
+    parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
+    parser.add_argument("--epochs", type=int, default=20, help="epochs (default 20)")
+    parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")
+    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "ew", "functorch"],
+                        help="how per-sample gradients are computed (default hooks)")
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    args = parser.parse_args(argv)
+    parser.add_argument("--seed", type=int, default=0, help="seed of split, initialisation, sampling and noise")
+    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
+    parser.add_argument("--plots", metavar="DIR", help="save epsilon.png, loss.png and clipped_fraction.png in DIR")
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object, without progress")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[str, Any]:
+    """Run the example with command-line flags ``argv``; print and return the report."""
+    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm, lr=args.lr, mode=args.mode, wrap_model=args.wrap_model,
-        verbose=not args.json,
+        seed=args.seed, threads=args.threads, plots=args.plots, verbose=not args.json,
     )
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(
-            f"\naccuracy: private {report['private_accuracy']:.3f}, non-private {report['non_private_accuracy']:.3f}\n"
-            f"privacy: epsilon {report['epsilon']:.2f} at delta {report['delta']:g} "
-            f"(noise multiplier {report['noise_multiplier']:.3f}, {report['steps']} steps, "
-            f"sample rate {report['sample_rate']:.4f}, {report['accountant']} accountant)\n"
-            f"wall time: {report['total_seconds']:.1f} s"
-        )
+    show_report(report, as_json=args.json)
     return report
 
 

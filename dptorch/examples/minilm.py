@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib.util
-import json
 import os
 import random
 import re
@@ -33,11 +32,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptorch.examples.plots import RunHistory, default_threads, format_report, save_pictures
+from dptorch.examples.plots import RunHistory, save_pictures, show_report
 
 LABELS = ("negative", "positive")
 LORA_RANK = 4
 Example = Tuple[str, int]
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def default_threads(limit: int = 4) -> int:
+    """Torch threads for a CPU run: the CPUs this process may use that other processes are not
+    busy with right now, between 1 and ``limit``. A thread that waits for a busy core stalls
+    the others at every operation, which slowed these examples down ten times and more on a
+    shared machine; on an idle one, each core helps."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(limit, cpus - _busy_cpus()))
+
+
+def _busy_cpus(samples: int = 5) -> int:
+    """Tasks of other processes running now: the most seen over a few readings of
+    /proc/loadavg's runnable count (which includes this process); elsewhere the 1-minute load."""
+    try:
+        seen = []
+        for _ in range(samples):
+            with open("/proc/loadavg") as handle:
+                seen.append(int(handle.read().split()[3].split("/")[0]) - 1)
+            time.sleep(0.02)
+        return max(0, max(seen))
+    except (OSError, ValueError, IndexError):
+        try:
+            return round(os.getloadavg()[0])
+        except (AttributeError, OSError):
+            return 0
 
 
 # ---------------------------------------------------------------------------------- data
@@ -264,7 +295,7 @@ def run(
     epochs: float = 3.0,
     batch_size: int = 128,
     max_grad_norm: float = 1.0,
-    lr: float = 3e-2,
+    lr: float = 2e-2,
     non_private_lr: float = 1e-2,
     mode: str = "hooks",
     lora_layers: int = 1,
@@ -345,8 +376,8 @@ def run(
     return report
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m dptorch.examples.minilm", description=__doc__.splitlines()[0])
+def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (default 8)")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
     parser.add_argument("--epochs", type=float, default=3.0, help="epochs (default 3)")
@@ -354,31 +385,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
     parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],
                         help="how per-sample gradients are computed (default hooks)")
-    parser.add_argument("--lr", type=float, default=3e-2, help="learning rate, private run (default 3e-2)")
+    parser.add_argument("--lr", type=float, default=2e-2, help="learning rate, private run (default 2e-2)")
     parser.add_argument("--non-private-lr", type=float, default=1e-2, help="learning rate, non-private run (default 1e-2)")
     parser.add_argument("--lora-layers", type=int, default=1, help="top encoder layers with LoRA, 0-6 (default 1)")
     parser.add_argument("--train-size", type=int, default=2000, help="training tweets (default 2000)")
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")
     parser.add_argument("--max-length", type=int, default=40, help="tokens kept per tweet (default 40)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data split, initialisation, sampling and noise")
-    parser.add_argument("--threads", type=int, help="torch threads (default: the idle CPUs, at most 4)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: the CPUs not busy now, at most 4)")
     parser.add_argument("--plots", metavar="DIR", help="save epsilon.png, loss.png and clipped_fraction.png in DIR")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object, without progress")
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    args = build_parser().parse_args(argv)
+def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[str, Any]:
+    """Run the example with command-line flags ``argv``; print and return the report."""
+    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm, lr=args.lr, non_private_lr=args.non_private_lr, mode=args.mode,
         lora_layers=args.lora_layers, train_size=args.train_size, test_size=args.test_size,
         max_length=args.max_length, seed=args.seed, threads=args.threads, plots=args.plots, verbose=not args.json,
     )
-    if args.json:
-        print(json.dumps({key: value for key, value in report.items() if key != "histories"}))
-    else:
-        print("\n" + format_report(report))
+    show_report(report, as_json=args.json)
     return report
 
 

@@ -4,15 +4,16 @@ A :class:`RunHistory` collects one value per optimizer step (training loss, epsi
 fraction of clipped samples). :func:`format_report` turns the numbers of a finished private
 run and its non-private twin into a few lines; the ``plot_*`` functions turn histories into PNG
 files. They are pure: nothing is trained here, and matplotlib (Agg backend, no display) is
-imported only when a picture is drawn. :func:`default_threads` is the examples' CPU thread count.
+imported only when a picture is drawn.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, List, Mapping, Optional, Sequence
 
 PRIVATE_COLOR = "#c2410c"
 NON_PRIVATE_COLOR = "#1d4ed8"
@@ -41,21 +42,6 @@ class RunHistory:
         return len(self.loss)
 
 
-def default_threads(limit: int = 4) -> int:
-    """Torch threads for a CPU run: the CPUs this process may use that are not already busy
-    (1-minute load average), between 1 and ``limit``. Threads that wait for a busy core slow
-    small models down many times over, so a shared machine gets fewer."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    try:
-        busy = round(os.getloadavg()[0])
-    except (AttributeError, OSError):
-        busy = 0
-    return max(1, min(limit, cpus - busy))
-
-
 # ---------------------------------------------------------------------------------- report
 
 
@@ -79,6 +65,14 @@ def _clip_bound(report: Mapping[str, Any]) -> float:
     return report.get("max_grad_norm", report.get("per_sample_max_grad_norm"))
 
 
+def show_report(report: Mapping[str, Any], as_json: bool = False) -> None:
+    """Print the report: the closing lines, or one JSON object (without the per-step histories)."""
+    if as_json:
+        print(json.dumps({key: value for key, value in report.items() if key != "histories"}))
+    else:
+        print("\n" + format_report(report))
+
+
 # -------------------------------------------------------------------------------- pictures
 
 
@@ -97,14 +91,14 @@ def save_pictures(
 def plot_epsilon(history: RunHistory, path: str, *, delta: float, target_epsilon: Optional[float] = None) -> None:
     """Epsilon spent after each step, with the target it was calibrated to."""
     figure, axes = _figure()
-    steps = range(1, len(history.epsilon) + 1)
-    axes.plot(steps, history.epsilon, color=PRIVATE_COLOR, linewidth=2, label="epsilon spent")
+    steps = range(len(history.epsilon) + 1)
+    axes.plot(steps, [0.0] + history.epsilon, color=PRIVATE_COLOR, linewidth=2, label="epsilon spent")
     if target_epsilon is not None:
         axes.axhline(target_epsilon, color="0.35", linestyle="--", linewidth=1, label=f"target {target_epsilon:g}")
     if history.epsilon:
         axes.annotate(
             f"{history.epsilon[-1]:.2f}", (len(history.epsilon), history.epsilon[-1]),
-            textcoords="offset points", xytext=(-4, 6), ha="right", color=PRIVATE_COLOR,
+            textcoords="offset points", xytext=(-6, -6), ha="right", va="top", color=PRIVATE_COLOR,
         )
     axes.set_ylim(bottom=0)
     _finish(axes, title=f"Privacy spent (delta = {delta:g})", ylabel="epsilon")
@@ -135,14 +129,13 @@ def plot_clipped_fraction(history: RunHistory, path: str) -> None:
 
 
 def moving_average(values: Sequence[float], window: Optional[int] = None) -> List[float]:
-    """Trailing mean over ``window`` steps (default: a tenth of the run, at least 1)."""
+    """Trailing mean over ``window`` steps (default: a tenth of the run, at least 1); NaN
+    entries (a step without a loss: an empty Poisson batch) are left out of the means."""
     window = window or max(1, len(values) // 10)
-    out, total = [], 0.0
-    for i, value in enumerate(values):
-        total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+    out = []
+    for i in range(len(values)):
+        recent = [v for v in values[max(0, i + 1 - window):i + 1] if not math.isnan(v)]
+        out.append(sum(recent) / len(recent) if recent else math.nan)
     return out
 
 
@@ -175,11 +168,3 @@ def _save(figure, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def history_dict(history: RunHistory) -> Dict[str, Any]:
-    """The history as plain lists (JSON)."""
-    return {"label": history.label, "loss": history.loss, "epsilon": history.epsilon,
-            "clipped_fraction": history.clipped_fraction}
-
-
-def finite_or_none(value: float) -> Optional[float]:
-    return value if math.isfinite(value) else None

@@ -11,3 +11,11 @@ def test_private_cnn_on_digits_reaches_reported_accuracy_and_epsilon(capsys):
     assert report["steps"] == 20 * 12  # 1437 training images, expected batch 128 -> q = 1/12
     assert report["private_accuracy"] > 0.8  # chance is 0.1; measured 0.89 at this seed
     assert report["non_private_accuracy"] > 0.95
+
+
+def test_plots_flag_writes_the_three_pictures(tmp_path, capsys):
+    report = digits.main(["--epochs", "2", "--plots", str(tmp_path)])
+    assert "pictures:" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clipped_fraction.png", "epsilon.png", "loss.png"]
+    private = report["histories"]["private"]
+    assert private.steps == report["steps"] == 24 and len(private.epsilon) == 24

@@ -1,0 +1,48 @@
+"""Recording and showing a run: histories, the closing report, the pictures."""
+
+import math
+
+import pytest
+
+from dptorch.examples.plots import RunHistory, format_report, moving_average, save_pictures
+
+pytest.importorskip("matplotlib")
+
+
+def test_moving_average_is_trailing_and_skips_steps_without_a_loss():
+    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([1.0, math.nan, 3.0], window=3) == [1.0, 1.0, 2.0]
+    assert moving_average([2.0] * 30) == [2.0] * 30  # default window: a tenth of the run
+
+
+def test_history_keeps_only_what_the_run_has():
+    history = RunHistory("non-private")
+    history.record(loss=0.5)
+    history.record(loss=0.4, epsilon=None, clipped_fraction=None)
+    assert history.steps == 2 and history.epsilon == [] and history.clipped_fraction == []
+
+
+def test_pictures_are_png_files(tmp_path):
+    private, non_private = RunHistory("private"), RunHistory("non-private")
+    for step in range(1, 21):
+        private.record(loss=1 / step + 0.3, epsilon=0.4 * math.sqrt(step), clipped_fraction=1 / step)
+        non_private.record(loss=1 / step)
+    paths = save_pictures(str(tmp_path / "pictures"), private, non_private, delta=1e-5, target_epsilon=2.0)
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["epsilon.png", "loss.png", "clipped_fraction.png"]
+    for path in paths:
+        with open(path, "rb") as picture:
+            assert picture.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_lines_name_accuracy_privacy_and_time():
+    report = dict(
+        private_accuracy=0.8761, non_private_accuracy=0.94, test_size=500, epsilon=7.94, delta=1e-5,
+        accountant="pld", noise_multiplier=0.676, steps=48, sample_rate=0.064, per_sample_max_grad_norm=1.0,
+        total_seconds=120.0, private_seconds=60.0, non_private_seconds=50.0,
+    )
+    assert format_report(report).splitlines() == [
+        "accuracy: private 0.876, non-private 0.940 (test set of 500)",
+        "privacy: epsilon 7.94 at delta 1e-05 (pld accountant), noise multiplier 0.676, 48 steps, "
+        "sample rate 0.0640, max grad norm 1",
+        "wall time: 120.0 s (private training 60.0 s, non-private 50.0 s)",
+    ]
