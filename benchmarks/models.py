@@ -88,10 +88,26 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
             "threads": torch.get_num_threads()}
 
 
+class SequenceCrossEntropy:
+    """Token cross-entropy averaged per sequence when ``reduction="none"`` (Opacus' ghost loss
+    wrapper needs one loss per sample and does not check the shape it gets)."""
+
+    def __init__(self):
+        self.reduction = "mean"
+
+    def __call__(self, logits, target):
+        import torch
+
+        tokens = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        return tokens.mean(1) if self.reduction == "none" else tokens.mean()
+
+
 def opacus_private(model, optimizer, criterion, mode, batch):
     """Opacus 1.6 as a peer (optional; never a dependency of dptorch)."""
     import torch
     from opacus import PrivacyEngine as OpacusEngine
+
+    criterion = SequenceCrossEntropy() if mode == "ghost" else criterion
 
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(batch * 4, 1)), batch_size=batch)
     result = OpacusEngine(accountant="rdp").make_private(

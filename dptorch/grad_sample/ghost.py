@@ -12,7 +12,6 @@ its clipped-sum partner takes backprops already scaled per sample and returns ba
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -20,7 +19,6 @@ from torch import nn
 
 from dataclasses import dataclass
 
-from dptorch.grad_sample.layers.embedding import embedding_grad_sampler
 from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 from dptorch.grad_sample.layers.linear import flatten_middle_dims
 from dptorch.grad_sample.registry import register_norm_sampler
@@ -158,16 +156,6 @@ def hf_conv1d_norm_sampler(module: nn.Module, activations: Tensors, backprops: t
     return _linear_norms(module.weight, module.bias, activations[0], backprops)
 
 
-def embedding_norms_sq(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
-    """``sum_{t,t'} [x_t = x_t'] (b_t . b_t')`` per sample, padding positions excluded."""
-    ids = indices.reshape(indices.shape[0], -1)
-    b = backprops.reshape(ids.shape[0], ids.shape[1], -1).float()
-    same = ids.unsqueeze(2) == ids.unsqueeze(1)
-    if padding_idx is not None:
-        same &= (ids != padding_idx).unsqueeze(2)
-    return (same * torch.bmm(b, b.transpose(1, 2))).sum((1, 2))
-
-
 def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
     weight = module.weight
     if not weight.requires_grad:
@@ -184,15 +172,29 @@ def _plain_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) and not module.scale_grad_by_freq
 
 
+def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    """Per-sample squared norms from the rows each sample touches: ``sum_v ||sum_{t: x_t = v} b_t||^2``.
+
+    Only the (sample, row) pairs that occur are formed, so the cost is about ``B T d`` whatever
+    the vocabulary size, against ``B V d`` for the instantiated gradient.
+    """
+    ids = indices.reshape(indices.shape[0], -1)
+    batch, tokens = ids.shape
+    b = backprops.reshape(batch * tokens, -1).float()
+    sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
+    keys = sample * (int(ids.max()) + 1 if ids.numel() else 1) + ids.reshape(-1)
+    if padding_idx is not None:
+        b = b * (ids.reshape(-1) != padding_idx).unsqueeze(1)
+    pairs, pair_of_token = torch.unique(keys, return_inverse=True)
+    summed = b.new_zeros(len(pairs), b.shape[1]).index_add_(0, pair_of_token, b)
+    sample_of_pair = b.new_zeros(len(pairs), dtype=torch.long).index_copy_(0, pair_of_token, sample) if len(pairs) else sample[:0]
+    return b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
+
+
 @register_norm_sampler(predicate=_plain_embedding, clipped_sum=_embedding_clipped_sum, token_wise=True, linear_form=_embedding_form)
 def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
-    """``nn.Embedding``: ghost norms when ``T^2 < V``, else the instantiated gradient's norm."""
+    """``nn.Embedding``: sums over the rows each sample touches (neither ghost nor instantiated)."""
     weight = module.weight
     if not weight.requires_grad:
         return {}
-    ids = activations[0]
-    tokens = math.prod(ids.shape[1:])
-    if tokens * tokens < module.num_embeddings:
-        return {weight: embedding_norms_sq(ids, backprops, module.padding_idx)}
-    grads = embedding_grad_sampler(module, activations, backprops)[weight]
-    return {weight: squared_norms(grads.float())}
+    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx)}
