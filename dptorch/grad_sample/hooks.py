@@ -117,6 +117,7 @@ class GradSampleHooks:
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
+        self.uncaptured: List[str] = []  # parameters the last backward gave gradients but no capture
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
         self.last_batch_size: Optional[int] = None
@@ -309,7 +310,7 @@ class GradSampleHooks:
         return tree_unflatten(leaves, spec)
 
     def _check_expanded_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._expanded is None:
+        if self._expanded is None or not any(p.requires_grad for p in self._layers[module].params.values()):
             return
         rows = _infer_batch_size(args, kwargs, self._batch_dim)
         if rows is not None and rows != self.last_batch_size:
@@ -476,6 +477,7 @@ class GradSampleHooks:
         covered = self._strategy.covers()
         missing = [p for p in self._received if p not in covered] + self._new_parameters_with_grads(covered)
         self._received = {}
+        self.uncaptured = [self.parameter_name(p) for p in missing]
         if missing and (covered or self.module.training):
             names = ", ".join(self.parameter_name(p) for p in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

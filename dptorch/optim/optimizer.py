@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator
 from dptorch.optim.clipping import (
@@ -126,6 +127,12 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.noise_multiplier * total_norm_bound(self.clipping, self.max_grad_norm)
 
     def _clip_and_accumulate(self, hooks: GradSampleHooks) -> None:
+        if hooks.uncaptured:
+            raise PerSampleGradientError(
+                f"the backward pass gave gradients to {', '.join(hooks.uncaptured[:3])} but captured no per-sample "
+                "gradients: the model ran in eval mode (call model.train() before training) or under a forward "
+                "the hooks did not see; a private step cannot be built from it"
+            )
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if not norms:

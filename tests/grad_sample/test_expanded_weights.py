@@ -46,3 +46,12 @@ def test_broadcast_input_is_a_clear_error():
     with GradSampleHooks(model, grad_sample_mode="ew"):
         with pytest.raises(PerSampleGradientError, match=r"position_embeddings.*1 rows.*grad_sample_mode='hooks'"):
             model(input_ids=torch.randint(0, 61, (3, 6)))
+
+
+def test_frozen_broadcast_modules_are_left_alone():
+    torch.manual_seed(0)
+    model = tiny_bert()
+    model.bert.embeddings.position_embeddings.weight.requires_grad_(False)
+    ids = torch.randint(0, 61, (3, 6))
+    check_per_sample_grads(model, {"input_ids": ids, "token_type_ids": torch.zeros_like(ids)},
+                           loss_fn=lambda out: out.logits.pow(2).sum(1), grad_sample_mode="ew")

@@ -233,3 +233,14 @@ def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="per_layer"):
         DPOptimizer(sgd, hooks=hooks, noise_multiplier=1.0, max_grad_norm=[1.0, 2.0], expected_batch_size=4)
     hooks.cleanup()
+
+
+def test_a_training_backward_in_eval_mode_is_refused():
+    from dptorch.grad_sample import PerSampleGradientError
+
+    model, x, y = model_and_data()
+    hooks, opt = private(model, reduction="mean", batch=6)
+    model.eval()
+    with pytest.raises(PerSampleGradientError, match=r"eval mode.*model.train\(\)"):
+        loss_of(model, x, y, "mean").backward()
+    hooks.cleanup()
