@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
+from dptorch.examples.flags import add_shared_flags
 from dptorch.examples.plots import RunHistory, save_pictures, show_report
 
 
@@ -166,19 +167,10 @@ def run(
 
 def build_parser(prog: str = "python -m dptorch.examples.digits") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--epsilon", type=float, default=3.0, help="target epsilon (default 3)")
-    parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    parser.add_argument("--epochs", type=int, default=20, help="epochs (default 20)")
-    parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
+    add_shared_flags(parser, epsilon=3.0, epochs=20, modes=["hooks", "bk", "ew", "functorch"])
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")
-    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "ew", "functorch"],
-                        help="how per-sample gradients are computed (default hooks)")
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
-    parser.add_argument("--seed", type=int, default=0, help="seed of split, initialisation, sampling and noise")
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
-    parser.add_argument("--plots", metavar="DIR", help="save epsilon.png, loss.png and clipped_fraction.png in DIR")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object, without progress")
     return parser
 
 

@@ -48,6 +48,7 @@ from transformers import (  # noqa: E402
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from dptorch.examples.flags import add_shared_flags  # noqa: E402
 from dptorch.examples.plots import RunHistory, save_pictures, show_report  # noqa: E402
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
@@ -382,14 +383,8 @@ def run(
 
 def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon (default 8)")
-    parser.add_argument("--delta", type=float, default=1e-5, help="target delta (default 1e-5)")
-    parser.add_argument("--epochs", type=float, default=3.0, help="epochs (default 3)")
-    parser.add_argument("--batch-size", type=int, default=128, help="expected batch size (default 128)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
     # not "ew": expanded weights refuse BERT's position ids, shared by the whole batch
-    parser.add_argument("--mode", default="hooks", choices=["hooks", "bk", "functorch"],
-                        help="how per-sample gradients are computed (default hooks)")
+    add_shared_flags(parser, epsilon=8.0, epochs=3.0, modes=["hooks", "bk", "functorch"])
     parser.add_argument("--lr", type=float, default=2e-2, help="learning rate, private run (default 2e-2)")
     parser.add_argument("--non-private-lr", type=float, default=1e-2,
                         help="learning rate, non-private run (default 1e-2)")
@@ -397,10 +392,7 @@ def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.Ar
     parser.add_argument("--train-size", type=int, default=2000, help="training tweets (default 2000)")
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")
     parser.add_argument("--max-length", type=int, default=40, help="tokens kept per tweet (default 40)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of data split, initialisation, sampling and noise")
     parser.add_argument("--threads", type=int, help="torch threads (default: the CPUs not busy now, at most 4)")
-    parser.add_argument("--plots", metavar="DIR", help="save epsilon.png, loss.png and clipped_fraction.png in DIR")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object, without progress")
     return parser
 
 
