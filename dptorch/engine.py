@@ -216,7 +216,8 @@ def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.O
     if foreign:
         raise ValueError(
             f"the optimizer holds {len(foreign)} parameter(s) that are not in the model (shapes {foreign[:3]}); "
-            "build the optimizer from model.parameters() of the model you pass (after any PEFT/model surgery)"
+            "ModuleValidator.fix and get_peft_model return a new model, so build the optimizer from "
+            "model.parameters() of the model you pass, after them"
         )
 
 

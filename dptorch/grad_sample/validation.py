@@ -61,7 +61,8 @@ def _trainable(module: nn.Module) -> bool:
 def _batch_norm(module: nn.Module) -> Optional[str]:
     return (
         "batch normalisation mixes the samples of a batch, so no per-sample gradient exists; "
-        "replace it with GroupNorm via dptorch.ModuleValidator.fix(model)"
+        "replace it with GroupNorm via model = dptorch.ModuleValidator.fix(model), then build the optimizer "
+        "from the fixed model"
     )
 
 
@@ -79,7 +80,10 @@ def _instance_norm_running_stats(module: nn.Module) -> Optional[str]:
 def _rnn(module: nn.Module) -> Optional[str]:
     if _trainable(module):
         kind = type(module).__name__
-        return f"torch's fused {kind} has no per-sample gradients; replace it with dptorch.layers.DP{kind} (ModuleValidator.fix does it)"
+        return (
+            f"torch's fused {kind} has no per-sample gradients; replace it with dptorch.layers.DP{kind} "
+            "(model = ModuleValidator.fix(model) does it; then build the optimizer from the fixed model)"
+        )
     return None
 
 
