@@ -151,6 +151,8 @@ class BookKeeping:
         for call in self.calls:
             if call.norm_sampler.linear_form is None or (unit_ids is not None and not call.norm_sampler.token_wise):
                 candidates -= set(call.params.values())
+            elif not _factors_cheaper(call):
+                candidates -= set(call.params.values())
         return candidates
 
     def covers(self) -> set:
@@ -212,6 +214,17 @@ class BookKeeping:
         if self.calls:
             return self.calls[0].backprops.shape[0]
         return self.dense.batch_size()
+
+
+def _factors_cheaper(call: LayerCall) -> bool:
+    """Cross terms cost about ``T^2 (d + p)`` per sample against ``T d p`` to instantiate; index
+    (embedding) inputs make the factors cheap whatever ``T``."""
+    inputs = call.activations[0] if call.activations else None
+    if inputs is None or not inputs.is_floating_point():
+        return True
+    tokens = call.backprops[0].numel() // call.backprops.shape[-1] if call.backprops.shape[0] else 0
+    d, p = inputs.shape[-1], call.backprops.shape[-1]
+    return tokens * (d + p) < d * p
 
 
 def shared_norm(uses) -> torch.Tensor:
