@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.ghost import form_inner_products
 from dptorch.grad_sample.registry import GradSampler, NormSampler
 
 NameOf = Callable[[nn.Parameter], str]
@@ -229,8 +230,6 @@ def _factors_cheaper(call: LayerCall) -> bool:
 
 def shared_norm(uses) -> torch.Tensor:
     """Per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form ``G_k``."""
-    from dptorch.grad_sample.ghost import form_inner_products
-
     total = None
     for k, (scale_k, form_k) in enumerate(uses):
         for scale_l, form_l in uses[k:]:

@@ -71,7 +71,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.secure_mode = secure_mode
         self.noise_generator = noise_generator or (SecureNoiseGenerator() if secure_mode else NoiseGenerator())
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}
-        self._samples_seen = 0
         self._skip_next = False
         self._last_step_skipped = False
         self._step_hooks: List[StepHook] = []
@@ -150,7 +149,6 @@ class DPOptimizer(torch.optim.Optimizer):
         for param, clipped in hooks.clipped_sums(factors).items():
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
-        self._samples_seen += hooks.batch_size
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only accumulate (a virtual step), as in Opacus."""
@@ -193,7 +191,6 @@ class DPOptimizer(torch.optim.Optimizer):
         for hook in self._step_hooks:
             hook(self)
         self._summed = {}
-        self._samples_seen = 0
         self._last_step_skipped = False
         self.hooks.clear()
         return True
@@ -214,7 +211,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.hooks.clear()
         if not self._last_step_skipped:
             self._summed = {}
-            self._samples_seen = 0
 
     def detach(self) -> None:
         """Stop listening to the controller."""
@@ -228,7 +224,6 @@ class DPOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state["dp"] = {
             "summed": {index[id(p)]: t for p, t in self._summed.items() if id(p) in index},
-            "samples_seen": self._samples_seen,
             "skip_next": self._skip_next,
             "last_step_skipped": self._last_step_skipped,
             "noise_generator": self.noise_generator.state_dict(),
@@ -243,7 +238,6 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         params = [p for g in self.param_groups for p in g["params"]]
         self._summed = {params[int(i)]: t.to(params[int(i)].device) for i, t in dp["summed"].items()}
-        self._samples_seen = int(dp["samples_seen"])
         self._skip_next = bool(dp["skip_next"])
         self._last_step_skipped = bool(dp["last_step_skipped"])
         self.noise_generator.load_state_dict(dp["noise_generator"])
