@@ -108,6 +108,7 @@ class GradSampleHooks:
         self._batch_dim = 0 if batch_first else 1
         self._handles: List[Any] = []
         self._restore_param_hooks: List[Tuple[nn.Parameter, Any]] = []
+        self._watched: Dict[nn.Parameter, None] = {}  # parameters with our post-accumulate-grad hook
         self._layers: Dict[nn.Module, _Layer] = {}
         self._param_names: Dict[nn.Parameter, str] = {}
         self._strategy = self._new_strategy()
@@ -157,6 +158,7 @@ class GradSampleHooks:
     def _attach(self) -> None:
         self._handles.append(self.module.register_forward_pre_hook(self._on_root_forward, with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(self._on_root_forward_end, always_call=True))
+        self._handles.append(self.module.register_forward_hook(self._tap_root_outputs))
         for name, param in self.module.named_parameters(remove_duplicate=True):
             self._param_names[param] = name
         for name, sub in self.module.named_modules():
@@ -166,17 +168,13 @@ class GradSampleHooks:
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
             norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
             self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
+            self._handles.append(sub.register_forward_pre_hook(self._before_layer_forward))
             if self.grad_sample_mode == "ew":
                 self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
                 continue
-            if sampler is not None and not self.keep_param_grads and not self._under_ddp:
-                self._handles.append(sub.register_forward_pre_hook(self._suppress_weight_grads))
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
-            if not param.requires_grad:
-                continue
-            self._restore_param_hooks.append((param, param._post_accumulate_grad_hooks))
-            self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+            self._watch(param)
         _ATTACHED[self.module] = self
         self._attached = True
 
@@ -191,6 +189,7 @@ class GradSampleHooks:
             param._post_accumulate_grad_hooks = previous
         self._handles.clear()
         self._restore_param_hooks.clear()
+        self._watched.clear()
         self._layers.clear()
         self._listeners.clear()
         _ATTACHED.pop(self.module, None)
@@ -309,6 +308,19 @@ class GradSampleHooks:
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
+    def _tap_root_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Tap the model's outputs, so that a second backward through this forward is refused
+        even where it reaches no hooked layer twice (two heads on a frozen trunk)."""
+        if module is not self.module or self._replaying or not (torch.is_grad_enabled() and module.training):
+            return None
+        leaves, spec = tree_flatten(output)
+        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not positions:
+            return None
+        for i, t in zip(positions, tap([leaves[i] for i in positions], [], lambda saved, grads: None)):
+            leaves[i] = t
+        return tree_unflatten(leaves, spec)
+
     def _check_expanded_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._expanded is None or not any(p.requires_grad for p in self._layers[module].params.values()):
             return
@@ -325,12 +337,38 @@ class GradSampleHooks:
     def _capturing(self, module: nn.Module) -> bool:
         return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
 
-    def _suppress_weight_grads(self, module: nn.Module, args: tuple) -> None:
-        """Autograd need not compute this layer's parameter gradients, which the clipped sum
-        replaces; its parameters stop requiring grad for the duration of the call."""
-        if not self._capturing(module):
+    @property
+    def _suppressing(self) -> bool:
+        """Whether hooked layers keep their own parameters out of autograd during their calls.
+
+        Then any autograd gradient that reaches a parameter came by a path the controller does not
+        see (a weight read outside its module, a penalty on it in the loss) and is refused. Under
+        DDP every parameter must get an autograd gradient; expanded weights need them in the graph.
+        """
+        return not self.keep_param_grads and not self._under_ddp and self.grad_sample_mode != "ew"
+
+    def _watch(self, param: nn.Parameter) -> None:
+        """Register the post-accumulate-grad hook that notices gradients arriving at ``param``."""
+        if param in self._watched or not param.requires_grad:
             return
-        params = {name: p for name, p in self._layers[module].params.items() if p.requires_grad}
+        self._watched[param] = None
+        self._restore_param_hooks.append((param, param._post_accumulate_grad_hooks))
+        self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def _before_layer_forward(self, module: nn.Module, args: tuple) -> None:
+        """Watch parameters unfrozen since attach; keep this layer's parameters out of autograd.
+
+        Autograd need not compute this layer's parameter gradients, which the clipped sum
+        replaces; its parameters stop requiring grad for the duration of the call.
+        """
+        layer = self._layers.get(module)
+        if layer is None:  # a deep copy of the model carries our hooks; it is not ours
+            return
+        for p in layer.params.values():
+            self._watch(p)
+        if not self._suppressing or not self._capturing(module):
+            return
+        params = {name: p for name, p in layer.params.items() if p.requires_grad}
         for p in params.values():
             p.requires_grad_(False)
         self._suppressed[module] = params
@@ -340,8 +378,10 @@ class GradSampleHooks:
         if suppressed:
             for p in suppressed.values():
                 p.requires_grad_(True)
-            if isinstance(output, torch.Tensor) and not output.requires_grad:
-                output.requires_grad_()  # no input needed grad: the output becomes the graph's leaf
+            inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad and id(t) not in inputs:
+                    t.requires_grad_()  # no input needed grad: the output becomes the graph's leaf
         if not self._capturing(module):
             return None
         layer = self._layers[module]
@@ -475,18 +515,18 @@ class GradSampleHooks:
         if self.grad_sample_mode == "ew":
             self._collect_expanded_grad_samples()
         covered = self._strategy.covers()
-        missing = [p for p in self._received if p not in covered] + self._new_parameters_with_grads(covered)
-        self._received = {}
+        received, self._received = list(self._received), {}
+        if self._suppressing or self.grad_sample_mode == "ew":  # (expanded weights never write p.grad)
+            self._refuse_unseen_paths([p for p in received if p in covered])
+        missing = [p for p in received if p not in covered] + self._unwatched_parameters_with_grads(covered)
         self.uncaptured = [self.parameter_name(p) for p in missing]
         if missing and (covered or self.module.training):
-            names = ", ".join(self.parameter_name(p) for p in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             self.clear()
             raise PerSampleGradientError(
-                f"parameters {names}{more} received a gradient but no per-sample gradient. They were used outside a "
-                "hooked forward: a forward run before the hooks attached, a module added after they attached (attach "
-                "after PEFT/model surgery), a module in eval mode, or a weight read directly by another module's "
-                "code (e.g. a fused LM head)."
+                f"parameters {_name_list([self.parameter_name(p) for p in missing])} received a gradient but no "
+                "per-sample gradient. They were used outside a hooked forward: a forward run before the hooks "
+                "attached, a module added after they attached (attach after PEFT/model surgery), a module in eval "
+                "mode, or a weight read directly by another module's code (e.g. a fused LM head)."
             )
         self._strategy.finish_round(self._unit_ids)
         for param, grad in self._strategy.grads.items():
@@ -501,20 +541,42 @@ class GradSampleHooks:
         """Move the ``grad_sample`` torch wrote on each parameter into the strategy's table."""
         for param in self._param_names:
             grad = param.__dict__.pop("grad_sample", None)
+            if grad is None and self.last_batch_size == 0 and self._received.pop(param, False) is None:
+                grad = param.new_zeros((0, *param.shape))  # an empty Poisson batch: no sample, no row
             if grad is not None:
                 self._strategy.grads[param] = grad
 
-    def _new_parameters_with_grads(self, covered: set) -> List[nn.Parameter]:
-        """Parameters added after attaching (no hooks) whose gradient changed since last seen."""
+    def _refuse_unseen_paths(self, params: List[nn.Parameter]) -> None:
+        """Covered parameters that also got an autograd gradient: a path the controller does not see."""
+        if not params:
+            return
+        self.clear()
+        raise PerSampleGradientError(
+            f"parameters {_name_list([self.parameter_name(p) for p in params])} got gradient by a path outside "
+            "their own module's call: the weight is read directly elsewhere (a tied head computed as "
+            "h @ emb.weight.T, a penalty on the weight added to the loss, another module's code using it). That "
+            "gradient has no per-sample counterpart, so it cannot be clipped. Call the module instead (e.g. "
+            "nn.Linear with the tied weight as lm_head), or apply weight decay in the optimizer, not in the loss."
+        )
+
+    def _unwatched_parameters_with_grads(self, covered: set) -> List[nn.Parameter]:
+        """Parameters without our hook (added, or unfrozen and never called through a module since)
+        whose gradient changed since last seen."""
         changed = []
         for name, param in self.module.named_parameters():
-            if param in self._param_names or not param.requires_grad or param.grad is None:
+            if param in self._watched or not param.requires_grad or param.grad is None:
                 continue
             version = (id(param.grad), param.grad._version)
             if self._unhooked_grad_versions.get(param) != version and param not in covered:
                 changed.append(param)
             self._unhooked_grad_versions[param] = version
         return changed
+
+
+def _name_list(names: List[str], shown: int = 5) -> str:
+    """``a, b, c and 4 more``: a list cut with its count, never silently."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

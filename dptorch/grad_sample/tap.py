@@ -5,7 +5,9 @@ downstream neither crash nor hide the gradient) and saves the layer's inputs wit
 ``save_for_backward``, so activation checkpointing manages them like any other saved tensor.
 Its backward hands the output gradients, paired with *this call's* inputs, to a callback.
 Pairing by call rather than by a per-module stack keeps results exact when a module is called
-several times, and under reentrant or non-reentrant checkpointing.
+several times, and under reentrant or non-reentrant checkpointing. A tap passes one backward
+only: a second backward through the same forward (``retain_graph``, a second loss) is refused,
+since each pass would be clipped on its own.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 from typing import Callable, Sequence, Tuple
 
 import torch
+
+from dptorch.grad_sample.errors import PerSampleGradientError
 
 OnBackward = Callable[[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]], None]
 
@@ -30,6 +34,13 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
+        if getattr(ctx, "fired", False):
+            raise PerSampleGradientError(
+                "a second backward pass went through the same forward pass. Each pass would be clipped to "
+                "max_grad_norm on its own, so every sample would count up to twice in one step. Add the losses "
+                "and call backward() once per forward (loss = main_loss + aux_loss; loss.backward())."
+            )
+        ctx.fired = True
         ctx.on_backward(ctx.saved_tensors, grad_outputs)
         return (None, None, *grad_outputs, *([None] * ctx.num_inputs))
 
