@@ -1,4 +1,4 @@
-"""PrivacyEngine: wires the controller, the DP optimizer, Poisson sampling and the accountant.
+"""PrivacyEngine: wires the controller, the DP optimizer, Poisson sampling and the privacy plan.
 
 ``make_private`` returns ``(module, optimizer, data_loader)`` in every mode. With
 ``wrap_model=False`` the module returned is the very object passed in and the controller is
@@ -7,26 +7,33 @@
 
 from __future__ import annotations
 
-import math
 import os
+import warnings
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dptorch.accounting import create_accountant, get_noise_multiplier
+from dptorch.accounting import create_accountant
 from dptorch.data.poisson import DPDataLoader
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
+from dptorch.plan import PrivacyPlan, check_clipping
 
 
 class PrivacyEngine:
     """Make a model, optimizer and data loader private, and track the privacy spent.
 
-    ``accountant`` is one of ``"pld"`` (default), ``"prv"``, ``"rdp"``, ``"gdp"``.
-    ``secure_mode=True`` draws noise from a cryptographically secure generator.
+    ``accountant`` is one of ``"pld"`` (default), ``"prv"``, ``"rdp"``, ``"gdp"`` (the GDP
+    approximation reports only; it cannot calibrate the noise). ``secure_mode=True`` draws the
+    noise and the Poisson sampling from the OS CSPRNG.
+
+    ``make_private`` builds the run's :class:`~dptorch.plan.PrivacyPlan` (``engine.plan``): the
+    sample rate and steps per epoch of the Poisson sampler the run iterates, the noise multiplier,
+    the clipping bound and the accountant. The optimizer, the report and the checkpoints read it;
+    ``sample_rate``, ``noise_multiplier`` and ``accountant`` here are views of it.
     """
 
     def __init__(self, accountant: str = "pld", secure_mode: bool = False) -> None:
@@ -34,8 +41,20 @@ class PrivacyEngine:
         self.secure_mode = secure_mode
         self.hooks: Optional[GradSampleHooks] = None
         self.optimizer: Optional[DPOptimizer] = None
-        self.sample_rate: Optional[float] = None
-        self.poisson_sampling: Optional[bool] = None
+        self.plan: Optional[PrivacyPlan] = None
+
+    @property
+    def sample_rate(self) -> Optional[float]:
+        """The Poisson sample rate the sampler draws with and the accountant records (None before make_private)."""
+        return self.plan.sample_rate if self.plan is not None else None
+
+    @property
+    def poisson_sampling(self) -> Optional[bool]:
+        return (self.plan.sampling == "poisson") if self.plan is not None else None
+
+    @property
+    def noise_multiplier(self) -> Optional[float]:
+        return self.plan.noise_multiplier if self.plan is not None else None
 
     # ------------------------------------------------------------------ set-up
 
@@ -56,37 +75,17 @@ class PrivacyEngine:
         noise_generator: Optional[Any] = None,
         strict: bool = True,
     ):
-        """Return ``(module, optimizer, data_loader)`` ready for DP-SGD."""
-        if self.hooks is not None and self.hooks.attached:
-            raise RuntimeError("this PrivacyEngine already made a model private; call engine.detach() first")
-        _check_optimizer_params_in_model(module, optimizer)
-        if not module.training:
-            raise ValueError("the model is in eval mode; call model.train() before make_private (eval mode captures no per-sample gradients)")
-        dp_loader = _private_data_loader(data_loader, poisson_sampling)
-        self.sample_rate = dp_loader.sample_rate
-        self.poisson_sampling = poisson_sampling
-        expected_batch_size = dp_loader.sample_rate * len(dp_loader.dataset)
-        hooks_kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
-                            grad_sample_mode=grad_sample_mode, keep_param_grads=False)
-        if wrap_model:
-            returned = GradSampleModule(module, **hooks_kwargs)
-            self.hooks = returned.hooks
-        else:
-            self.hooks = GradSampleHooks(module, **hooks_kwargs)
-            returned = module
-        self.optimizer = DPOptimizer(
-            optimizer,
-            hooks=self.hooks,
-            noise_multiplier=noise_multiplier,
-            max_grad_norm=max_grad_norm,
-            expected_batch_size=expected_batch_size,
-            loss_reduction=loss_reduction,
-            clipping=clipping,
-            noise_generator=noise_generator or _default_noise_generator(self.secure_mode),
-            secure_mode=self.secure_mode,
-        )
-        self.optimizer.attach_step_hook(self._account_step)
-        return returned, self.optimizer, dp_loader
+        """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
+
+        ``noise_multiplier=0`` is accepted with a warning: clipping only, no privacy, and
+        ``get_epsilon`` returns infinity.
+        """
+        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
+        plan = PrivacyPlan.for_sampler(dp_loader.batch_sampler, noise_multiplier=noise_multiplier,
+                                       **self._plan_fields(max_grad_norm, clipping))
+        return self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
+                            grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
+                            strict=strict)
 
     def make_private_with_epsilon(
         self,
@@ -101,22 +100,74 @@ class PrivacyEngine:
         steps: Optional[int] = None,
         **kwargs: Any,
     ):
-        """``make_private`` with the smallest noise multiplier that meets ``(target_epsilon, target_delta)``."""
+        """``make_private`` with the smallest noise multiplier that meets ``(target_epsilon, target_delta)``.
+
+        The noise is calibrated at exactly the sample rate the Poisson sampler draws with and the
+        steps the run takes: ``steps``, or ``epochs`` passes over the returned loader
+        (``epochs * len(loader)`` draws), with this engine's accountant (not 'gdp').
+        """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")
-        sample_rate = 1.0 / len(data_loader)
-        total_steps = steps if steps is not None else int(math.ceil(epochs * len(data_loader)))
-        noise_multiplier = get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            sample_rate=sample_rate,
-            steps=total_steps,
-            accountant=self.accountant.mechanism,
+        clipping = kwargs.pop("clipping", "flat")
+        poisson_sampling = kwargs.pop("poisson_sampling", True)
+        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
+        plan = PrivacyPlan.calibrated(
+            target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
+            sample_rate=dp_loader.batch_sampler.sample_rate, steps_per_epoch=dp_loader.batch_sampler.steps,
+            num_units=dp_loader.batch_sampler.num_samples, **self._plan_fields(max_grad_norm, clipping),
         )
-        return self.make_private(
-            module=module, optimizer=optimizer, data_loader=data_loader,
-            noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, **kwargs,
-        )
+        return self._attach(module, optimizer, dp_loader, plan, **kwargs)
+
+    def _check_and_prepare(self, module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm) -> DPDataLoader:
+        """Every check that needs no plan, then the Poisson loader; nothing is attached yet."""
+        if self.hooks is not None and self.hooks.attached:
+            raise RuntimeError("this PrivacyEngine already made a model private; call engine.detach() first")
+        _check_optimizer_params_in_model(module, optimizer)
+        if not module.training:
+            raise ValueError("the model is in eval mode; call model.train() before make_private (eval mode captures no per-sample gradients)")
+        names = {p: n for n, p in module.named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
+        return _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
+
+    def _plan_fields(self, max_grad_norm, clipping) -> Dict[str, Any]:
+        return dict(max_grad_norm=max_grad_norm, clipping=clipping, accountant=self.accountant,
+                    secure_mode=self.secure_mode, track_draws=True)
+
+    def _attach(self, module, optimizer, dp_loader, plan, *, batch_first=True, loss_reduction="mean",
+                grad_sample_mode="hooks", wrap_model=True, noise_generator=None, strict=True):
+        if plan.noise_multiplier == 0:
+            warnings.warn(
+                "noise_multiplier=0: the gradients are clipped but no noise is added, so the training is not "
+                "differentially private (get_epsilon returns inf); use it only as a clipping-only ablation",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.plan is not None:  # a second make_private on this engine: its steps add to the same budget
+            plan.steps, plan.unprotected_steps = self.plan.steps, self.plan.unprotected_steps
+        hooks_kwargs = dict(batch_first=batch_first, loss_reduction=loss_reduction, strict=strict,
+                            grad_sample_mode=grad_sample_mode, keep_param_grads=False)
+        if wrap_model:
+            returned = GradSampleModule(module, **hooks_kwargs)
+            hooks = returned.hooks
+        else:
+            hooks = GradSampleHooks(module, **hooks_kwargs)
+            returned = module
+        try:
+            dp_optimizer = DPOptimizer(
+                optimizer,
+                hooks=hooks,
+                plan=plan,
+                loss_reduction=loss_reduction,
+                noise_generator=noise_generator or _default_noise_generator(self.secure_mode),
+                secure_mode=self.secure_mode,
+            )
+        except Exception:
+            hooks.cleanup()
+            raise
+        self.hooks, self.optimizer, self.plan = hooks, dp_optimizer, plan
+        dp_loader.privacy_plan = plan  # the loader reports every draw it hands out to the plan
+        return returned, dp_optimizer, dp_loader
 
     def detach(self) -> None:
         """Remove the controller and the optimizer's listener; the model is exactly as before."""
@@ -127,28 +178,18 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ accounting
 
-    def _account_step(self, optimizer: DPOptimizer) -> None:
-        self.accountant.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=self.sample_rate)
-
     def get_epsilon(self, delta: float) -> float:
-        """The epsilon spent so far at ``delta``."""
-        return self.accountant.get_epsilon(delta)
+        """The epsilon spent so far at ``delta`` (infinite once a step ran with noise_multiplier=0)."""
+        if self.plan is None:
+            return self.accountant.get_epsilon(delta)
+        return self.plan.epsilon(delta)
 
     def privacy_report(self, delta: float) -> Dict[str, Any]:
         """What a model card needs: epsilon, delta, noise, sampling, steps, accountant, clipping."""
-        opt = self.optimizer
-        return {
-            "epsilon": self.get_epsilon(delta) if len(self.accountant) else 0.0,
-            "delta": delta,
-            "noise_multiplier": opt.noise_multiplier if opt else None,
-            "max_grad_norm": opt.max_grad_norm if opt else None,
-            "sample_rate": self.sample_rate,
-            "steps": len(self.accountant),
-            "accountant": self.accountant.mechanism,
-            "clipping": opt.clipping if opt else None,
-            "sampling": "poisson" if self.poisson_sampling else None,
-            "secure_mode": self.secure_mode,
-        }
+        if self.plan is None:
+            return {"epsilon": self.get_epsilon(delta), "delta": delta, "steps": len(self.accountant),
+                    "accountant": self.accountant.mechanism, "secure_mode": self.secure_mode}
+        return self.plan.report(delta)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -166,6 +207,7 @@ class PrivacyEngine:
         state = {
             "module": _unwrap(module).state_dict(),
             "accountant": self.accountant.state_dict(),
+            "plan": self.plan.state_dict() if self.plan is not None else None,
             "torch_rng_state": torch.get_rng_state(),
             "extra": extra or {},
         }
@@ -187,8 +229,13 @@ class PrivacyEngine:
     ) -> Dict[str, Any]:
         """Restore a checkpoint written by ``save_checkpoint``; returns its ``extra`` dict."""
         state = torch.load(path, weights_only=True)
+        if self.plan is not None and state.get("plan") is not None:
+            self.plan.load_state_dict(state["plan"])  # refuses a different sampling before anything is loaded
+        else:  # written before checkpoints held the plan
+            self.accountant.load_state_dict(state["accountant"])
+            if self.plan is not None:
+                self.plan.steps = len(self.accountant)
         _unwrap(module).load_state_dict(state["module"])
-        self.accountant.load_state_dict(state["accountant"])
         torch.set_rng_state(state["torch_rng_state"])
         if optimizer is not None and "optimizer" in state:
             optimizer.load_state_dict(state["optimizer"])
@@ -221,8 +268,14 @@ def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.O
         )
 
 
-def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool) -> DPDataLoader:
+def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure_mode: bool = False) -> DPDataLoader:
     if isinstance(data_loader, DPDataLoader):
+        if secure_mode and not data_loader.batch_sampler.secure:
+            raise ValueError(
+                "secure_mode=True needs the Poisson sampling to come from the OS CSPRNG too, but this DPDataLoader "
+                "draws from a seeded torch generator (whoever learns its seed can replay which samples each batch "
+                "holds); build it with DPDataLoader(..., secure_mode=True), or pass a plain DataLoader"
+            )
         return data_loader
     if not poisson_sampling:
         raise ValueError(
@@ -233,7 +286,6 @@ def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool) -> DPD
         )
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
-        return DPDataLoader.from_data_loader(data_loader, distributed=distributed)
+        return DPDataLoader.from_data_loader(data_loader, distributed=distributed, secure_mode=secure_mode)
     except (TypeError, ValueError) as err:
         raise ValueError(f"cannot derive the sample rate from the data loader: {err}") from err
-

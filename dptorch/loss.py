@@ -1,9 +1,12 @@
-"""DPLoss: the two-pass loss wrapper for ``grad_sample_mode="ghost"`` (Opacus' fast gradient clipping).
+"""DPLoss: a per-sample loss wrapper, Opacus' ``DPLossFastGradientClipping`` for dptorch.
 
-``loss = DPLoss(criterion, hooks)(output, target); loss.backward()`` runs the first backward pass
-(per-sample norms from activations and output gradients), lets the DP optimizer pick the clip
-factors, and takes the clipped gradient from a second pass of ``sum_i c_i loss_i``. The training
-loop stays ``loss.backward(); optimizer.step()``. Book-keeping (``"bk"``) needs no wrapper.
+``criterion = DPLoss(nn.CrossEntropyLoss(), hooks); loss = criterion(output, target); loss.backward()``
+computes each sample's loss (the criterion's ``reduction`` is set to ``"none"`` for the call),
+checks that there is one per sample, and reduces them as the controller's ``loss_reduction``
+says. ``backward()`` is one ordinary backward pass: in every mode ("ghost" and "bk" included)
+the controller forms the per-sample norms and the clipped sum from what it captured in that pass.
+The wrapper is optional (any loss whose reduction matches the controller's works); it exists so
+that Opacus code, and per-sample losses of criteria without a ``reduction`` attribute, carry over.
 """
 
 from __future__ import annotations
@@ -16,20 +19,29 @@ from dptorch.grad_sample.hooks import LOSS_REDUCTIONS, GradSampleHooks
 
 
 class DPLoss:
-    """Wrap ``criterion`` so that its result backpropagates with ghost clipping.
+    """Wrap ``criterion`` so that it returns one loss per sample, reduced like the controller's.
 
     ``criterion`` may have a ``reduction`` attribute (torch losses: set to ``"none"`` during the
     call) or none (HF-style loss functions, which must then return one loss per sample). The
     per-sample loss must have the batch's length: a scalar would silently clip the whole batch
-    as one sample, so it is refused.
+    as one sample, so it is refused. ``loss_reduction`` defaults to the controller's; a different
+    one is refused (the per-sample gradients would be off by the batch size).
     """
 
     def __init__(self, criterion: Callable[..., torch.Tensor], hooks: GradSampleHooks, loss_reduction: Optional[str] = None) -> None:
+        if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {loss_reduction!r}")
+        if loss_reduction is not None and loss_reduction != hooks.loss_reduction:
+            raise ValueError(
+                f"DPLoss(loss_reduction={loss_reduction!r}) contradicts the per-sample gradient controller's "
+                f"loss_reduction={hooks.loss_reduction!r}: the controller rescales the captured gradients by its own "
+                "reduction, so every sample's gradient would be off by the batch size and its clipping by as much. "
+                f"Leave DPLoss's loss_reduction out (it follows the controller's), or pass loss_reduction="
+                f"{loss_reduction!r} to make_private / GradSampleHooks as well"
+            )
         self.criterion = criterion
         self.hooks = hooks
-        self.loss_reduction = loss_reduction or hooks.loss_reduction
-        if self.loss_reduction not in LOSS_REDUCTIONS:
-            raise ValueError(f"loss_reduction must be one of {LOSS_REDUCTIONS}, got {self.loss_reduction!r}")
+        self.loss_reduction = hooks.loss_reduction
 
     def __call__(self, *args: Any, **kwargs: Any) -> "DPLossValue":
         per_sample = self._per_sample_losses(*args, **kwargs)
@@ -57,7 +69,7 @@ class DPLoss:
 
 
 class DPLossValue:
-    """The wrapped loss: reads like a scalar loss; ``backward()`` runs both passes.
+    """The wrapped loss: reads like a scalar loss; ``backward()`` is one backward pass of it.
 
     Supports the arithmetic DPO-style objectives need: sums and differences of wrapped losses
     of the same batch, scaling by constants and negation. Every result keeps one loss per
@@ -104,11 +116,7 @@ class DPLossValue:
         return self._scale(-1.0)
 
     def backward(self) -> None:
-        self.hooks.register_per_sample_loss(self.per_sample)
-        try:
-            self.value.backward(retain_graph=True)
-        finally:
-            self.hooks.register_per_sample_loss(None)
+        self.value.backward()
 
     def item(self) -> float:
         return self.value.item()

@@ -78,6 +78,22 @@ def secure_uniforms(count: int) -> np.ndarray:
     return ((words >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * _UNIFORM_STEP
 
 
+def secure_bernoulli(count: int, probability: float) -> np.ndarray:
+    """``count`` independent booleans, each True with ``probability``, from ``secure_uniforms``.
+
+    A uniform in (0, 1] on a 2^-53 grid is below ``p`` with probability within 2^-53 of ``p``.
+    Used by the secure Poisson sampler: membership of each sample in a batch comes from the CSPRNG.
+    """
+    if count == 0:
+        return np.zeros(0, dtype=bool)
+    return secure_uniforms(count) < probability
+
+
+def secure_seed(bits: int = 63) -> int:
+    """A non-negative integer of ``bits`` random bits from ``os.urandom`` (a secret seed)."""
+    return int.from_bytes(os.urandom((bits + 7) // 8), "little") & ((1 << bits) - 1)
+
+
 def secure_standard_normals(count: int) -> np.ndarray:
     """``count`` float64 standard normals: Box-Muller on ``secure_uniforms``."""
     pairs = (count + 1) // 2
@@ -177,7 +193,9 @@ __all__ = [
     "gaussian_noise",
     "noise_dtype",
     "secure_gaussian",
+    "secure_bernoulli",
     "secure_gaussian_numpy",
+    "secure_seed",
     "secure_standard_normals",
     "secure_uniforms",
 ]

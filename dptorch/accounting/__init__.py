@@ -7,11 +7,12 @@ Accountants share one interface (``step``, ``get_epsilon``, ``history``, ``state
 * :class:`RDPAccountant` ("rdp"): Rényi DP; a looser but classic upper bound.
 * :class:`GDPAccountant` ("gdp"): central-limit approximation, not a bound; warns.
 
-:func:`get_noise_multiplier` calibrates sigma to an (epsilon, delta) target.
+:func:`get_noise_multiplier` calibrates sigma to an (epsilon, delta) target (with a bound:
+"pld", "prv" or "rdp"; the "gdp" approximation is refused there).
 """
 
 from dptorch.accounting.base import Accountant, DeltaResolutionWarning
-from dptorch.accounting.calibration import get_noise_multiplier, steps_for_epochs
+from dptorch.accounting.calibration import check_calibration_accountant, get_noise_multiplier, steps_for_epochs
 from dptorch.accounting.curve import epsilon_curve
 from dptorch.accounting.factory import (
     ACCOUNTANTS,
@@ -40,6 +41,7 @@ __all__ = [
     "RDPOrderGridWarning",
     "accountant_from_state_dict",
     "check_accountant_name",
+    "check_calibration_accountant",
     "create_accountant",
     "epsilon_curve",
     "get_noise_multiplier",

@@ -5,6 +5,10 @@ physical batches close a logical one through ``optimizer.signal_skip_step(do_ski
 the training process right before each physical batch is handed to the loop, so prefetching
 workers cannot desynchronise signals and batches.
 
+Each logical batch is one Poisson draw: when its first physical batch is handed to the loop, the
+draw and its size are reported to the ``DPDataLoader`` (which tells the privacy plan), so the
+optimizer can check that the physical batches of one step add up to exactly that draw.
+
 Length: at the start of each epoch (or on ``plan_epoch()``) the manager first draws all logical
 index lists of the epoch from the underlying batch sampler (indices only, cheap), then splits
 them. From then on ``len()`` is exact for that epoch, until the next epoch is planned. Before
@@ -75,15 +79,24 @@ class PhysicalBatchLoader:
             **worker_settings(data_loader),
         )
         self._plan: Optional[List[Tuple[List[int], bool]]] = None
+        self._opens: List[Optional[Tuple[Optional[int], int]]] = []  # per physical batch: (draw, size) it opens
         self._plan_is_fresh = False
         self._planned_epoch: Optional[int] = None
 
     def plan_epoch(self) -> int:
         """Draw this epoch's logical batches now (if not already drawn); return the exact len."""
         if not self._plan_is_fresh:
-            self._planned_epoch = getattr(self.logical_loader.batch_sampler, "epoch", None)
-            logical = [list(batch) for batch in self.logical_loader.batch_sampler]
-            self._plan = plan_physical_batches(logical, self.max_physical_batch_size)
+            batch_sampler = self.logical_loader.batch_sampler
+            self._planned_epoch = getattr(batch_sampler, "epoch", None)
+            if hasattr(batch_sampler, "draws"):  # a Poisson sampler: draws are handed out as they are yielded
+                drawn = [(position, list(batch)) for position, batch in batch_sampler.draws()]
+            else:
+                drawn = [(None, list(batch)) for batch in batch_sampler]
+            self._plan = plan_physical_batches([batch for _, batch in drawn], self.max_physical_batch_size)
+            self._opens = []
+            for position, batch in drawn:
+                chunks = len(split_logical_batch(batch, self.max_physical_batch_size))
+                self._opens += [(position, len(batch))] + [None] * (chunks - 1)
             self._plan_is_fresh = True
         return len(self._plan)
 
@@ -113,11 +126,14 @@ class PhysicalBatchLoader:
     def __iter__(self) -> Iterator[Any]:
         self.plan_epoch()
         self._plan_is_fresh = False
-        plan = self._plan
+        plan, opens = self._plan, self._opens
         self._planned.batches = [indices for indices, _ in plan]
+        hand_out = getattr(self.logical_loader, "hand_out", None)
         batches = iter(self._physical_loader)
-        for _, closes_logical in plan:
+        for (_, closes_logical), opened in zip(plan, opens):
             batch = next(batches)
+            if opened is not None and hand_out is not None:
+                hand_out(*opened)  # the first physical batch of a logical one: one Poisson draw
             self.optimizer.signal_skip_step(do_skip=not closes_logical)
             yield batch
 

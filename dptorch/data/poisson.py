@@ -5,19 +5,27 @@ includes each sample independently with probability ``q``. Batch sizes are there
 (Binomial(N, q)) and may be zero. This module provides a batch sampler with that law and a
 ``DataLoader`` built on it whose empty batches keep the structure of normal ones.
 
+Every draw is fresh: the sampler never hands out the same draw twice, whatever the iteration
+pattern (see ``PoissonBatchSampler``), and the loader tells the privacy plan (``dptorch.plan``) of
+each batch it hands to the training loop, so the optimizer can check that one draw feeds one step.
+
 Sampling randomness should stay secret from whoever sees the trained model; seeding it (for
-reproducibility or resumption) is fine as long as the seed is not published.
+reproducibility or resumption) is fine as long as the seed is not published. ``secure=True``
+draws the inclusion bits from the OS CSPRNG.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
+
+from dptorch.noise import secure_bernoulli
 
 _MASK64 = (1 << 64) - 1
 
@@ -42,12 +50,16 @@ _ITERABLE_DATASET_ERROR = (
 )
 
 
-def epoch_seed(seed: int, epoch: int) -> int:
-    """A 64-bit seed for ``epoch`` derived from ``seed`` (SplitMix64 finaliser), deterministic."""
-    z = (seed + (epoch + 1) * 0x9E3779B97F4A7C15) & _MASK64
+def draw_seed(seed: int, position: int) -> int:
+    """The 64-bit seed of draw number ``position`` derived from ``seed`` (SplitMix64 finaliser)."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+#: The earlier name of ``draw_seed`` (the first draw's seed is ``epoch_seed(seed, 0)``).
+epoch_seed = draw_seed
 
 
 def default_steps(sample_rate: float) -> int:
@@ -56,33 +68,41 @@ def default_steps(sample_rate: float) -> int:
 
 
 class PoissonBatchSampler:
-    """Yields ``steps`` batches (lists of indices), each including every index with prob. ``q``.
+    """Yields batches (lists of indices), each including every index independently with prob. ``q``.
 
-    ``len()`` is ``steps`` (default ``round(1/q)``) and exactly that many batches are yielded,
-    some possibly empty. There is deliberately no ``.sampler`` attribute (Accelerate would
-    replace a ``RandomSampler`` found there).
+    ``len()`` is ``steps`` (default ``round(1/q)``): an epoch is ``steps`` consecutive draws, and a
+    pass started at the beginning of an epoch yields exactly that many batches, some possibly
+    empty. There is deliberately no ``.sampler`` attribute (Accelerate would replace a
+    ``RandomSampler`` found there).
 
-    Randomness: with ``seed`` the generator is reseeded from ``(seed, epoch)`` at the start of
-    every epoch, so any epoch can be replayed. With only ``generator`` the stream simply
-    continues across epochs. With neither, a seed is drawn from torch's global RNG (so
-    ``torch.manual_seed`` makes runs reproducible).
+    Every draw is fresh. The sampler keeps one position, the index of its next draw, shared by all
+    its iterators, and never moves it back: a new iterator started before an epoch ends, partial
+    passes and several live iterators all take new draws (a pass ends at the next epoch boundary,
+    so an interrupted epoch is completed, not restarted). Reusing a batch would be a second query
+    of the same sample set that the accountant, which assumes independent Poisson draws, never
+    sees.
 
-    Epochs: ``set_epoch(e)`` is idempotent (a no-op when ``e`` is the current epoch). A pass
-    that yields all its batches advances the epoch by one, so forgetting ``set_epoch`` does not
-    repeat batches; an interrupted pass is not counted and a new pass restarts that epoch (in
-    seed mode, with the same batches).
+    Randomness: draw ``k`` is a function of ``(seed, k)`` (``draw_seed``), so a run resumed from
+    ``state_dict()`` continues with exactly the draws the original would have made. ``seed``
+    defaults to one taken from ``generator`` if given, else from torch's global RNG (so
+    ``torch.manual_seed`` makes runs reproducible). ``secure=True`` takes every inclusion bit from
+    the OS CSPRNG (``dptorch.noise.secure_bernoulli``) instead: nothing can be replayed, not even by
+    whoever knows torch's seed; a resumed secure sampler keeps its position and draws fresh batches.
+
+    Epochs: ``epoch`` is ``position // steps``. ``set_epoch(e)`` moves the position forward to the
+    start of epoch ``e`` (skipped draws are never drawn, which costs no privacy); it never moves it
+    back, so ``set_epoch`` of a past or the current epoch is a no-op and cannot replay batches.
 
     Distributed: rank ``r`` of ``world_size`` draws the full mask and keeps indices
     ``r::world_size``. With the same seed on all ranks the shards are disjoint pieces of one
-    Poisson batch over the whole dataset; with different seeds each index is still included
-    independently with probability ``q``. Either way the global batch is Poisson with rate q.
+    Poisson batch over the whole dataset; with different seeds (or ``secure=True``) each index is
+    still included independently with probability ``q``. Either way the global batch is Poisson
+    with rate q.
 
-    Checkpointing: ``state_dict()`` holds the generator state at the start of the current
-    epoch and the number of batches handed out since; after ``load_state_dict`` the next pass
-    redraws and skips those batches, yielding the remaining ones of that epoch exactly as the
-    original run would. Note that a ``DataLoader`` with workers pulls batches from the sampler
-    ahead of the training loop (prefetching), so mid-epoch states overcount consumed batches;
-    states saved at epoch boundaries (or with ``num_workers=0``) are exact.
+    Checkpointing: ``state_dict()`` holds the seed and the position after the last batch handed to
+    the training loop. A ``DPDataLoader`` reports which batches it handed out, so batches that its
+    workers prefetched but the loop never saw are drawn again after a resume, exactly as the
+    uninterrupted run would have used them.
     """
 
     def __init__(
@@ -95,6 +115,7 @@ class PoissonBatchSampler:
         seed: Optional[int] = None,
         rank: int = 0,
         world_size: int = 1,
+        secure: bool = False,
     ):
         if num_samples <= 0:
             raise ValueError(f"num_samples must be positive, got {num_samples}")
@@ -106,22 +127,37 @@ class PoissonBatchSampler:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if generator is not None and generator.device.type != "cpu":
             raise ValueError("the sampling generator must be a CPU torch.Generator")
-        if seed is None and generator is None:
-            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+        if secure and (seed is not None or generator is not None):
+            raise ValueError(
+                "secure sampling draws every batch from the OS CSPRNG and takes no seed or generator; remove "
+                "them, or use secure=False for a replayable (seeded) sampler"
+            )
+        if not secure and seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64, generator=generator).item())
         self.num_samples = int(num_samples)
         self.sample_rate = float(sample_rate)
         self.steps = default_steps(sample_rate) if steps is None else int(steps)
-        self.seed = None if seed is None else int(seed) & _MASK64
-        self.generator = generator if generator is not None else torch.Generator()
+        self.secure = bool(secure)
+        self.seed = None if secure else int(seed) & _MASK64
+        self.generator = torch.Generator()  # reseeded from (seed, position) for every draw
         self.rank = int(rank)
         self.world_size = int(world_size)
-        self.epoch = 0
-        self._epoch_start_state: Optional[torch.Tensor] = None
-        self._batches_yielded = 0
-        self._pending_skip = 0
+        self._position = 0  # index of the next draw
+        self._handed_out = 0  # position after the last batch handed to the training loop
+        self._sink: Optional[Deque[Tuple[int, int]]] = None
 
     def __len__(self) -> int:
         return self.steps
+
+    @property
+    def position(self) -> int:
+        """Index of the next draw (draws so far, including skipped ones)."""
+        return self._position
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next draw: ``position // steps``."""
+        return self._position // self.steps
 
     @property
     def shard_size(self) -> int:
@@ -134,73 +170,92 @@ class PoissonBatchSampler:
         return self.sample_rate * self.shard_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` at the next pass; a no-op if it is already the current one."""
-        if epoch == self.epoch:
-            return
-        self.epoch = int(epoch)
-        self._epoch_start_state = None
-        self._batches_yielded = 0
-        self._pending_skip = 0
+        """Start the next pass at epoch ``epoch`` if it lies ahead; never goes back (no replay)."""
+        start = int(epoch) * self.steps
+        if start > self._position:
+            self._position = start
+            self._handed_out = max(self._handed_out, start)
+
+    def draw(self) -> Tuple[int, List[int]]:
+        """Take the next draw: ``(its position, the indices of this rank)``."""
+        position = self._position
+        self._position += 1
+        if self.secure:
+            if self.world_size > 1:
+                mask = torch.from_numpy(secure_bernoulli(self.shard_size, self.sample_rate))
+            else:
+                mask = torch.from_numpy(secure_bernoulli(self.num_samples, self.sample_rate))
+        else:
+            self.generator.manual_seed(draw_seed(self.seed, position))
+            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
+            if self.world_size > 1:
+                mask = mask[self.rank :: self.world_size]
+        local = mask.nonzero().flatten()
+        return position, (local * self.world_size + self.rank).tolist()
+
+    def draws(self) -> Iterator[Tuple[int, List[int]]]:
+        """One pass of ``(position, indices)``, up to the next epoch boundary, not marked as handed out.
+
+        The caller reports each batch it hands to the training loop with ``hand_out(position)``.
+        """
+        end: Optional[int] = None
+        while True:
+            if end is None:
+                end = (self._position // self.steps + 1) * self.steps
+            if self._position >= end:
+                return
+            yield self.draw()
+
+    def hand_out(self, position: int) -> None:
+        """Record that the batch drawn at ``position`` reached the training loop (for ``state_dict``)."""
+        self._handed_out = max(self._handed_out, int(position) + 1)
 
     def __iter__(self) -> Iterator[List[int]]:
-        if self._pending_skip == 0 or self._epoch_start_state is None:
-            if self.seed is not None:
-                self.generator.manual_seed(epoch_seed(self.seed, self.epoch))
-            self._epoch_start_state = self.generator.get_state()
-        else:
-            self.generator.set_state(self._epoch_start_state)
-        skip, self._pending_skip = self._pending_skip, 0
-        self._batches_yielded = skip
-        for step in range(self.steps):
-            batch = self._draw_batch()
-            if step < skip:
-                continue
-            self._batches_yielded = step + 1
-            yield batch
-        self.epoch += 1
-        self._epoch_start_state = None
-        self._batches_yielded = 0
+        # A DPDataLoader sets a sink right before building its iterator; the positions and sizes of
+        # the batches go there and are handed out when the loader yields them. Without a sink, the
+        # batch is handed out when this iterator yields it.
+        return self._iterate(self._sink)
 
-    def _draw_batch(self) -> List[int]:
-        mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-        if self.world_size > 1:
-            mask = mask[self.rank :: self.world_size]
-        local = mask.nonzero().flatten()
-        return (local * self.world_size + self.rank).tolist()
+    def _iterate(self, sink: Optional[Deque[Tuple[int, int]]]) -> Iterator[List[int]]:
+        for position, batch in self.draws():
+            if sink is None:
+                self.hand_out(position)
+            else:
+                sink.append((position, len(batch)))
+            yield batch
 
     def state_dict(self) -> Dict[str, Any]:
-        """Plain ints/floats/tensors, loadable with ``torch.load(weights_only=True)``."""
-        start_state = self._epoch_start_state
-        if start_state is None:
-            start_state = (
-                torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch)).get_state()
-                if self.seed is not None
-                else self.generator.get_state()
-            )
+        """Plain ints/floats, loadable with ``torch.load(weights_only=True)``."""
         return {
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
             "rank": self.rank,
             "world_size": self.world_size,
+            "secure": self.secure,
             "seed": -1 if self.seed is None else self.seed,
-            "epoch": self.epoch,
-            "generator_state": start_state.clone(),
-            "batches_yielded": self._batches_yielded,
+            "position": self._handed_out,
+            "epoch": self._handed_out // self.steps,
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Resume: the next pass yields the batches of ``state``'s epoch not yet handed out."""
+        """Resume: the next draw is the first one the saved run had not handed out."""
+        if "position" not in state:
+            raise ValueError(
+                "this sampler state was saved by an older dptorch (it has no 'position'); resume with the version "
+                "that saved it, or start the sampling anew"
+            )
         for key in ("num_samples", "sample_rate", "steps", "rank", "world_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"state has {key}={state[key]}, this sampler has {getattr(self, key)}")
+        if bool(state.get("secure", False)) != self.secure:
+            raise ValueError(
+                f"state was saved by a sampler with secure={bool(state.get('secure', False))}, this one has "
+                f"secure={self.secure}; build the loader with the same secure_mode as the run that saved it"
+            )
         seed = int(state["seed"])
         self.seed = None if seed < 0 else seed
-        self.epoch = int(state["epoch"])
-        self._epoch_start_state = state["generator_state"].clone()
-        self.generator.set_state(self._epoch_start_state)
-        self._batches_yielded = int(state["batches_yielded"])
-        self._pending_skip = self._batches_yielded
+        self._position = self._handed_out = int(state["position"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,9 +365,17 @@ class DPDataLoader(DataLoader):
     possibly empty; empty batches have the structure of normal ones with leading dim 0 (see
     ``EmptyBatchCollate``). ``generator`` and ``seed`` drive the sampler only (worker seeds
     come from torch's global RNG, so iterating the loader does not disturb the sampling
-    stream). With ``distributed=True`` each rank samples its shard ``rank::world_size`` with the
-    same q; the global batch has expected size ``q * len(dataset)``. ``set_epoch``,
-    ``state_dict`` and ``load_state_dict`` delegate to the batch sampler.
+    stream). ``secure_mode=True`` draws the batches from the OS CSPRNG (``secure=True`` of the
+    sampler; no seed, no generator). With ``distributed=True`` each rank samples its shard
+    ``rank::world_size`` with the same q; the global batch has expected size ``q * len(dataset)``.
+    ``set_epoch``, ``state_dict`` and ``load_state_dict`` delegate to the batch sampler.
+
+    Every batch the loader yields is a new draw (new iterators, partial epochs and several live
+    iterators included; see ``PoissonBatchSampler``). When the loader yields a batch it marks the
+    draw as handed out (what ``state_dict`` resumes from) and, once ``PrivacyEngine.make_private``
+    has attached its plan (``privacy_plan``), reports the draw and its size to the plan, which
+    checks at ``optimizer.step()`` that one draw fed the step and that the backward passes saw
+    exactly its samples.
     """
 
     def __init__(
@@ -325,6 +388,7 @@ class DPDataLoader(DataLoader):
         steps: Optional[int] = None,
         seed: Optional[int] = None,
         distributed: bool = False,
+        secure_mode: bool = False,
         **dataloader_kwargs: Any,
     ):
         check_map_style(dataset)
@@ -340,6 +404,7 @@ class DPDataLoader(DataLoader):
             seed=seed,
             rank=rank,
             world_size=world_size,
+            secure=secure_mode,
         )
         super().__init__(
             dataset,
@@ -351,6 +416,32 @@ class DPDataLoader(DataLoader):
         self.world_size = world_size
         self.rank = rank
         self.distributed = distributed
+        self.secure_mode = bool(secure_mode)
+        #: The privacy plan told of every batch handed out (set by ``PrivacyEngine.make_private``).
+        self.privacy_plan: Optional[Any] = None
+
+    @property
+    def steps(self) -> int:
+        """Draws per epoch (``len(self)``)."""
+        return self.batch_sampler.steps
+
+    def __iter__(self) -> "_HandingOutIterator":
+        sizes: Deque[Tuple[int, int]] = deque()
+        self.batch_sampler._sink = sizes
+        try:
+            inner = super().__iter__()  # the batch sampler's iterators are created in here
+        finally:
+            self.batch_sampler._sink = None
+        # Out-of-order workers may yield batches in another order than the sampler drew them.
+        ordered = self.num_workers == 0 or getattr(self, "in_order", True)
+        return _HandingOutIterator(self, inner, sizes, ordered)
+
+    def hand_out(self, position: Optional[int], size: Optional[int]) -> None:
+        """A batch (draw ``position``, ``size`` samples on this rank) reaches the training loop."""
+        if position is not None:
+            self.batch_sampler.hand_out(position)
+        if self.privacy_plan is not None:
+            self.privacy_plan.on_draw(size)
 
     @classmethod
     def from_data_loader(
@@ -360,6 +451,7 @@ class DPDataLoader(DataLoader):
         generator: Optional[torch.Generator] = None,
         distributed: bool = False,
         seed: Optional[int] = None,
+        secure_mode: bool = False,
     ) -> "DPDataLoader":
         """A Poisson loader with q = 1/len(data_loader), keeping dataset, collate and workers.
 
@@ -390,6 +482,7 @@ class DPDataLoader(DataLoader):
             generator=generator,
             seed=seed,
             distributed=distributed,
+            secure_mode=secure_mode,
             **worker_settings(data_loader),
         )
 
@@ -403,11 +496,36 @@ class DPDataLoader(DataLoader):
         self.batch_sampler.load_state_dict(state)
 
 
+class _HandingOutIterator:
+    """The loader's iterator: yields the collated batches, reporting each one as handed out."""
+
+    def __init__(self, loader: DPDataLoader, inner: Iterator[Any], sizes: Deque[Tuple[int, int]], ordered: bool):
+        self._loader = loader
+        self._inner = inner
+        self._sizes = sizes
+        self._ordered = ordered
+
+    def __iter__(self) -> "_HandingOutIterator":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __next__(self) -> Any:
+        batch = next(self._inner)
+        position, size = self._sizes.popleft() if self._sizes else (None, None)
+        if not self._ordered:
+            size = None  # the sizes queue is in draw order, the batches may not be
+        self._loader.hand_out(position, size)
+        return batch
+
+
 __all__ = [
     "DPDataLoader",
     "EmptyBatchCollate",
     "PoissonBatchSampler",
     "default_steps",
+    "draw_seed",
     "empty_batch_like",
     "epoch_seed",
 ]

@@ -3,13 +3,14 @@
 Replays one recorded call of the module under ``vmap(grad(...))``, one sample at a time, with
 the sample's output gradient as the cotangent. Children keep their own weights (only direct
 parameters are differentiated), keyword arguments are replayed, and arguments that do not carry
-the batch (shared masks, broadcast tensors) are passed unbatched. The module's own hooks do not
-run in the replay; its children's do (the controller ignores them while replaying).
+the batch (shared masks, broadcast tensors; the controller's batch tracking says which) are passed
+unbatched. The module's own hooks do not run in the replay; its children's do (the controller
+ignores them while replaying).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,33 +30,39 @@ def functorch_per_sample_grads(
     grad_outputs: Sequence[torch.Tensor],
     *,
     batch_size: int,
-    batch_dim: int = 0,
+    tensor_dims: Sequence[Optional[int]],
+    output_dims: Sequence[Optional[int]],
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample gradients (batch first) of ``params`` for one recorded call of ``module``.
 
-    ``call_leaves``/``call_spec`` are the pytree-flattened ``(args, kwargs)`` of the call;
-    ``output_positions`` index the output's flattened leaves that ``grad_outputs`` belong to.
+    ``call_leaves``/``call_spec`` are the pytree-flattened ``(args, kwargs)`` of the call; its
+    tensor leaves carry the batch along ``tensor_dims`` (None: shared by the samples).
+    ``output_positions`` index the output's flattened leaves that ``grad_outputs`` belong to; each
+    gradient has the batch first, and its output carries the batch along ``output_dims`` (None:
+    an output shared by the samples, whose per-sample gradient has the output's full shape).
     """
     if batch_size == 0:
         return {p: p.new_zeros((0, *p.shape)) for p in params.values()}
     names = list(params)
     tensor_positions = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [call_leaves[i] for i in tensor_positions]
-    batched = [t.dim() > batch_dim and t.shape[batch_dim] == batch_size for t in tensors]
-    tensor_dims = tuple(batch_dim if b else None for b in batched)
+    tensor_dims = tuple(tensor_dims)
 
     def sample_loss(param_values, sample_tensors, sample_grads):
         leaves = list(call_leaves)
-        for pos, t, is_batched in zip(tensor_positions, sample_tensors, batched):
-            leaves[pos] = t.unsqueeze(batch_dim) if is_batched else t
+        for pos, t, dim in zip(tensor_positions, sample_tensors, tensor_dims):
+            leaves[pos] = t if dim is None else t.unsqueeze(dim)
         args, kwargs = tree_unflatten(leaves, call_spec)
         # module.forward, not module(): the module's own forward hooks ran before the capture point
         # (or after it) in the real call, and must not run twice here.
         with _reparametrize_module(module, dict(zip(names, param_values))):
             out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
-        return sum((out_leaves[pos] * g.unsqueeze(batch_dim)).sum() for pos, g in zip(output_positions, sample_grads))
+        return sum(
+            (out_leaves[pos] * (g if dim is None else g.unsqueeze(dim))).sum()
+            for pos, g, dim in zip(output_positions, sample_grads, output_dims)
+        )
 
-    per_sample = vmap(grad(sample_loss), in_dims=(None, tensor_dims, batch_dim))
+    per_sample = vmap(grad(sample_loss), in_dims=(None, tensor_dims, 0))
     values = tuple(p.detach() for p in params.values())
     try:
         grads = per_sample(values, tuple(tensors), tuple(grad_outputs))

@@ -5,6 +5,8 @@ Its squared norm is ``sum_{t,t'} (a_it . a_it')(b_it . b_it')`` (the "ghost" for
 ``B T^2 (d + p)``) or, instantiated, ``||einsum(b, a)||^2`` (cost ``B T d p``); each call picks
 the cheaper ("mixed ghost clipping"). The clipped sum ``sum_i c_i G_i`` is the ordinary weight
 gradient with each sample's ``b`` scaled by ``c_i`` (book-keeping: no second backward pass).
+Norms and clipped sums are computed in float32 at least: bf16 activations and output gradients
+are upcast, so the clip factors are never rounded to bf16 and nothing is accumulated in it.
 
 A norm sampler is ``(module, activations, backprops) -> {param: squared norm per sample}``;
 its clipped-sum partner takes backprops already scaled per sample and returns batch gradients.
@@ -19,6 +21,7 @@ from torch import nn
 
 from dataclasses import dataclass
 
+from dptorch.grad_sample.layers.embedding import RenormedEmbedding
 from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 from dptorch.grad_sample.layers.linear import flatten_middle_dims
 from dptorch.grad_sample.registry import register_norm_sampler
@@ -111,9 +114,14 @@ def squared_norms(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:
-    """``sum_i sum_t b_it a_it^T`` as ``(out, in)``: one matmul over all tokens of the batch."""
-    a = inputs.reshape(-1, inputs.shape[-1])
-    b = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).to(a.dtype)
+    """``sum_i sum_t b_it a_it^T`` as ``(out, in)``: one matmul over all tokens of the batch.
+
+    Both factors are upcast to float32 at least (bf16 activations included): the scaled backprops
+    carry the clip factors, which a bf16 matmul would round (up as often as down).
+    """
+    dtype = torch.promote_types(torch.promote_types(inputs.dtype, scaled_backprops.dtype), torch.float32)
+    a = inputs.reshape(-1, inputs.shape[-1]).to(dtype)
+    b = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).to(dtype)
     return b.t() @ a
 
 
@@ -132,8 +140,12 @@ def _linear_sums(weight, bias, inputs, scaled_backprops, in_by_out=False) -> Dic
         w = linear_weight_sum(inputs, scaled_backprops)
         sums[weight] = (w.t() if in_by_out else w).float()
     if _trainable(bias):
-        sums[bias] = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).float().sum(0)
+        sums[bias] = _at_least_float32(scaled_backprops).reshape(-1, scaled_backprops.shape[-1]).sum(0).float()
     return sums
+
+
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _linear_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
@@ -161,15 +173,15 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     if not weight.requires_grad:
         return {}
     ids = activations[0].reshape(-1)
-    values = scaled_backprops.reshape(ids.shape[0], -1).float()
+    values = _at_least_float32(scaled_backprops.reshape(ids.shape[0], -1))
     summed = values.new_zeros(weight.shape).index_add_(0, ids, values)
     if module.padding_idx is not None:
         summed[module.padding_idx] = 0
-    return {weight: summed}
+    return {weight: summed.float()}
 
 
-def _plain_embedding(module: nn.Module) -> bool:
-    return isinstance(module, nn.Embedding) and not module.scale_grad_by_freq
+def _not_scaled_by_frequency(module: nn.Module) -> bool:
+    return not module.scale_grad_by_freq
 
 
 def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
@@ -191,7 +203,10 @@ def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, p
     return b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
 
 
-@register_norm_sampler(predicate=_plain_embedding, clipped_sum=_embedding_clipped_sum, token_wise=True, linear_form=_embedding_form)
+@register_norm_sampler(
+    nn.Embedding, RenormedEmbedding, predicate=_not_scaled_by_frequency, clipped_sum=_embedding_clipped_sum, token_wise=True,
+    linear_form=_embedding_form,
+)
 def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
     """``nn.Embedding``: sums over the rows each sample touches (neither ghost nor instantiated)."""
     weight = module.weight

@@ -29,6 +29,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample import expanded_weights
+from dptorch.grad_sample.batch_tracking import PACKED as _PACKED, WEAK, BatchTracker, CallBatch, OriginCall, classify, origin_grads
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
@@ -40,6 +41,11 @@ GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost", "ew")
 LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, GradSampleHooks]" = weakref.WeakKeyDictionary()
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
+# HF keywords whose tensors have the batch first whenever they have n rows there
+_PER_SAMPLE_KEYS = frozenset(_BATCH_KEYS + (
+    "attention_mask", "token_type_ids", "position_ids", "labels", "decoder_input_ids", "decoder_attention_mask",
+    "decoder_inputs_embeds", "pixel_mask", "bool_masked_pos", "encoder_hidden_states", "encoder_attention_mask",
+))
 
 
 @dataclass
@@ -123,6 +129,9 @@ class GradSampleHooks:
         self._batch_size: Optional[int] = None
         self.last_batch_size: Optional[int] = None
         self._replaying = False
+        self._tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
+        self._root_depth = 0
+        self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
         self._in_backward = False
         self._round_done = False
         self._round_consumed = False
@@ -285,15 +294,51 @@ class GradSampleHooks:
 
     def _on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is self.module and not self._replaying:
+            self._root_depth += 1
+            if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
+                return
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
             self.last_batch_size = self._batch_size
+            if module.training and torch.is_grad_enabled() and self._batch_size is not None:
+                self._tracker = self._start_tracking(args, kwargs, self._batch_size)
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
 
+    def _start_tracking(self, args: tuple, kwargs: dict, n: int) -> BatchTracker:
+        """Tag the root call's batched inputs and follow the batch through the forward.
+
+        The primary input (what the batch size came from) and HF's per-sample keywords carry the
+        batch along ``batch_dim`` for certain; any other argument with ``n`` rows there is taken as
+        batched too, but gives way where it contradicts them (a ``(T, T)`` mask when ``T == n``).
+        """
+        tracker = BatchTracker(n, skip=lambda: self._suspended, quiet=self._capture_suspended)
+        dim = self._batch_dim
+        primary = _primary_input(args, kwargs, dim)
+        named = [(None, a) for a in args] + list(kwargs.items())
+        for name, value in named:
+            strong = value is primary or (dim == 0 and name in _PER_SAMPLE_KEYS)
+            for leaf in tree_flatten(value)[0] if not isinstance(value, PackedSequence) else [value]:
+                if isinstance(leaf, PackedSequence):
+                    tracker.put(leaf.data, _PACKED)
+                elif isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == n:
+                    tracker.tag_root(leaf, dim, strong or leaf is primary)
+        tracker.__enter__()
+        return tracker
+
+    def _stop_tracking(self) -> None:
+        tracker, self._tracker = self._tracker, None
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            tracker.close()
+
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if module is not self.module or self._replaying:
             return None
+        self._root_depth = max(self._root_depth - 1, 0)
+        if self._root_depth:
+            return None
+        self._stop_tracking()
         self._batch_size = None
         if self._expanded is None:
             return None
@@ -325,13 +370,21 @@ class GradSampleHooks:
         if self._expanded is None or not any(p.requires_grad for p in self._layers[module].params.values()):
             return
         rows = _infer_batch_size(args, kwargs, self._batch_dim)
+        tensors = _tensor_arguments(module, args, kwargs)
+        if self._tracker is not None and tensors:
+            kind, dims, _ = classify([self._tracker.get(t) for t in tensors], self._tracker.n)
+            ok = kind == "single" or (kind == "batched" and dims[0] == 0)
+            rows = self.last_batch_size if ok else tensors[0].shape[0] if tensors[0].dim() else 1
+            if not ok and rows == self.last_batch_size:
+                rows = f"inputs that do not derive from the batch, or not along dim 0 ({tuple(tensors[0].shape)}), with {rows}"
         if rows is not None and rows != self.last_batch_size:
             layer = self._layers[module]
             raise PerSampleGradientError(
                 f"{layer.name} ({type(module).__name__}) is called with {rows} rows but the batch has "
                 f"{self.last_batch_size}: expanded weights need one row per sample in every call (a broadcast "
-                "input such as GPT-2's default position_ids of shape (1, T) is one). Pass per-row inputs, or use "
-                "grad_sample_mode='hooks', which handles broadcast inputs."
+                "input such as GPT-2's default position_ids of shape (1, T), or T5's relative position buckets of "
+                "shape (T, T), is not). Pass per-row inputs, or use grad_sample_mode='hooks', which handles "
+                "broadcast inputs."
             )
 
     def _capturing(self, module: nn.Module) -> bool:
@@ -579,15 +632,21 @@ def _name_list(names: List[str], shown: int = 5) -> str:
     return ", ".join(names[:shown]) + more
 
 
-def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:
-    """The batch size of a root call: its first positional tensor, else a well-known keyword."""
+def _primary_input(args: tuple, kwargs: dict, batch_dim: int) -> Any:
+    """The input a root call's batch size comes from: its first positional tensor, else a well-known keyword."""
     candidates = list(args) + [kwargs[k] for k in _BATCH_KEYS if k in kwargs] + list(kwargs.values())
     for value in candidates:
-        if isinstance(value, PackedSequence):
-            return int(value.batch_sizes[0]) if len(value.batch_sizes) else 0
-        if isinstance(value, torch.Tensor) and value.dim() > batch_dim:
-            return value.shape[batch_dim]
+        if isinstance(value, PackedSequence) or (isinstance(value, torch.Tensor) and value.dim() > batch_dim):
+            return value
     return None
+
+
+def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:
+    """The batch size of a root call (see ``_primary_input``)."""
+    value = _primary_input(args, kwargs, batch_dim)
+    if isinstance(value, PackedSequence):
+        return int(value.batch_sizes[0]) if len(value.batch_sizes) else 0
+    return None if value is None else value.shape[batch_dim]
 
 
 def _tensor_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[torch.Tensor, ...]:

@@ -3,22 +3,28 @@
 Every strategy answers the same two questions (the seam of the design): each parameter's
 per-sample gradient norms, and ``sum_i c_i g_i`` for given clip factors ``c``.
 
-- ``Instantiate`` (modes "hooks", "functorch"): per-sample gradients are built in backward.
-- ``BookKeeping`` (mode "bk"): keeps each call's activations and output gradients, computes
-  norms from them (ghost or instantiated, per layer) and the clipped sums directly: one backward.
-- ``BookKeeping(second_pass=...)`` (mode "ghost"): the same norms, the clipped sums from a second
-  backward pass of the per-sample loss reweighted by the clip factors (Opacus' ghost clipping).
+- ``Instantiate`` (modes "hooks", "functorch", "ew"): per-sample gradients are built in backward.
+- ``BookKeeping`` (modes "bk" and "ghost"): keeps each call's activations and output gradients,
+  computes norms from them (ghost or instantiated, per layer) and the clipped sums directly, as
+  the batch gradient with each sample's output gradient scaled by its clip factor: one backward.
 
 Layers without a norm sampler, and parameters used by several calls (tied weights), are
-instantiated inside the book-keeping strategies too: the norm of a shared parameter is the norm
-of the sum of its uses.
+instantiated inside ``BookKeeping`` too: the norm of a shared parameter is the norm of the sum of
+its uses.
+
+Arithmetic: norms and clipped sums are formed in float32 at least, whatever the parameters' dtype
+(bf16 activations and output gradients are upcast; the clip factors stay float32), and with
+float32 matmuls at full precision (``float32_matmuls_at_full_precision``: no TF32 or bf16 passes,
+whatever the user's global setting), so that a sample's clipped contribution is ``c_i g_i`` to
+float32 rounding, which the clip factor's margin covers (``dptorch.optim.clipping``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -85,26 +91,34 @@ class Instantiate:
         return set(self.grads)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
-        return {p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for p, g in self.grads.items()}
+        with torch.no_grad():
+            return {p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for p, g in self.grads.items()}
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
-        return {p: torch.einsum("i,i...->...", c, self.grads[p].float()) for p, c in factors.items() if p in self.grads}
+        with torch.no_grad(), float32_matmuls_at_full_precision():
+            return {
+                p: torch.einsum("i,i...->...", c.float(), self.grads[p].float())
+                for p, c in factors.items() if p in self.grads
+            }
 
     def batch_size(self) -> int:
         return next((g.shape[0] for g in self.grads.values()), 0)
 
 
 class BookKeeping:
-    """Norms from kept (activations, backprops); clipped sums from them or from a second pass."""
+    """Norms and clipped sums from each call's kept (activations, backprops): one backward pass.
 
-    def __init__(self, name_of: NameOf, second_pass: Optional[Callable[[], ContextManager]] = None) -> None:
+    The clipped sum of a layer is its ordinary batch gradient with sample ``i``'s output gradient
+    scaled by ``c_i`` (``NormSampler.clipped_sum``); modes "bk" and "ghost" both use it.
+    """
+
+    def __init__(self, name_of: NameOf, second_pass: object = None) -> None:
+        # ``second_pass`` is accepted and ignored until the controller stops passing it: "ghost"
+        # no longer takes a second backward pass.
         self.name_of = name_of
         self.dense = Instantiate(name_of)
         self.calls: List[LayerCall] = []
-        self.second_pass = second_pass  # a context that suspends capture; None for book-keeping
-        self.per_sample_loss: Optional[torch.Tensor] = None
         self._norms: Optional[Dict[nn.Parameter, torch.Tensor]] = None
-        self._row_units: Optional[torch.Tensor] = None
         self._shared: set = set()
 
     @property
@@ -142,8 +156,6 @@ class BookKeeping:
         self.calls = kept
         self._shared = factored
         self.dense.finish_round(unit_ids)
-        if unit_ids is not None and self.second_pass is not None:
-            self._row_units = unit_index(unit_ids, len(unit_ids))
         self._norms = None
 
     def _factored_shared_params(self, uses: Counter, unit_ids: Optional[torch.Tensor]) -> set:
@@ -161,60 +173,89 @@ class BookKeeping:
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         if self._norms is None:
-            norms = self.dense.per_sample_norms()
-            forms: Dict[nn.Parameter, list] = {}
-            for call in self.calls:
-                own = [p for p in call.params.values() if p not in self._shared]
-                if own:
-                    squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
-                    for param in own:
-                        norms[param] = squared[param].clamp(min=0).sqrt() * call.scale
-                if len(own) < len(call.params):
-                    for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
-                        if param in self._shared:
-                            forms.setdefault(param, []).append((call.scale, form))
-            for param, uses in forms.items():
-                norms[param] = shared_norm(uses)
-            self._norms = norms
+            with torch.no_grad(), float32_matmuls_at_full_precision():
+                self._norms = self._compute_norms()
         return self._norms
+
+    def _compute_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
+        norms = self.dense.per_sample_norms()
+        forms: Dict[nn.Parameter, list] = {}
+        for call in self.calls:
+            own = [p for p in call.params.values() if p not in self._shared]
+            if own:
+                squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
+                for param in own:
+                    norms[param] = squared[param].float().clamp(min=0).sqrt() * call.scale
+            if len(own) < len(call.params):
+                for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
+                    if param in self._shared:
+                        forms.setdefault(param, []).append((call.scale, form))
+        for param, uses in forms.items():
+            norms[param] = shared_norm(uses)
+        return norms
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         sums = self.dense.clipped_sums(factors)
-        if self.second_pass is not None:
-            sums.update(self._second_pass_sums(factors))
-            return sums
-        for call in self.calls:
-            for factor, params in _group_by_factor(call.params.values(), factors):
-                scale = (factor * call.scale).to(call.backprops.dtype).view(-1, *([1] * (call.backprops.dim() - 1)))
-                computed = call.norm_sampler.clipped_sum(call.module, call.activations, call.backprops * scale)
-                for param in params:
-                    sums[param] = computed[param] + sums[param] if param in sums else computed[param]
+        with torch.no_grad(), float32_matmuls_at_full_precision():
+            for call in self.calls:
+                backprops = at_least_float32(call.backprops)
+                for factor, params in _group_by_factor(call.params.values(), factors):
+                    # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
+                    scale = (factor.to(backprops.dtype) * call.scale).view(-1, *([1] * (backprops.dim() - 1)))
+                    computed = call.norm_sampler.clipped_sum(call.module, call.activations, backprops * scale)
+                    for param in params:
+                        summed = computed[param].float()
+                        sums[param] = summed + sums[param] if param in sums else summed
         return sums
-
-    def _second_pass_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
-        params = list(dict.fromkeys(p for call in self.calls for p in call.params.values() if p in factors))
-        if not params:
-            return {}
-        if self.per_sample_loss is None:
-            raise PerSampleGradientError(
-                "grad_sample_mode='ghost' computes the clipped gradient in a second backward pass of the per-sample "
-                "loss: wrap the criterion with dptorch.DPLoss (loss = criterion(output, target); loss.backward()), or "
-                "use grad_sample_mode='bk', which needs no wrapper"
-            )
-        factor = factors[params[0]]
-        if any(factors[p] is not factor for p in params):
-            raise ValueError("grad_sample_mode='ghost' supports flat clipping only; use 'bk' or 'hooks' for per-layer clipping")
-        if self._row_units is not None:
-            factor = factor[self._row_units.to(factor.device)]  # one factor per unit, applied to its rows
-        with self.second_pass(), torch.enable_grad():
-            reweighted = (factor.to(self.per_sample_loss.dtype) * self.per_sample_loss).sum()
-            grads = torch.autograd.grad(reweighted, params, allow_unused=True)
-        return {p: (torch.zeros_like(p, dtype=torch.float32) if g is None else g.float()) for p, g in zip(params, grads)}
 
     def batch_size(self) -> int:
         if self.calls:
             return self.calls[0].backprops.shape[0]
         return self.dense.batch_size()
+
+
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32, or in its own dtype if that is wider (float64); integer tensors unchanged."""
+    if not t.is_floating_point():
+        return t
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+@contextlib.contextmanager
+def float32_matmuls_at_full_precision() -> Iterator[None]:
+    """Float32 matmuls in full float32 inside the block, whatever the user's TF32/bf16 setting.
+
+    ``torch.backends.cuda.matmul.allow_tf32`` (the HF Trainer's ``tf32=True``) or
+    ``torch.set_float32_matmul_precision("high"/"medium")`` let float32 matmuls round their inputs
+    to 10 or 8 mantissa bits: a clipped contribution could then exceed ``C`` by about 0.1 %. The
+    user's setting is restored on exit, through the same API (torch >= 2.9 forbids mixing the
+    legacy and the per-backend API); nothing is touched when it already is full precision.
+    """
+    matmul_backends = [getattr(torch.backends, name).matmul for name in ("cuda", "mkldnn")]
+    if all(hasattr(b, "fp32_precision") for b in matmul_backends):  # torch >= 2.9
+        generic = torch.backends.fp32_precision
+        before = [b.fp32_precision for b in matmul_backends]
+        effective = [generic if value == "none" else value for value in before]
+        if all(value in ("ieee", "none") for value in effective):
+            yield
+            return
+        try:
+            for backend in matmul_backends:
+                backend.fp32_precision = "ieee"
+            yield
+        finally:
+            for backend, value in zip(matmul_backends, before):
+                backend.fp32_precision = value
+        return
+    before_precision = torch.get_float32_matmul_precision()
+    if before_precision == "highest":
+        yield
+        return
+    try:
+        torch.set_float32_matmul_precision("highest")
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before_precision)
 
 
 def _factors_cheaper(call: LayerCall) -> bool:

@@ -95,3 +95,22 @@ def _multihead_attention(module: nn.Module) -> Optional[str]:
             "dptorch.layers.DPMultiheadAttention (ModuleValidator.fix does it)"
         )
     return None
+
+
+@register_module_check(nn.Embedding, nn.EmbeddingBag)
+def _renormalising_lookup(module: nn.Module) -> Optional[str]:
+    if module.max_norm is None:
+        return None
+    leak = (
+        f"max_norm={module.max_norm} renormalises, in place during forward, the rows that the batch looks up, so the "
+        "weights record which indices (tokens) the private data held; "
+    )
+    if type(module) in (nn.Embedding, nn.EmbeddingBag):
+        return leak + (
+            "model = dptorch.ModuleValidator.fix(model) renormalises every row before each lookup instead (the same "
+            "rows and gradients, independent of the data), then build the optimizer from the fixed model"
+        )
+    return leak + (
+        "set max_norm=None and renormalise every row before each lookup in its forward "
+        "(dptorch.grad_sample.layers.embedding.renormalise_every_row(self.weight, max_norm, self.norm_type))"
+    )

@@ -5,6 +5,11 @@ turns them into clip factors and adds the clipped sum to its accumulator. Any nu
 passes may precede a step (virtual steps, gradient accumulation): ``step()`` adds Gaussian noise
 of std ``noise_multiplier * C`` exactly once per logical step, divides by the expected logical
 batch size when ``loss_reduction="mean"``, writes ``p.grad`` and calls the inner optimizer.
+
+The noise multiplier, clipping bound and expected batch size are read from a
+:class:`~dptorch.plan.PrivacyPlan` (built from the keyword arguments when none is given), and each
+logical step is reported to it: the plan checks the step against the Poisson draws the DP data
+loader handed out, then accounts it.
 """
 
 from __future__ import annotations
@@ -18,13 +23,8 @@ from torch import nn
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator
-from dptorch.optim.clipping import (
-    CLIPPING_MODES,
-    clip_factors,
-    flat_norms,
-    per_layer_thresholds,
-    total_norm_bound,
-)
+from dptorch.optim.clipping import clip_factors, flat_norms, per_layer_thresholds
+from dptorch.plan import PrivacyPlan, check_clipping
 
 StepHook = Callable[["DPOptimizer"], None]
 
@@ -42,34 +42,42 @@ class DPOptimizer(torch.optim.Optimizer):
         optimizer: torch.optim.Optimizer,
         *,
         hooks: GradSampleHooks,
-        noise_multiplier: float,
-        max_grad_norm: Union[float, Sequence[float]],
-        expected_batch_size: Optional[float],
+        noise_multiplier: Optional[float] = None,
+        max_grad_norm: Optional[Union[float, Sequence[float]]] = None,
+        expected_batch_size: Optional[float] = None,
         loss_reduction: str = "mean",
-        clipping: str = "flat",
+        clipping: Optional[str] = None,
         noise_generator: Optional[Any] = None,
         secure_mode: bool = False,
+        plan: Optional[PrivacyPlan] = None,
     ) -> None:
-        if clipping not in CLIPPING_MODES:
-            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
-        if noise_multiplier < 0:
-            raise ValueError(f"noise_multiplier must be >= 0, got {noise_multiplier}")
-        if loss_reduction == "mean" and not expected_batch_size:
+        if plan is None:
+            if noise_multiplier is None or max_grad_norm is None:
+                raise TypeError("DPOptimizer needs noise_multiplier and max_grad_norm (or plan=PrivacyPlan(...))")
+            plan = PrivacyPlan(
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping or "flat",
+                expected_batch_size=expected_batch_size, accountant=None, sampling=None, secure_mode=secure_mode,
+            )
+        else:
+            given = [name for name, value in (("noise_multiplier", noise_multiplier), ("max_grad_norm", max_grad_norm),
+                     ("expected_batch_size", expected_batch_size), ("clipping", clipping)) if value is not None]
+            if given:
+                raise TypeError(f"give either plan= or {', '.join(given)}: the plan already holds them")
+            if plan.max_grad_norm is None:
+                raise ValueError("the plan has no max_grad_norm: the optimizer needs the clipping bound")
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        check_clipping(plan.clipping, plan.max_grad_norm, params, [hooks.parameter_name(p) for p in params])
+        if loss_reduction == "mean" and not plan.expected_batch_size:
             raise ValueError("loss_reduction='mean' needs the expected logical batch size (expected_batch_size > 0)")
-        if clipping == "flat" and not isinstance(max_grad_norm, (int, float)):
-            raise ValueError("flat clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
-        if isinstance(max_grad_norm, (int, float)) and max_grad_norm <= 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         # Not Optimizer.__init__: parameter groups and state belong to the inner optimizer.
         self.original_optimizer = optimizer
         self.hooks = hooks
-        self.noise_multiplier = float(noise_multiplier)
-        self.max_grad_norm = max_grad_norm
-        self.expected_batch_size = expected_batch_size
+        #: The privacy plan: noise multiplier, clipping bound, expected batch size, and the accountant
+        #: this optimizer reports every logical step to.
+        self.plan = plan
         self.loss_reduction = loss_reduction
-        self.clipping = clipping
-        self.secure_mode = secure_mode
-        self.noise_generator = noise_generator or (SecureNoiseGenerator() if secure_mode else NoiseGenerator())
+        self.secure_mode = secure_mode or plan.secure_mode
+        self.noise_generator = noise_generator or (SecureNoiseGenerator() if self.secure_mode else NoiseGenerator())
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}
         self._skip_next = False
         self._last_step_skipped = False
@@ -110,6 +118,29 @@ class DPOptimizer(torch.optim.Optimizer):
     def defaults(self, value: Dict[str, Any]) -> None:
         self.original_optimizer.defaults = value
 
+    # ------------------------------------------------------------------ the plan's numbers
+
+    @property
+    def noise_multiplier(self) -> float:
+        """The plan's noise multiplier; setting it changes the plan (the accountant records each step's)."""
+        return self.plan.noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self.plan.noise_multiplier = value
+
+    @property
+    def max_grad_norm(self) -> Union[float, Sequence[float]]:
+        return self.plan.max_grad_norm
+
+    @property
+    def clipping(self) -> str:
+        return self.plan.clipping
+
+    @property
+    def expected_batch_size(self) -> Optional[float]:
+        return self.plan.expected_batch_size
+
     def __repr__(self) -> str:
         return f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, clipping={self.clipping!r}, optimizer={self.original_optimizer!r})"
 
@@ -123,7 +154,7 @@ class DPOptimizer(torch.optim.Optimizer):
     @property
     def noise_std(self) -> float:
         """Standard deviation of the Gaussian noise added to the clipped sum at each step."""
-        return self.noise_multiplier * total_norm_bound(self.clipping, self.max_grad_norm)
+        return self.plan.noise_std
 
     def _clip_and_accumulate(self, hooks: GradSampleHooks) -> None:
         if hooks.uncaptured:
@@ -136,6 +167,8 @@ class DPOptimizer(torch.optim.Optimizer):
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if not norms:
             return
+        # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
+        self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
         if self.clipping == "flat":
             factor = clip_factors(flat_norms(norms), float(self.max_grad_norm))
             factors = {p: factor for p in norms}
@@ -155,7 +188,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._skip_next = do_skip
 
     def attach_step_hook(self, hook: StepHook) -> None:
-        """Call ``hook(self)`` after the noise is added at every logical step (the accountant)."""
+        """Call ``hook(self)`` after the noise is added and the plan accounted the step."""
         self._step_hooks.append(hook)
 
     def add_noise(self) -> None:
@@ -181,13 +214,21 @@ class DPOptimizer(torch.optim.Optimizer):
             param.grad = grad.view_as(param).to(param.dtype)
 
     def pre_step(self) -> bool:
-        """Privatise the accumulated gradient; False when this step is a skipped virtual step."""
+        """Privatise the accumulated gradient; False when this step is a skipped virtual step.
+
+        Before anything changes, the plan checks that the held gradients come from at most one
+        Poisson draw of the DP data loader and saw exactly its samples (``SamplingMismatchError``
+        otherwise); then the noise is added and the plan accounts the step (one per draw handed out
+        since the last step, at least one).
+        """
         if self._skip_next:
             self._skip_next = False
             self._last_step_skipped = True
             self.hooks.clear()
             return False
+        count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
         self.add_noise()
+        self.plan.record_steps(count)
         for hook in self._step_hooks:
             hook(self)
         self._summed = {}
@@ -211,6 +252,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.hooks.clear()
         if not self._last_step_skipped:
             self._summed = {}
+            self.plan.on_discard()
 
     def detach(self) -> None:
         """Stop listening to the controller."""

@@ -6,7 +6,7 @@ subclasses) with ``register_module_fixer``. It receives a module of the deep cop
 ``requires_grad`` flags must carry over. Its keyword-only arguments are the options users may
 pass to ``fix``. Built-in fixers: BatchNorm to GroupNorm (or InstanceNorm), InstanceNorm without
 running statistics, torch's RNN/GRU/LSTM to the DP layers, MultiheadAttention to
-DPMultiheadAttention.
+DPMultiheadAttention, Embedding/EmbeddingBag with ``max_norm`` to ones that renormalise every row.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, Optional, Set, Type
 import torch
 from torch import nn
 
+from dptorch.grad_sample.layers.embedding import renormalising_every_row
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 
 ModuleFixer = Callable[..., nn.Module]
@@ -120,6 +121,14 @@ def replace_batch_norm(module: nn.modules.batchnorm._BatchNorm, *, batchnorm: st
     _copy_parameter(module.weight, fixed.weight)
     _copy_parameter(module.bias, fixed.bias)
     return fixed.train(module.training)
+
+
+@register_module_fixer(nn.Embedding, nn.EmbeddingBag)
+def renormalise_every_row(module: nn.Module) -> nn.Module:
+    """Embedding/EmbeddingBag with ``max_norm`` to RenormedEmbedding/RenormedEmbeddingBag, which
+    renormalise every row before each lookup, not only the looked-up ones (same parameter object).
+    A subclass is left as it is (it stays reported): swapping its class would lose its forward."""
+    return renormalising_every_row(module)
 
 
 @register_module_fixer(nn.modules.instancenorm._InstanceNorm)

@@ -88,7 +88,7 @@ def test_len_is_estimate_before_and_exact_once_iteration_starts():
             assert len(phys) == exact  # stays exact for the finished epoch
 
 
-def test_plan_epoch_gives_exact_len_before_iterating_and_respects_set_epoch():
+def test_plan_epoch_gives_exact_len_before_iterating_and_never_replays_an_epoch():
     loader = DPDataLoader(index_dataset(80), sample_rate=0.1, seed=2)
     optimizer = RecordingOptimizer()
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as phys:
@@ -99,10 +99,15 @@ def test_plan_epoch_gives_exact_len_before_iterating_and_respects_set_epoch():
         assert planned == len(phys) == sum(1 for _ in phys)
         phys.set_epoch(1)
         first_pass_of_1 = [b[0].tolist() for b in phys]
-        phys.set_epoch(1)  # replay epoch 1 from the seed
+        phys.set_epoch(1)  # a past epoch is never replayed (a reused batch would go unaccounted)
         phys.set_epoch(2)
         phys.set_epoch(1)
-        assert [b[0].tolist() for b in phys] == first_pass_of_1
+        second = [b[0].tolist() for b in phys]
+    assert second != first_pass_of_1
+    replay = DPDataLoader(index_dataset(80), sample_rate=0.1, seed=2)
+    replay.set_epoch(2)  # the same seed gives the same epoch 2: a resumed run stays exact
+    with BatchMemoryManager(data_loader=replay, max_physical_batch_size=2, optimizer=RecordingOptimizer()) as phys:
+        assert [b[0].tolist() for b in phys] == second
 
 
 def test_signals_stay_aligned_with_prefetching_workers():

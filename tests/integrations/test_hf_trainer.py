@@ -16,6 +16,7 @@ from dptorch.integrations.hf import (  # noqa: E402
     PRIVACY_STATE_NAME,
     DataCollatorForPrivateCausalLanguageModeling,
     DPTrainer,
+    PoissonMicroBatchSampler,
     PrivacyArguments,
     PrivacyBudget,
     causal_lm_per_sample_loss,
@@ -153,9 +154,10 @@ def test_empty_poisson_batches_skip_the_model_but_still_add_noise_and_count(tmp_
     trainer.data_collator = spy
     before = trainable_copy(trainer.model)
     trainer.train()
-    sampler = trainer._dp_sampler
     assert len(trainer.get_train_dataloader()) == 2 * trainer.sampling_plan.steps_per_epoch  # GA micro-batches per step
-    sampler.set_epoch(0)
+    plan = trainer.sampling_plan  # replay the run's draws: a new sampler with its seed (the trainer's never repeats)
+    sampler = PoissonMicroBatchSampler(trainer.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch,
+                                       micro_batches=plan.micro_batches, seed=5)
     drawn = [len(rows) for rows in sampler][:12]
     assert 0 in drawn  # this seed leaves micro-batches empty...
     assert 0 not in spy.sizes and spy.sizes[: 12 - drawn.count(0)] == [n for n in drawn if n]  # ...never collated

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptorch.grad_sample.layers.linear import common_dtype
+from dptorch.grad_sample.layers.linear import common_dtype, non_centred
 from dptorch.grad_sample.registry import register_grad_sampler
 
 
@@ -62,7 +62,18 @@ def unfold_patches(
     return unfold_strided(inputs, kernel_size, dilation, stride)
 
 
-@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+def conv_probe(module: nn.modules.conv._ConvNd, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """Two samples whose spatial size gives every kernel position at least two outputs."""
+    sizes = [
+        dilation * (kernel - 1) + 1 + stride + 2 * pad
+        for kernel, dilation, stride, pad in zip(
+            module.kernel_size, module.dilation, module.stride, module._reversed_padding_repeated_twice[::2][::-1]
+        )
+    ]
+    return (non_centred(generator, 2, module.in_channels, *sizes),)
+
+
+@register_grad_sampler(nn.Conv1d, nn.Conv2d, nn.Conv3d, probe=conv_probe)
 def conv_grad_sampler(
     module: nn.modules.conv._ConvNd, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

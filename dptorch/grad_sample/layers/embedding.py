@@ -1,7 +1,13 @@
-"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``.
+"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``, and their data-independent ``max_norm``.
 
 Both scatter (``index_add_``) each looked-up row's output gradient into a dense
 ``(B, num_embeddings, embedding_dim)`` tensor, at row ``sample * num_embeddings + index``.
+
+torch's ``max_norm`` renormalises, in place, the rows a batch looks up, so the weights record
+which indices the data held (validation refuses it). ``RenormedEmbedding`` and
+``RenormedEmbeddingBag``, which ``ModuleValidator.fix`` swaps in, renormalise every row before
+each lookup instead: the rows a lookup returns, and the gradient, are exactly torch's, and the
+change to the weights no longer depends on the data.
 """
 
 from __future__ import annotations
@@ -37,7 +43,14 @@ def scatter_rows_per_sample(
     return grads.view(batch, num_rows, values.shape[-1])
 
 
-@register_grad_sampler(nn.Embedding)
+def index_probe(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """Two samples of three indices, the last repeating the first (a row used twice)."""
+    ids = torch.randint(0, module.num_embeddings, (2, 3), generator=generator)
+    ids[:, 2] = ids[:, 0]
+    return (ids,)
+
+
+@register_grad_sampler(nn.Embedding, probe=index_probe)
 def embedding_grad_sampler(
     module: nn.Embedding, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -105,7 +118,7 @@ def first_max_entries(
     return position == first[bag_of_entry]
 
 
-@register_grad_sampler(nn.EmbeddingBag)
+@register_grad_sampler(nn.EmbeddingBag, probe=index_probe)
 def embedding_bag_grad_sampler(
     module: nn.EmbeddingBag, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -130,3 +143,62 @@ def embedding_bag_grad_sampler(
         values, bag_of_entry, entries, bags, module.num_embeddings, module.scale_grad_by_freq
     )
     return {weight: grads.to(weight.dtype)}
+
+
+def renormalise_every_row(weight: torch.Tensor, max_norm: float, norm_type: float) -> None:
+    """Scale, in place, every row of ``weight`` whose ``norm_type``-norm exceeds ``max_norm`` down to it.
+
+    The same arithmetic as torch's ``max_norm`` (``torch.embedding_renorm_``), on all rows. Under
+    expanded weights (``grad_sample_mode="ew"``) the parameter it wraps is renormalised.
+    """
+    with torch.no_grad():
+        target = getattr(weight, "orig_weight", weight)
+        rows = torch.arange(target.shape[0], device=target.device)
+        torch.embedding_renorm_(target, rows, max_norm, norm_type)
+
+
+class RenormedEmbedding(nn.Embedding):
+    """``nn.Embedding`` whose ``max_norm`` (kept as ``renorm_max_norm``) applies to every row before
+    each lookup, not to the looked-up rows only: no data-dependent change to the weights."""
+
+    renorm_max_norm: float
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        renormalise_every_row(self.weight, self.renorm_max_norm, self.norm_type)
+        return super().forward(input)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, renorm_max_norm={self.renorm_max_norm}"
+
+
+class RenormedEmbeddingBag(nn.EmbeddingBag):
+    """``nn.EmbeddingBag`` whose ``max_norm`` (kept as ``renorm_max_norm``) applies to every row."""
+
+    renorm_max_norm: float
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None, per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        renormalise_every_row(self.weight, self.renorm_max_norm, self.norm_type)
+        return super().forward(input, offsets, per_sample_weights)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, renorm_max_norm={self.renorm_max_norm}"
+
+
+def renormalising_every_row(module: nn.Module) -> nn.Module:
+    """``module`` (an ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm``) turned, in place,
+    into its ``Renormed*`` counterpart; other modules (and subclasses, whose forward it would lose)
+    are returned unchanged."""
+    if getattr(module, "max_norm", None) is None:
+        return module
+    renormed = {nn.Embedding: RenormedEmbedding, nn.EmbeddingBag: RenormedEmbeddingBag}.get(type(module))
+    if renormed is None:
+        return module
+    module.__class__ = renormed
+    module.renorm_max_norm = module.max_norm
+    module.max_norm = None
+    return module
+
+
+# The renormalisation happens under no_grad before the lookup: the gradients are the plain layers'.
+register_grad_sampler(RenormedEmbedding, probe=index_probe)(embedding_grad_sampler)
+register_grad_sampler(RenormedEmbeddingBag, probe=index_probe)(embedding_bag_grad_sampler)

@@ -53,7 +53,19 @@ def linear_map_grad_samples(
     return grads
 
 
-@register_grad_sampler(nn.Linear)
+def non_centred(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    """Random features ``(B, T, *rest)`` with a per-token shift and scale (probe inputs)."""
+    scale = torch.randn(*shape[:2], *([1] * (len(shape) - 2)), generator=generator).exp()
+    shift = torch.randn(*shape[:2], *([1] * (len(shape) - 2)), generator=generator)
+    return torch.randn(*shape, generator=generator) * scale + 2 * shift
+
+
+def linear_probe(module: nn.Linear, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """Two samples of three tokens of ``in_features`` each."""
+    return (non_centred(generator, 2, 3, module.in_features),)
+
+
+@register_grad_sampler(nn.Linear, probe=linear_probe)
 def linear_grad_sampler(
     module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:

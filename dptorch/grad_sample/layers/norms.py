@@ -11,7 +11,6 @@ a class (``register_verified_duck_sampler``, also used for HF ``Conv1D``).
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from numbers import Real
@@ -20,12 +19,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
-
-from dptorch.grad_sample.layers.linear import common_dtype
+from dptorch.grad_sample.layers.linear import common_dtype, non_centred
 from dptorch.grad_sample.registry import (
     GradSampler,
     ModulePredicate,
+    matches_torch_func,
     register_duck_grad_sampler,
     register_grad_sampler,
 )
@@ -62,7 +60,22 @@ def affine_grad_samples(
     return grads
 
 
-@register_grad_sampler(nn.LayerNorm)
+def trailing_shape_probe(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """Two samples of three tokens of the layer's ``normalized_shape``."""
+    return (non_centred(generator, 2, 3, *module.normalized_shape),)
+
+
+def channels_probe(spatial_dims: int) -> Callable[[nn.Module, torch.Generator], Tuple[torch.Tensor, ...]]:
+    """Two samples of ``(channels, 3, ..., 3)`` for a channels-first norm layer."""
+
+    def probe(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+        channels = getattr(module, "num_channels", None) or module.num_features
+        return (non_centred(generator, 2, channels, *([3] * spatial_dims)),)
+
+    return probe
+
+
+@register_grad_sampler(nn.LayerNorm, probe=trailing_shape_probe)
 def layer_norm_grad_sampler(
     module: nn.LayerNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -77,7 +90,7 @@ def layer_norm_grad_sampler(
     )
 
 
-@register_grad_sampler(nn.GroupNorm)
+@register_grad_sampler(nn.GroupNorm, probe=channels_probe(1))
 def group_norm_grad_sampler(
     module: nn.GroupNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -104,7 +117,9 @@ def instance_normalized(module: nn.modules.instancenorm._InstanceNorm, x: torch.
     )
 
 
-@register_grad_sampler(nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+@register_grad_sampler(nn.InstanceNorm3d, probe=channels_probe(3))
+@register_grad_sampler(nn.InstanceNorm2d, probe=channels_probe(2))
+@register_grad_sampler(nn.InstanceNorm1d, probe=channels_probe(1))
 def instance_norm_grad_sampler(
     module: nn.modules.instancenorm._InstanceNorm, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
 ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -117,7 +132,7 @@ def instance_norm_grad_sampler(
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
 
-    @register_grad_sampler(nn.RMSNorm)
+    @register_grad_sampler(nn.RMSNorm, probe=trailing_shape_probe)
     def rms_norm_grad_sampler(
         module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
     ) -> Dict[nn.Parameter, torch.Tensor]:
@@ -138,58 +153,23 @@ _DUCK_SAMPLERS: List[Tuple[ModulePredicate, GradSampler]] = []
 _VERIFIED: Dict[Tuple[type, GradSampler], bool] = {}
 
 
-class _ForwardWithoutHooks(nn.Module):
-    """Calls ``inner.forward`` directly, so hooks on ``inner`` (ours included) never see the probe."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward(x)
+def _tokens_of_weight_width(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
+    """A non-centred ``(2, 3, weight.shape[0])`` input (per-token shift and scale)."""
+    width = module.weight.shape[0]
+    shape = lambda *dims: torch.randn(*dims, generator=generator)  # noqa: E731
+    return (shape(2, 3, width) * shape(2, 3, 1).exp() + 2 * shape(2, 3, 1),)
 
 
 def sampler_matches_torch_func(module: nn.Module, sampler: GradSampler) -> bool:
     """Compare ``sampler`` with ``torch.func`` per-sample grads on a random ``(2, 3, in_features)`` probe.
 
-    ``in_features`` is ``weight.shape[0]``. The probe runs on a shallow copy of ``module`` whose
-    direct parameters are replaced by random trainable float32 ones (so the result depends neither
-    on the instance's dtype nor on which of its parameters are frozen; ``module`` is untouched), with
-    a non-centred input (per-token shift and scale) and a fixed seed. Any error means False.
+    ``in_features`` is ``weight.shape[0]``; see ``registry.matches_torch_func`` for the probe
+    (random float32 parameters on a shallow copy, ``module`` untouched; any error means False).
     """
-    params = dict(module.named_parameters(recurse=False))
-    weight = params.get("weight")
+    weight = module._parameters.get("weight")
     if weight is None or weight.dim() == 0:
         return False
-    device = weight.device
-    generator = torch.Generator().manual_seed(0)
-
-    def random(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(device)
-
-    try:
-        probe = copy.copy(module)
-        probe._parameters = {name: nn.Parameter(random(*p.shape)) for name, p in params.items()}
-        wrapper = _ForwardWithoutHooks(probe)
-        probe_params = {f"inner.{name}": p.detach() for name, p in probe._parameters.items()}
-
-        def sample_loss(values, x_i, g_i):
-            return (functional_call(wrapper, values, (x_i.unsqueeze(0),)) * g_i.unsqueeze(0)).sum()
-
-        with torch.inference_mode(False), torch.autocast(device.type, enabled=False):
-            x = random(2, 3, weight.shape[0]) * random(2, 3, 1).exp() + 2 * random(2, 3, 1)
-            with torch.no_grad():
-                backprops = random(*wrapper(x).shape)
-            expected = vmap(grad(sample_loss), in_dims=(None, 0, 0))(probe_params, x, backprops)
-            computed = sampler(probe, (x,), backprops)
-        if set(computed) != set(probe._parameters.values()):
-            return False
-        return all(
-            torch.allclose(computed[p], expected[f"inner.{name}"], rtol=1e-3, atol=1e-5)
-            for name, p in probe._parameters.items()
-        )
-    except Exception:  # a look-alike that cannot even run the probe is not trusted
-        return False
+    return matches_torch_func(module, _tokens_of_weight_width, sampler=sampler)
 
 
 def verify_duck_sampler(module: nn.Module) -> bool:

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dptorch.accounting import check_accountant_name
+from dptorch.accounting import check_accountant_name, check_calibration_accountant
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES as _CONTROLLER_MODES
 from dptorch.optim.clipping import CLIPPING_MODES
 
@@ -42,7 +42,10 @@ class PrivacyArguments:
         default=1.0, metadata={"help": "Clipping bound C of each privacy unit's gradient (the sensitivity)."}
     )
     clipping: str = field(default="flat", metadata={"help": f"Clipping mode, one of {CLIPPING_MODES}."})
-    accountant: str = field(default="pld", metadata={"help": "Privacy accountant: pld, prv, rdp or gdp."})
+    accountant: str = field(
+        default="pld",
+        metadata={"help": "Privacy accountant: pld, prv, rdp or gdp (gdp, an approximation, cannot calibrate target_epsilon)."},
+    )
     max_epsilon: Optional[float] = field(
         default=None,
         metadata={
@@ -61,7 +64,9 @@ class PrivacyArguments:
         default="hooks",
         metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES} ('bk': book-keeping, one backward pass)."},
     )
-    secure_mode: bool = field(default=False, metadata={"help": "Draw noise from the OS CSPRNG (not replayable)."})
+    secure_mode: bool = field(
+        default=False, metadata={"help": "Draw the noise and the Poisson sampling from the OS CSPRNG (not replayable)."}
+    )
     sampling_seed: Optional[int] = field(
         default=None,
         metadata={"help": "Seed of the Poisson sampler; default: a secret seed from OS entropy, kept in checkpoints."},
@@ -100,6 +105,8 @@ class PrivacyArguments:
                 + (hint if self.grad_sample_mode == "ghost" else "")
             )
         self.accountant = check_accountant_name(self.accountant)
+        if self.target_epsilon is not None:
+            check_calibration_accountant(self.accountant)
         if not self.poisson_sampling:
             raise ValueError(
                 "poisson_sampling=False is refused: the Trainer's shuffled fixed-size batches do not give the "
@@ -109,6 +116,10 @@ class PrivacyArguments:
             )
         if self.secure_mode and self.noise_seed is not None:
             raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
+        if self.secure_mode and self.sampling_seed is not None:
+            raise ValueError(
+                "secure_mode draws the Poisson sampling from the OS CSPRNG and takes no sampling_seed; remove one of them"
+            )
 
     @property
     def budget_cap(self) -> Optional[float]:

@@ -1,40 +1,53 @@
-"""PrivacyBudget: the accountant of a private training run, its epsilon and its cap.
+"""PrivacyBudget: the epsilon of a private training run's plan, and its cap.
 
-Every optimizer step (one logical batch, empty or not) is recorded with the run's noise
-multiplier and Poisson sample rate. ``steps_within_cap`` answers how many more steps fit under
+Every optimizer step (one logical batch, empty or not) is recorded by the DP optimizer in the
+run's :class:`~dptorch.plan.PrivacyPlan`, with its noise multiplier and Poisson sample rate. ``steps_within_cap`` answers how many more steps fit under
 an epsilon cap, and :class:`PrivacyBudgetCallback` stops the Trainer there: before the cap is
 crossed, not after.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import SaveStrategy
 from transformers.utils import logging
 
-from dptorch.accounting import create_accountant, get_noise_multiplier
+from dptorch.plan import PrivacyPlan
 
 logger = logging.get_logger(__name__)
 
 
 class PrivacyBudget:
-    """Accountant plus (noise multiplier, sample rate, delta) of one run.
+    """A privacy plan's epsilon at the run's ``delta``, and the cap that training must not cross.
 
-    A noise multiplier of 0 is allowed for debugging: nothing is private and epsilon is infinite.
+    The noise multiplier, sample rate, steps and accountant are the plan's (``budget.plan``, a
+    :class:`~dptorch.plan.PrivacyPlan`, shared with the sampler, the optimizer and the report); the
+    budget adds only ``delta`` and ``cap``. Built either from a plan or, for accounting on its own,
+    from ``accountant``, ``noise_multiplier`` and ``sample_rate``. A noise multiplier of 0 is
+    allowed for debugging: nothing is private and epsilon is infinite.
     """
 
     def __init__(
-        self, *, accountant: str, noise_multiplier: float, sample_rate: float, delta: float, cap: Optional[float] = None
+        self,
+        *,
+        delta: float,
+        cap: Optional[float] = None,
+        plan: Optional[PrivacyPlan] = None,
+        accountant: Optional[str] = None,
+        noise_multiplier: Optional[float] = None,
+        sample_rate: Optional[float] = None,
     ) -> None:
-        self.accountant = create_accountant(accountant)
-        self.noise_multiplier = float(noise_multiplier)
-        self.sample_rate = float(sample_rate)
+        if plan is None:
+            if accountant is None or noise_multiplier is None or sample_rate is None:
+                raise TypeError("PrivacyBudget needs plan=, or accountant, noise_multiplier and sample_rate")
+            plan = PrivacyPlan(noise_multiplier=noise_multiplier, sample_rate=sample_rate, accountant=accountant)
+        elif not (accountant is None and noise_multiplier is None and sample_rate is None):
+            raise TypeError("give either plan= or accountant, noise_multiplier and sample_rate: the plan holds them")
+        self.plan = plan
         self.delta = float(delta)
         self.cap = cap
-        self.steps = 0
 
     @classmethod
     def calibrated(
@@ -48,35 +61,42 @@ class PrivacyBudget:
         cap: Optional[float],
     ) -> "PrivacyBudget":
         """A budget whose noise multiplier makes ``steps`` steps spend ``target_epsilon``."""
-        sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate, steps=steps,
-            accountant=accountant,
-        )
-        return cls(accountant=accountant, noise_multiplier=sigma, sample_rate=sample_rate, delta=delta, cap=cap)
+        plan = PrivacyPlan.calibrated(target_epsilon=target_epsilon, target_delta=delta, steps=steps,
+                                      sample_rate=sample_rate, accountant=accountant)
+        return cls(plan=plan, delta=delta, cap=cap)
+
+    @property
+    def accountant(self):
+        return self.plan.accountant
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self.plan.noise_multiplier
+
+    @property
+    def sample_rate(self) -> float:
+        return self.plan.sample_rate
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps accounted so far (empty batches included)."""
+        return self.plan.steps
 
     def record_step(self) -> None:
-        """One optimizer step that touched the data (or would have: empty batches count)."""
-        if self.noise_multiplier > 0:
-            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
-        self.steps += 1
+        """One optimizer step that touched the data (or would have: empty batches count).
+
+        The private Trainer's optimizer records its steps in the plan itself; this is for
+        accounting without an optimizer.
+        """
+        self.plan.record_steps(1)
 
     def epsilon(self) -> float:
         """Epsilon spent so far at ``delta``."""
-        if self.steps == 0:
-            return 0.0
-        if self.noise_multiplier == 0:
-            return math.inf
-        return self.accountant.get_epsilon(self.delta)
+        return self.plan.epsilon(self.delta)
 
     def epsilon_after(self, more_steps: int) -> float:
         """Epsilon after ``more_steps`` further steps (the history is not changed)."""
-        if more_steps == 0:
-            return self.epsilon()
-        if self.noise_multiplier == 0:
-            return math.inf
-        return self.accountant.epsilons_after(
-            noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate, steps=[more_steps], delta=self.delta
-        )[0]
+        return self.plan.epsilon_after(more_steps, self.delta)
 
     def steps_within_cap(self, planned: int) -> int:
         """The most further steps, at most ``planned``, that keep epsilon <= cap (``planned`` without a cap)."""
@@ -94,18 +114,15 @@ class PrivacyBudget:
         return low
 
     def state_dict(self) -> Dict[str, Any]:
-        """Plain values, loadable with ``torch.load(weights_only=True)``."""
-        return {
-            "accountant": self.accountant.state_dict(),
-            "steps": self.steps,
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-            "delta": self.delta,
-        }
+        """Plain values, loadable with ``torch.load(weights_only=True)``: the plan's state and delta."""
+        return {"plan": self.plan.state_dict(), "delta": self.delta}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self.accountant.load_state_dict(state["accountant"])
-        self.steps = int(state["steps"])
+        if "plan" in state:
+            self.plan.load_state_dict(state["plan"])
+        else:  # written before budgets kept a plan
+            self.plan.accountant.load_state_dict(state["accountant"])
+            self.plan.steps = int(state["steps"])
 
 
 class PrivacyBudgetCallback(TrainerCallback):

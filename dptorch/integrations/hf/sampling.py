@@ -43,20 +43,23 @@ class PoissonMicroBatchSampler:
     """Batch sampler yielding ``micro_batches`` micro-batches (row index lists) per logical batch.
 
     Each logical batch includes every unit independently with probability ``sample_rate``;
-    ``steps`` logical batches make an epoch. ``seed`` fixes the draws of every epoch (the
-    sampler replays an epoch from ``(seed, epoch)``, which is how a resumed Trainer skips the
-    batches it already trained on). There is no ``.sampler`` attribute, so Accelerate leaves
-    the sampler as it is.
+    ``steps`` logical batches make an epoch. Logical batch ``k`` is a function of ``(seed, k)``
+    and the sampler never draws a position twice (see ``PoissonBatchSampler``): ``set_epoch(e)``
+    moves forward to epoch ``e``, which is how a resumed Trainer, in a new sampler, reaches the
+    epoch it stopped in and then skips the batches it already trained on. ``secure=True`` draws
+    every logical batch from the OS CSPRNG instead (nothing replayable). There is no ``.sampler``
+    attribute, so Accelerate leaves the sampler as it is.
     """
 
     def __init__(
-        self, units: PrivacyUnits, sample_rate: float, *, steps: int, micro_batches: int, seed: int
+        self, units: PrivacyUnits, sample_rate: float, *, steps: int, micro_batches: int, seed: Optional[int] = None,
+        secure: bool = False,
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.units = units
         self.micro_batches = int(micro_batches)
-        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed)
+        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed, secure=secure)
 
     @property
     def sample_rate(self) -> float:
@@ -68,12 +71,26 @@ class PoissonMicroBatchSampler:
         return self.logical.steps
 
     @property
-    def seed(self) -> int:
+    def seed(self) -> Optional[int]:
         return self.logical.seed
 
     @seed.setter
     def seed(self, value: int) -> None:
-        self.logical.seed = int(value)
+        if not self.logical.secure:
+            self.logical.seed = int(value)
+
+    @property
+    def position(self) -> int:
+        """Logical batches drawn so far (the next draw's index)."""
+        return self.logical.position
+
+    def start_at(self, position: int) -> None:
+        """Continue from draw ``position`` (of an earlier sampler of the same run): no draw is repeated."""
+        self.logical._position = max(self.logical._position, int(position))
+
+    def rewind(self) -> None:
+        """Back to draw 0, for a resume from a checkpoint (whose accountant forgets later draws)."""
+        self.logical._position = self.logical._handed_out = 0
 
     def __len__(self) -> int:
         return self.logical.steps * self.micro_batches

@@ -8,23 +8,27 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
 * ``get_train_dataloader``: Poisson-sampled logical batches of privacy units, split into exactly
   ``gradient_accumulation_steps`` micro-batches (:mod:`.sampling`).
 * ``create_optimizer``: the parent's optimizer wrapped in a :class:`~dptorch.optim.DPOptimizer`
-  (clips after every backward, adds noise once per optimizer step); its step hook feeds the
-  accountant.
+  (clips after every backward, adds noise once per optimizer step) that reads and accounts in the
+  run's :class:`~dptorch.plan.PrivacyPlan` (``trainer.privacy_plan``).
 * ``training_step``: skips empty micro-batches, tells the controller which rows form a unit.
 * ``compute_loss``: the sum of per-unit losses, chosen by a recipe (:mod:`.loss_recipes`);
   ``num_items_in_batch`` is never used, ``loss_is_scaled_for_ga = True``.
 * ``_clip_grad_norm`` / ``_get_grad_norm``: no Trainer clipping, and no norm of the raw
   (non-private) gradient in the logs; ``grad_norm`` is logged from the privatised gradient.
 * ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
-  accountant and sampling seed travel with Trainer checkpoints (the DP optimizer's accumulator
-  and noise generator travel inside ``optimizer.pt``).
+  privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
+  checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``).
+
+One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
+:class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
+calibrated for exactly those), the clipping bound and the accountant; the Poisson sampler, the
+optimizer, the budget callback, ``privacy_report`` and the checkpoints all read it.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-import secrets
 import warnings
 from functools import partial
 from typing import Any, Dict, Optional
@@ -49,12 +53,13 @@ from dptorch.integrations.hf.sampling import (
     is_empty_batch,
 )
 from dptorch.integrations.hf.units import PrivacyUnits
-from dptorch.noise import NoiseGenerator
+from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.optim.optimizer import DPOptimizer
+from dptorch.plan import PrivacyPlan
 
-#: File written into every Trainer checkpoint folder: accountant history and sampling seed.
+#: File written into every Trainer checkpoint folder: the privacy plan's state and the sampling seed.
 PRIVACY_STATE_NAME = "dp_privacy_state.pt"
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class PrivateTrainerMixin:
@@ -80,6 +85,7 @@ class PrivateTrainerMixin:
             )
         self.privacy_args = privacy_args
         self.dp_hooks: Optional[GradSampleHooks] = None
+        self.privacy_plan: Optional[PrivacyPlan] = None
         self.privacy_budget: Optional[PrivacyBudget] = None
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
         self._dp_grad_norm: Optional[float] = None
@@ -100,62 +106,59 @@ class PrivateTrainerMixin:
                 f"target_delta={privacy_args.target_delta:g} is not below 1/N for N={self.privacy_units.num_units} "
                 "privacy units: such a delta allows releasing a unit outright. Choose target_delta < 1/N."
             )
-        self.privacy_budget = self._build_budget()
+        self.privacy_plan = self._build_plan()
+        self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
+                                            cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
-        self._dp_sampling_seed = seed if seed is not None else secrets.randbits(63)  # secret unless given
+        self._dp_sampling_seed = seed if seed is not None else secure_seed()  # secret unless given
         # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
         self.dp_hooks = GradSampleHooks(
             self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode, keep_param_grads=False
         )
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
-    def _build_budget(self) -> PrivacyBudget:
-        p, plan = self.privacy_args, self.sampling_plan
-        common = dict(accountant=p.accountant, sample_rate=plan.sample_rate, delta=p.target_delta, cap=p.budget_cap)
+    def _build_plan(self) -> PrivacyPlan:
+        """The run's privacy plan: the sampling the Trainer will draw, the noise, clipping and accountant."""
+        p, sampling = self.privacy_args, self.sampling_plan
+        fields = dict(
+            sample_rate=sampling.sample_rate, steps_per_epoch=sampling.steps_per_epoch, num_units=sampling.num_units,
+            max_grad_norm=p.per_sample_max_grad_norm, clipping=p.clipping, accountant=p.accountant,
+            secure_mode=p.secure_mode,
+        )
         if p.target_epsilon is not None:
-            return PrivacyBudget.calibrated(target_epsilon=p.target_epsilon, steps=plan.total_steps, **common)
+            return PrivacyPlan.calibrated(target_epsilon=p.target_epsilon, target_delta=p.target_delta,
+                                          steps=sampling.total_steps, **fields)
         if p.noise_multiplier == 0:
             warnings.warn("noise_multiplier=0: the training is not private (epsilon is infinite)", stacklevel=4)
-        return PrivacyBudget(noise_multiplier=p.noise_multiplier, **common)
+        return PrivacyPlan(noise_multiplier=p.noise_multiplier, planned_steps=sampling.total_steps, **fields)
 
     # ------------------------------------------------------------------ privacy state
 
     @property
     def noise_multiplier(self) -> float:
-        return self.privacy_budget.noise_multiplier
+        return self.privacy_plan.noise_multiplier
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
         """Epsilon spent so far, at ``delta`` (default: ``privacy_args.target_delta``)."""
-        budget = self.privacy_budget
-        if delta is None or delta == budget.delta or budget.steps == 0 or budget.noise_multiplier == 0:
-            return budget.epsilon()
-        return budget.accountant.get_epsilon(delta)
+        return self.privacy_plan.epsilon(self.privacy_budget.delta if delta is None else delta)
 
     def privacy_report(self) -> Dict[str, Any]:
-        """The numbers a model card needs to state the guarantee."""
-        p, plan, budget = self.privacy_args, self.sampling_plan, self.privacy_budget
-        return {
-            "epsilon": budget.epsilon(),
-            "delta": budget.delta,
-            "noise_multiplier": budget.noise_multiplier,
-            "per_sample_max_grad_norm": p.per_sample_max_grad_norm,
-            "clipping": p.clipping,
-            "sample_rate": plan.sample_rate,
-            "expected_batch_size": plan.expected_batch_size,
-            "steps": budget.steps,
-            "accountant": p.accountant,
-            "sampling": "poisson",
-            "privacy_unit": p.privacy_unit_column or "row",
-            "num_units": plan.num_units,
-            "secure_mode": p.secure_mode,
-        }
+        """The numbers a model card needs to state the guarantee (the plan's report, plus the units)."""
+        p = self.privacy_args
+        report = self.privacy_plan.report(self.privacy_budget.delta)
+        report.update(
+            per_sample_max_grad_norm=p.per_sample_max_grad_norm,
+            privacy_unit=p.privacy_unit_column or "row",
+            num_units=self.privacy_plan.num_units,
+        )
+        return report
 
     def privacy_state_dict(self) -> Dict[str, Any]:
-        """Accountant history and sampling plan and seed (plain values, weights_only-loadable)."""
+        """The privacy plan's state and the sampling seed (plain values, weights_only-loadable)."""
         plan = self.sampling_plan
         return {
             "version": _STATE_VERSION,
-            "budget": self.privacy_budget.state_dict(),
+            "plan": self.privacy_plan.state_dict(),
             "sampling": {
                 "seed": int(self._dp_sampling_seed),
                 "num_units": plan.num_units,
@@ -181,7 +184,13 @@ class PrivateTrainerMixin:
         self._dp_sampling_seed = seed
         if self._dp_sampler is not None:
             self._dp_sampler.seed = seed
-        self.privacy_budget.load_state_dict(state["budget"])
+            # The Trainer reaches the checkpoint's position itself (set_epoch, then skipping the
+            # micro-batches it trained on); draws after it belong to the discarded continuation.
+            self._dp_sampler.rewind()
+        if "plan" in state:
+            self.privacy_plan.load_state_dict(state["plan"])
+        else:  # version 1: accountant history and step count only
+            self.privacy_budget.load_state_dict(state["budget"])
 
     # ------------------------------------------------------------------ data
 
@@ -200,11 +209,15 @@ class PrivateTrainerMixin:
         tag_units = self.privacy_args.privacy_unit_column is not None
         if tag_units:
             dataset = IndexedDataset(dataset)
-        plan = self.sampling_plan
+        plan, previous = self.privacy_plan, self._dp_sampler
+        secure = self.privacy_args.secure_mode
         self._dp_sampler = PoissonMicroBatchSampler(
-            self.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch, micro_batches=plan.micro_batches,
-            seed=self._dp_sampling_seed,
+            self.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch,
+            micro_batches=self.sampling_plan.micro_batches, seed=None if secure else self._dp_sampling_seed,
+            secure=secure,
         )
+        if previous is not None:  # a later train() of this trainer: new draws, never the earlier ones again
+            self._dp_sampler.start_at(previous.position)
         args = self.args
         settings = dict(
             num_workers=args.dataloader_num_workers,
@@ -231,11 +244,8 @@ class PrivateTrainerMixin:
             optimizer = DPOptimizer(
                 self.optimizer,
                 hooks=self.dp_hooks,
-                noise_multiplier=self.privacy_budget.noise_multiplier,
-                max_grad_norm=p.per_sample_max_grad_norm,
-                expected_batch_size=self.sampling_plan.expected_batch_size,
+                plan=self.privacy_plan,
                 loss_reduction="mean",
-                clipping=p.clipping,
                 noise_generator=None if p.secure_mode else NoiseGenerator(seed=p.noise_seed, device=self.args.device),
                 secure_mode=p.secure_mode,
             )
@@ -244,8 +254,7 @@ class PrivateTrainerMixin:
         return self.optimizer
 
     def _after_private_step(self, optimizer: DPOptimizer) -> None:
-        """Account the step and keep the norm of the privatised gradient for the logs."""
-        self.privacy_budget.record_step()
+        """Keep the norm of the privatised gradient for the logs (the optimizer accounted the step in the plan)."""
         norms = [p.grad.detach().float().norm() for p in optimizer.params if p.grad is not None]
         self._dp_grad_norm = float(torch.stack(norms).norm()) if norms else None
 
@@ -264,7 +273,7 @@ class PrivateTrainerMixin:
         example_units = inputs.pop(UNIT_IDS_KEY, None)
         self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
         loss = super().training_step(model, inputs, num_items_in_batch)
-        return loss / self.sampling_plan.expected_batch_size
+        return loss / self.privacy_plan.expected_batch_size
 
     def compute_loss(
         self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None

@@ -1,0 +1,483 @@
+"""PrivacyPlan: the one object that owns what must agree for a DP-SGD guarantee to hold.
+
+The guarantee of a run is a statement about its sample rate ``q`` and step count as the sampler
+really draws them, the noise multiplier and clipping bound of the mechanism that privatises each
+step, and the accountant that composes the steps. Those used to be wired separately by the
+engine, the optimizer, calibration, the Trainer's budget and the checkpoints; now each of them
+reads (and only the optimizer writes) one plan:
+
+* the sampler's numbers: ``sample_rate``, ``steps_per_epoch`` and ``num_units`` are taken from the
+  Poisson sampler the run iterates (``for_sampler``) or handed to the sampler the run builds
+  (the Trainer), never recomputed elsewhere;
+* the mechanism: ``mechanism`` ("gaussian": independent Gaussian noise, DP-SGD),
+  ``noise_multiplier``, ``max_grad_norm`` and ``clipping``; the optimizer's noise std and
+  ``expected_batch_size`` come from here;
+* calibration: ``PrivacyPlan.calibrated`` chooses the noise multiplier for exactly the plan's
+  ``sample_rate`` and planned steps (``planned_steps``), the ones the accountant will record;
+* accounting: the optimizer calls ``close_step`` and ``record_steps`` once per logical step;
+  ``epsilon``, ``epsilon_after`` and ``report`` read the accountant through the plan;
+* checkpoints: ``state_dict`` / ``load_state_dict`` (refusing a checkpoint whose sampling differs).
+
+With ``track_draws=True`` (the engine) the plan also keeps a ``DrawLedger``: the DP data loader
+reports each Poisson draw it hands to the training loop, the optimizer each backward round, and
+at ``optimizer.step()`` the plan refuses a step fed by several draws or whose backward passes saw
+another number of samples than the draw holds (``SamplingMismatchError``), before any gradient or
+parameter changes. A draw that fed no backward pass is accounted as a step of its own, so every
+draw handed to the loop is accounted.
+
+``noise_multiplier == 0`` is allowed (clipping-only ablation): such steps are counted, nothing is
+private and ``epsilon`` is infinite.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
+
+#: Noise mechanisms a plan can describe. "gaussian": independent Gaussian noise per step (DP-SGD).
+MECHANISMS = ("gaussian",)
+
+MaxGradNorm = Union[float, Sequence[float]]
+
+_STATE_VERSION = 1
+
+
+class SamplingMismatchError(RuntimeError):
+    """The training loop did not use the Poisson draws the way the accountant records them."""
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_noise_multiplier(value: Any) -> float:
+    """A finite noise multiplier >= 0 (0: clipping only, no privacy)."""
+    if not _is_number(value) or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def check_clipping(
+    clipping: str,
+    max_grad_norm: MaxGradNorm,
+    params: Optional[Sequence[Any]] = None,
+    names: Optional[Sequence[str]] = None,
+) -> None:
+    """Refuse a clipping mode or bound the optimizer could not use, before anything is attached.
+
+    ``params`` (the optimizer's trainable parameters, in order) lets a per-layer list be checked
+    for one threshold per parameter; ``names`` are their names for the message.
+    """
+    from dptorch.optim.clipping import CLIPPING_MODES  # here: dptorch.optim imports this module
+
+    if clipping not in CLIPPING_MODES:
+        raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+    if _is_number(max_grad_norm):
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        return
+    if clipping == "flat":
+        raise ValueError("flat clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
+    try:
+        thresholds = list(max_grad_norm)
+    except TypeError:
+        raise ValueError(f"max_grad_norm must be a number or a list of numbers, got {max_grad_norm!r}") from None
+    bad = [c for c in thresholds if not _is_number(c) or not (c > 0 and math.isfinite(c))]
+    if bad or not thresholds:
+        raise ValueError(f"per-layer max_grad_norm must be a non-empty list of numbers > 0, got {thresholds!r}")
+    if params is not None and len(thresholds) != len(params):
+        listed = ""
+        if names:
+            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+            listed = f" ({shown})"
+        raise ValueError(
+            f"clipping='per_layer' needs one max_grad_norm per trainable parameter of the optimizer, in order: got "
+            f"{len(thresholds)} thresholds for {len(params)} parameters{listed}. Give {len(params)} thresholds, or "
+            "one float to split evenly across them"
+        )
+
+
+def planned_steps(steps_per_epoch: Optional[int], epochs: Optional[float] = None, steps: Optional[int] = None) -> int:
+    """The steps a run will take: ``steps``, or ``epochs`` passes of ``steps_per_epoch`` draws."""
+    if (epochs is None) == (steps is None):
+        raise ValueError("give exactly one of epochs or steps")
+    if steps is not None:
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
+        return steps
+    if not _is_number(epochs) or not (epochs > 0 and math.isfinite(epochs)):
+        raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
+    if not steps_per_epoch:
+        raise ValueError("epochs needs the sampler's steps per epoch; give steps instead")
+    exact = epochs * steps_per_epoch
+    nearest = round(exact)
+    # 3 epochs of 0.1-epoch draws is 3 * 10 = 30 steps, not 31 from a rounding error.
+    return int(nearest) if abs(exact - nearest) <= 1e-9 * max(1.0, exact) else math.ceil(exact)
+
+
+class DrawLedger:
+    """Poisson draws handed to the training loop since the last step, and what the backward passes saw.
+
+    ``used[i]``: a backward round whose clipped gradients are still held in the optimizer ran while
+    draw ``i`` was the latest one. ``rows``: the samples those rounds saw (per-sample gradient rows).
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sizes: List[Optional[int]] = []
+        self.used: List[bool] = []
+        self.rows = 0
+        self.grouped = False
+
+    def on_draw(self, size: Optional[int]) -> None:
+        self.sizes.append(None if size is None else int(size))
+        self.used.append(False)
+
+    def on_backward(self, rows: int, grouped: bool) -> None:
+        self.rows += int(rows)
+        self.grouped = self.grouped or grouped
+        if self.used:
+            self.used[-1] = True
+
+    def on_discard(self) -> None:
+        """The held clipped gradients were dropped (``zero_grad`` outside a virtual step)."""
+        self.used = [False] * len(self.used)
+        self.rows = 0
+        self.grouped = False
+
+    def close_step(self, *, sample_rate: Optional[float], batch_first: Optional[bool]) -> int:
+        """Check the step about to be privatised; return the draws to account (at least 1); reset.
+
+        Raises ``SamplingMismatchError`` (and keeps the ledger) when the held gradients come from
+        several draws, or when their rows differ from the samples of the one draw they come from.
+        """
+        used = [i for i, flag in enumerate(self.used) if flag]
+        if len(used) > 1:
+            rate = "" if sample_rate is None else f" of sample rate {sample_rate:g}"
+            raise SamplingMismatchError(
+                f"optimizer.step() would privatise the gradients of {len(used)} batches drawn from the DP data "
+                f"loader since the last step, but a step is accounted as one Poisson batch{rate}: several draws "
+                "summed under one noise draw spend more privacy than the accountant records. Call optimizer.step() "
+                "after every batch of the DP data loader; for larger batches raise the sample rate (a larger "
+                "batch_size) and split each batch with BatchMemoryManager(max_physical_batch_size=...). Nothing "
+                "was updated; call optimizer.zero_grad() to drop the held gradients"
+            )
+        if used and not self.grouped:
+            size = self.sizes[used[0]]
+            if size is not None and size != self.rows:
+                raise SamplingMismatchError(_count_message(self.rows, size, batch_first))
+        count = max(1, len(self.sizes))
+        self._reset()
+        return count
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {
+            "sizes": [-1 if s is None else s for s in self.sizes],
+            "used": list(self.used),
+            "rows": self.rows,
+            "grouped": self.grouped,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.sizes = [None if s < 0 else int(s) for s in state["sizes"]]
+        self.used = [bool(u) for u in state["used"]]
+        self.rows = int(state["rows"])
+        self.grouped = bool(state["grouped"])
+
+
+def _count_message(rows: int, size: int, batch_first: Optional[bool]) -> str:
+    message = f"the backward passes of this step saw {rows} samples, but the DP data loader drew {size} for it. "
+    if batch_first is False:
+        message += (
+            "With batch_first=False dim 1 of every input is taken as the batch dimension, so batch-first data has "
+            "its time steps counted as samples (each clipped on its own: a real sample could contribute several "
+            "times the clipping bound). Pass batch_first=True to make_private, or feed (T, N, ...) inputs."
+        )
+    else:
+        message += (
+            "With batch_first=True dim 0 of every input is taken as the batch dimension: if the model's inputs are "
+            "(T, N, ...), pass batch_first=False to make_private. Also check that the batch was not repeated, "
+            "augmented into more rows or joined with other data."
+        )
+    return message + " If one sample spans several rows on purpose, group them with hooks.set_privacy_units(unit_ids)."
+
+
+class PrivacyPlan:
+    """Sample rate, steps, mechanism, clipping bound and accountant of one private run.
+
+    ``accountant`` is a name ("pld", "prv", "rdp", "gdp"), an ``Accountant`` (its history is kept),
+    or None (steps are counted but not accounted: a bare ``DPOptimizer``). ``expected_batch_size``
+    defaults to ``sample_rate * num_units``, the expected (global) logical batch. ``sampling`` is
+    "poisson" when the batches come from a Poisson sampler with ``sample_rate``, None when unknown.
+    """
+
+    def __init__(
+        self,
+        *,
+        noise_multiplier: float,
+        max_grad_norm: Optional[MaxGradNorm] = None,
+        clipping: str = "flat",
+        sample_rate: Optional[float] = None,
+        num_units: Optional[int] = None,
+        steps_per_epoch: Optional[int] = None,
+        accountant: Union[str, Accountant, None] = "pld",
+        mechanism: str = "gaussian",
+        sampling: Optional[str] = "poisson",
+        secure_mode: bool = False,
+        expected_batch_size: Optional[float] = None,
+        planned_steps: Optional[int] = None,
+        target_epsilon: Optional[float] = None,
+        target_delta: Optional[float] = None,
+        track_draws: bool = False,
+    ) -> None:
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        if sample_rate is not None and not (_is_number(sample_rate) and 0 < sample_rate <= 1):
+            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
+        if max_grad_norm is not None:
+            check_clipping(clipping, max_grad_norm)
+        self.noise_multiplier = noise_multiplier  # validated by the setter
+        self.max_grad_norm = max_grad_norm if max_grad_norm is None or _is_number(max_grad_norm) else list(max_grad_norm)
+        self.clipping = clipping
+        self.sample_rate = None if sample_rate is None else float(sample_rate)
+        self.num_units = None if num_units is None else int(num_units)
+        self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
+        self.accountant: Optional[Accountant] = (
+            create_accountant(accountant) if isinstance(accountant, str) else accountant
+        )
+        self.mechanism = mechanism
+        self.sampling = sampling
+        self.secure_mode = bool(secure_mode)
+        self._expected_batch_size = expected_batch_size
+        self.planned_steps = planned_steps
+        self.target_epsilon = target_epsilon
+        self.target_delta = target_delta
+        self.steps = len(self.accountant) if self.accountant is not None else 0
+        self.unprotected_steps = 0  # steps taken with noise_multiplier 0
+        self.draws: Optional[DrawLedger] = DrawLedger() if track_draws else None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def for_sampler(cls, batch_sampler: Any, **fields: Any) -> "PrivacyPlan":
+        """A plan whose sampling is that of ``batch_sampler`` (a ``PoissonBatchSampler``): its q,
+        its draws per epoch and the (global) number of samples it draws from."""
+        return cls(
+            sample_rate=batch_sampler.sample_rate,
+            steps_per_epoch=batch_sampler.steps,
+            num_units=batch_sampler.num_samples,
+            **fields,
+        )
+
+    @classmethod
+    def calibrated(
+        cls,
+        *,
+        target_epsilon: float,
+        target_delta: float,
+        epochs: Optional[float] = None,
+        steps: Optional[int] = None,
+        **fields: Any,
+    ) -> "PrivacyPlan":
+        """A plan whose noise multiplier is the smallest that keeps its planned run within
+        ``(target_epsilon, target_delta)``: calibrated at exactly the plan's ``sample_rate`` and
+        ``planned_steps`` (``steps``, or ``epochs`` passes of ``steps_per_epoch`` draws), with the
+        plan's accountant. The GDP approximation is refused (see ``get_noise_multiplier``)."""
+        total = planned_steps(fields.get("steps_per_epoch"), epochs, steps)
+        sample_rate = fields.get("sample_rate")
+        if sample_rate is None:
+            raise ValueError("calibrating the noise needs the plan's sample_rate")
+        accountant = fields.get("accountant", "pld")
+        name = accountant.mechanism if isinstance(accountant, Accountant) else accountant
+        sigma = get_noise_multiplier(
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=total,
+            accountant=name,
+        )
+        return cls(noise_multiplier=sigma, planned_steps=total, target_epsilon=target_epsilon,
+                   target_delta=target_delta, **fields)
+
+    # ------------------------------------------------------------------ mechanism
+
+    @property
+    def noise_multiplier(self) -> float:
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self._noise_multiplier = check_noise_multiplier(value)
+
+    @property
+    def private(self) -> bool:
+        """False once a step ran without noise (or when the noise multiplier is 0)."""
+        return self._noise_multiplier > 0 and self.unprotected_steps == 0
+
+    @property
+    def expected_batch_size(self) -> Optional[float]:
+        """Expected units per logical batch: given, else ``sample_rate * num_units``."""
+        if self._expected_batch_size is not None:
+            return self._expected_batch_size
+        if self.sample_rate is None or self.num_units is None:
+            return None
+        return self.sample_rate * self.num_units
+
+    @property
+    def sensitivity(self) -> float:
+        """Bound on one unit's whole clipped contribution to a step."""
+        from dptorch.optim.clipping import total_norm_bound
+
+        if self.max_grad_norm is None:
+            raise ValueError("this plan has no max_grad_norm")
+        return total_norm_bound(self.clipping, self.max_grad_norm)
+
+    @property
+    def noise_std(self) -> float:
+        """Std of the Gaussian noise added to the clipped sum at each step: sigma * sensitivity."""
+        return self._noise_multiplier * self.sensitivity
+
+    # ------------------------------------------------------------------ steps (the optimizer)
+
+    def on_draw(self, size: Optional[int]) -> None:
+        """The DP data loader handed a Poisson draw of ``size`` samples to the training loop."""
+        if self.draws is not None:
+            self.draws.on_draw(size)
+
+    def on_backward(self, rows: int, grouped: bool = False) -> None:
+        """A backward round added the clipped gradients of ``rows`` samples (units when ``grouped``)."""
+        if self.draws is not None:
+            self.draws.on_backward(rows, grouped)
+
+    def on_discard(self) -> None:
+        """The optimizer dropped its held clipped gradients."""
+        if self.draws is not None:
+            self.draws.on_discard()
+
+    def close_step(self, batch_first: Optional[bool] = None) -> int:
+        """Check the step about to be privatised; return how many steps to account (see ``DrawLedger``)."""
+        if self.draws is None:
+            return 1
+        return self.draws.close_step(sample_rate=self.sample_rate, batch_first=batch_first)
+
+    def record_steps(self, count: int = 1) -> None:
+        """Account ``count`` steps at the current noise multiplier and the plan's sample rate."""
+        if count <= 0:
+            return
+        if self._noise_multiplier == 0:
+            self.unprotected_steps += count
+        elif self.accountant is not None:
+            if self.sample_rate is None:
+                raise ValueError("this plan has an accountant but no sample_rate to account the step with")
+            self.accountant.step(noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate, num_steps=count)
+        self.steps += count
+
+    # ------------------------------------------------------------------ privacy spent
+
+    def epsilon(self, delta: float) -> float:
+        """Epsilon spent so far at ``delta``: 0 before any step, infinite after a step without noise."""
+        if self.unprotected_steps:
+            return math.inf
+        if self.accountant is None or len(self.accountant) == 0:
+            return 0.0
+        return self.accountant.get_epsilon(delta)
+
+    def epsilon_after(self, more_steps: int, delta: float) -> float:
+        """Epsilon after ``more_steps`` further steps at the current settings (history unchanged)."""
+        if more_steps <= 0:
+            return self.epsilon(delta)
+        if self._noise_multiplier == 0 or self.unprotected_steps:
+            return math.inf
+        if self.accountant is None or self.sample_rate is None:
+            raise ValueError("projecting epsilon needs the plan's accountant and sample_rate")
+        return self.accountant.epsilons_after(
+            noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate, steps=[more_steps], delta=delta
+        )[0]
+
+    def report(self, delta: float) -> Dict[str, Any]:
+        """What a model card needs: epsilon, delta, noise, clipping, sampling, steps, accountant."""
+        report: Dict[str, Any] = {
+            "epsilon": self.epsilon(delta),
+            "delta": delta,
+            "private": self.private,
+            "mechanism": self.mechanism,
+            "noise_multiplier": self._noise_multiplier,
+            "max_grad_norm": self.max_grad_norm,
+            "clipping": self.clipping,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "steps": self.steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "accountant": self.accountant.mechanism if self.accountant is not None else None,
+            "sampling": self.sampling,
+            "secure_mode": self.secure_mode,
+        }
+        if self.target_epsilon is not None:
+            report.update(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
+                          planned_steps=self.planned_steps)
+        if not self.private:
+            report["note"] = (
+                "noise_multiplier=0: clipping only, no differential privacy (epsilon is infinite)"
+            )
+        elif report["accountant"] == "gdp":
+            report["note"] = "epsilon from the GDP central-limit approximation, not a bound"
+        return report
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain values (``torch.load(weights_only=True)`` loads them)."""
+        return {
+            "version": _STATE_VERSION,
+            "mechanism": self.mechanism,
+            "sample_rate": self.sample_rate,
+            "steps_per_epoch": self.steps_per_epoch,
+            "num_units": self.num_units,
+            "noise_multiplier": self._noise_multiplier,
+            "steps": self.steps,
+            "unprotected_steps": self.unprotected_steps,
+            "accountant": self.accountant.state_dict() if self.accountant is not None else None,
+            "draws": self.draws.state_dict() if self.draws is not None else None,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Restore the steps, accountant history and pending draws of ``state``.
+
+        Refuses a state whose mechanism or sampling (sample rate, steps per epoch, number of units)
+        differs from this plan's: the resumed run would not be the one the history describes. The
+        noise multiplier stays this plan's (each recorded step keeps its own in the history).
+        """
+        for key in ("mechanism", "sample_rate", "steps_per_epoch", "num_units"):
+            saved, mine = state.get(key), getattr(self, key)
+            if saved is not None and mine is not None and saved != mine:
+                raise ValueError(
+                    f"the checkpoint's privacy plan has {key}={saved}, this run has {mine}: the data, the batch size "
+                    "or the sampler changed, so the resumed run would not continue the accounted one. Resume with "
+                    "the same data and loader settings."
+                )
+        if state.get("accountant") is not None and self.accountant is not None:
+            self.accountant.load_state_dict(state["accountant"])
+        self.steps = int(state["steps"])
+        self.unprotected_steps = int(state.get("unprotected_steps", 0))
+        if self.draws is not None and state.get("draws") is not None:
+            self.draws.load_state_dict(state["draws"])
+
+    def __repr__(self) -> str:
+        return (
+            f"PrivacyPlan(mechanism={self.mechanism!r}, noise_multiplier={self._noise_multiplier:g}, "
+            f"max_grad_norm={self.max_grad_norm}, sample_rate={self.sample_rate}, "
+            f"steps_per_epoch={self.steps_per_epoch}, steps={self.steps}, "
+            f"accountant={self.accountant.mechanism if self.accountant is not None else None!r})"
+        )
+
+
+__all__ = [
+    "MECHANISMS",
+    "DrawLedger",
+    "PrivacyPlan",
+    "SamplingMismatchError",
+    "check_clipping",
+    "check_noise_multiplier",
+    "planned_steps",
+]
