@@ -409,7 +409,7 @@ class PrivacyPlan:
             "expected_batch_size": self.expected_batch_size,
             "steps": self.steps,
             "steps_per_epoch": self.steps_per_epoch,
-            "accountant": self.accountant.mechanism if self.accountant is not None else None,
+            "accountant": str(self.accountant.mechanism) if self.accountant is not None else None,
             "sampling": self.sampling,
             "secure_mode": self.secure_mode,
         }

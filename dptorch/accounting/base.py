@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Dict, List, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Sequence, Tuple
 
 from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
 
@@ -39,6 +39,21 @@ def merge_runs(history: List[List[Any]] | Tuple[Run, ...]) -> Tuple[Run, ...]:
     return tuple((sigma, q, count) for (sigma, q), count in counts.items() if count > 0)
 
 
+class MechanismName(str):
+    """An accountant's short name ("rdp"), also callable: Opacus spells it ``accountant.mechanism()``.
+
+    It compares, hashes, formats and serialises (JSON, pickle) as the plain string.
+    """
+
+    __slots__ = ()
+
+    def __call__(self) -> str:
+        return str(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Tuple[Any, ...]:
+        return (str, (str(self),))  # a plain str in pickles: torch.load(weights_only=True) accepts it
+
+
 class Accountant(ABC):
     """Tracks DP-SGD steps (Poisson-sampled Gaussian mechanism) and converts them to (eps, delta).
 
@@ -46,8 +61,15 @@ class Accountant(ABC):
     sample rate form one ``[sigma, q, count]`` entry, so long runs cost nothing to store.
     """
 
-    #: Short name of the accounting method ("pld", "prv", "rdp", "gdp").
-    mechanism: ClassVar[str] = ""
+    #: Short name of the accounting method ("pld", "prv", "rdp", "gdp"); a :class:`MechanismName`,
+    #: so Opacus' ``accountant.mechanism()`` works too.
+    mechanism: ClassVar[str] = MechanismName("")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("mechanism")
+        if isinstance(name, str) and not isinstance(name, MechanismName):
+            cls.mechanism = MechanismName(name)
 
     def __init__(self) -> None:
         self._history: List[List[Any]] = []
@@ -67,6 +89,24 @@ class Accountant(ABC):
         else:
             self._history.append([sigma, q, count])
         self._epsilon_cache.clear()
+
+    def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
+        """Opacus' hook: ``optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(q))``.
+
+        The hook records one step at the optimizer's current ``noise_multiplier`` and rate
+        ``sample_rate`` (times the optimizer's ``accumulated_iterations`` where it has one, as in
+        Opacus) each time the optimizer takes a step. ``PrivacyEngine`` needs no such hook: its
+        optimizer reports every step to the engine's accountant.
+        """
+        rate = check_sample_rate(sample_rate)
+
+        def hook_fn(optimizer: Any) -> None:
+            self.step(
+                noise_multiplier=optimizer.noise_multiplier,
+                sample_rate=rate * getattr(optimizer, "accumulated_iterations", 1),
+            )
+
+        return hook_fn
 
     @property
     def history(self) -> List[List[Any]]:
@@ -120,7 +160,7 @@ class Accountant(ABC):
     def state_dict(self) -> Dict[str, Any]:
         """Plain Python state (str, int, float, lists) that ``torch.load(weights_only=True)`` accepts."""
         return {
-            "mechanism": self.mechanism,
+            "mechanism": str(self.mechanism),  # a plain str: weights_only loads no str subclass
             "version": STATE_VERSION,
             "history": [[float(sigma), float(q), int(count)] for sigma, q, count in self._history],
         }

@@ -66,6 +66,10 @@ class RDPAccountant(Accountant):
             )
         return epsilon, float(best_order)
 
+    def get_privacy_spent(self, *, delta: float, alphas: Optional[Sequence[float]] = None) -> Tuple[float, float]:
+        """Opacus' name for :meth:`get_epsilon_and_best_alpha`: ``(epsilon, best order)``."""
+        return self.get_epsilon_and_best_alpha(delta, alphas)
+
     def get_epsilon(self, delta: float, alphas: Optional[Sequence[float]] = None) -> float:
         """Smallest epsilon over the orders of ``alphas`` (default: ``self.orders``)."""
         return self.get_epsilon_and_best_alpha(delta, alphas)[0]

@@ -47,18 +47,35 @@ UNFOLLOWED: Counter = Counter()  # names of operations the tracker has no rule f
 
 
 class Lost:
-    """A batch-derived tensor whose batch dimension is gone; ``reason`` says where."""
+    """A batch-derived tensor whose batch dimension is gone; ``reason`` says where.
 
-    __slots__ = ("reason",)
+    Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
+    ``sorted_indices`` or None) and "permuted" (the batch along ``dim``, but row ``i`` is sample
+    ``order[i]``); gathering the rows back into the batch's order makes them batched again. A
+    ``weak`` one was derived from weak evidence only, and gives way to a strong batch dim.
+    """
 
-    def __init__(self, reason: str) -> None:
+    __slots__ = ("reason", "kind", "dim", "order", "weak")
+
+    def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
+                 weak: bool = False) -> None:
         self.reason = reason
+        self.kind = kind
+        self.dim = dim
+        self.order = order
+        self.weak = weak  # derived only from weak evidence: gives way to a strong batch dim
 
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"
 
 
-PACKED = Lost("the data of a PackedSequence (the rows of all samples interleaved by time step)")
+_PACKED_REASON = "the data of a PackedSequence (the rows of all samples interleaved by time step)"
+PACKED = Lost(_PACKED_REASON, "packed")
+
+
+def packed(order: Optional[Tensor]) -> Lost:
+    """The tag of a PackedSequence's data whose sequences are in ``order`` (its sorted_indices)."""
+    return PACKED if order is None else Lost(_PACKED_REASON, "packed", 0, order)
 
 
 class OriginCall:
@@ -156,10 +173,11 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
     """
     strong = [g for g in tags if type(g) is int and not g & WEAK]
     weak = [g for g in tags if type(g) is int and g & WEAK]
-    lost = next((g for g in tags if type(g) is Lost), None)
+    losts = [g for g in tags if type(g) is Lost]
+    lost = next((g for g in losts if not g.weak), losts[0] if losts else None)
     if strong or weak:
         primary = (strong or weak)[0]
-        if lost is not None and n > 1:
+        if lost is not None and n > 1 and (not lost.weak or not strong):
             return "lost", (), lost
         dims = []
         for g in tags:
@@ -305,8 +323,16 @@ class BatchTracker(TorchFunctionMode):
         if self.get(t) is None or strong:
             self.put(t, dim if strong else dim + WEAK)
 
-    def lost(self, reason: str) -> Optional[Lost]:
-        return Lost(reason) if self.n > 1 else None
+    def lost(self, reason: str, tag: Any = None) -> Optional[Lost]:
+        """A ``Lost`` (None for a batch of at most one sample), weak if ``tag`` (what it came from) is."""
+        weak = (type(tag) is int and bool(tag & WEAK)) or (type(tag) is Lost and tag.weak)
+        return Lost(reason, weak=weak) if self.n > 1 else None
+
+    def lost_from(self, reason: str, tags: Sequence[Any]) -> Optional[Lost]:
+        """A ``Lost`` from several inputs: weak only if every batch-derived one is."""
+        derived = [g for g in tags if type(g) is int or type(g) is Lost]
+        weak = bool(derived) and all((type(g) is int and g & WEAK) or (type(g) is Lost and g.weak) for g in derived)
+        return Lost(reason, weak=weak) if self.n > 1 else None
 
     # ---------------------------------------------------------------- dispatch
 
@@ -350,7 +376,7 @@ class BatchTracker(TorchFunctionMode):
         """
         strong: List[int] = []
         weak: List[int] = []
-        lost = None
+        lost = None  # the first strong Lost, else the first weak one
         origins: List[int] = []
         for i, (tag, ndim, out_ndim) in enumerate(items):
             if tag is None:
@@ -359,16 +385,25 @@ class BatchTracker(TorchFunctionMode):
                 d = (tag & _DIM) + out_ndim - ndim
                 (weak if tag & WEAK else strong).append(d)
             elif type(tag) is Lost:
-                lost = tag if lost is None or lost is tag else Lost(tag.reason)
+                if lost is None or (lost.weak and not tag.weak):
+                    lost = tag
             else:
                 origins.append(i)
-        if strong or weak:
-            dims = strong or weak
-            if any(d != dims[0] for d in dims) and self.n > 1:
+        if self.n <= 1:
+            lost = None
+        if strong:
+            if any(d != strong[0] for d in strong):
                 return Lost("an operation that aligns the batch of one input with another dimension of another"), []
-            if lost is not None and self.n > 1:
+            if lost is not None and not lost.weak:
                 return lost, []
-            return dims[0] + (0 if strong else WEAK), origins
+            return strong[0], origins
+        if weak:
+            if any(d != weak[0] for d in weak):
+                return Lost("an operation that aligns the batch of one input with another dimension of another",
+                            weak=True), []
+            if lost is not None:
+                return lost, []
+            return weak[0] + WEAK, origins
         if lost is not None:
             return lost, []
         if origins:
@@ -456,6 +491,24 @@ def _replace(args: tuple, kwargs: dict, where, value):
 
 def _broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name: str = ""):
     """Elementwise operations, broadcasting their tensor arguments."""
+    if not inplace:  # fast path: one tagged argument (the others shared), nothing meets
+        table = tr._table
+        single = None
+        for a in args if not kwargs else (*args, *kwargs.values()):
+            if isinstance(a, Tensor):
+                entry = table.get(id(a))
+                if entry is not None and entry[0]() is a:
+                    if single is not None:
+                        single = None
+                        break
+                    single = (a, entry[1])
+        else:
+            if single is not None:
+                out = func(*args, **kwargs)
+                tag = single[1]
+                if isinstance(out, Tensor):
+                    tr.put(out, tag + (out.ndim - single[0].ndim) if type(tag) is int else tag)
+                return out
     tensors = list(_tensors_of(args, kwargs))
     if inplace and tensors and tensors[0][0] == ("a", 0):
         out_ndim = tensors[0][1].ndim
@@ -493,7 +546,7 @@ def _to_base(tr: BatchTracker, view: Tensor, tag: Any) -> None:
     if len(candidates) == 1 and (old is None or type(old) is tuple or (type(old) is int and old & _DIM == candidates[0])):
         tr.put(base, (tag & WEAK) | candidates[0])
     elif not (type(old) is int and old & _DIM in candidates):
-        tr.put(base, tr.lost("an in-place write of batched values into a view of a shared tensor"))
+        tr.put(base, tr.lost("an in-place write of batched values into a view of a shared tensor", tag))
 
 
 def _self_only(tr, func, args, kwargs):
@@ -518,7 +571,7 @@ def _structural(dimfn: Callable, inplace: bool = False):
             return out
         if type(tag) is int:
             new = dimfn(tag & _DIM, shape, args, kwargs, out if not inplace else x)
-            tag = (tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} ({new})")
+            tag = (tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} ({new})", tag)
         if inplace:
             tr.put(x, tag)
         else:
@@ -743,7 +796,7 @@ def _reduction(tr: BatchTracker, func, args, kwargs):
         dims = _dims_arg(dim, ndim)
         d = tag & _DIM
         if dims is None or d in dims:
-            tag = tr.lost(f"{name} over the batch dimension")
+            tag = tr.lost(f"{name} over the batch dimension", tag)
         else:
             tag = (tag & WEAK) | (d if keepdim else d - sum(1 for i in dims if i < d))
     tr.put_all(out, tag)
@@ -786,7 +839,7 @@ def _matmul_pair(tr, func, args, kwargs, ia, ib, extra: Optional[int] = None):
     for t, tag, left, other in ((a, ta, True, b), (b, tb, False, a)):
         if type(tag) is int:
             new = _matmul_dims(tag & _DIM, t.ndim, other.ndim, out_ndim, left)
-            items.append(((tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} {new}"), out_ndim, out_ndim))
+            items.append(((tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} {new}", tag), out_ndim, out_ndim))
         else:
             items.append((tag, out_ndim, out_ndim))
     if extra is not None:
@@ -819,10 +872,10 @@ def _linear(tr: BatchTracker, func, args, kwargs):
         raise tr.unsupported_meeting(next(o for o in others if type(o) is tuple), "linear as its weight")
     out = func(*args, **kwargs)
     if any(type(o) is int or type(o) is Lost for o in others):
-        tr.put(out, tr.lost("linear with weights derived from the batch"))
+        tr.put(out, tr.lost_from("linear with weights derived from the batch", others))
     elif type(tag) is int:
         d = tag & _DIM
-        tr.put(out, tag if d < x.ndim - 1 else tr.lost("linear over the batch dimension"))
+        tr.put(out, tag if d < x.ndim - 1 else tr.lost("linear over the batch dimension", tag))
     elif tag is not None or any(type(o) is tuple for o in others):
         tr.put(out, tag if tag is not None else next(o for o in others if type(o) is tuple))
     return out
@@ -869,7 +922,7 @@ def _einsum_tag(tr: BatchTracker, equation: str, operands: List[Tensor], tags: L
             if letter in output:
                 items.append(((tag & WEAK) | output.index(letter), len(output), len(output)))
             else:
-                items.append((tr.lost("einsum contracts the batch dimension"), 0, 0))
+                items.append((tr.lost("einsum contracts the batch dimension", tag), 0, 0))
         else:
             items.append((tag, 0, 0))
     return tr.combine(items)[0]
@@ -891,7 +944,7 @@ def _sdpa(tr: BatchTracker, func, args, kwargs):
             else:
                 pos = d + out_ndim - t.ndim
                 bad = d == t.ndim - 1 or (i > 0 and d == t.ndim - 2)
-            tag = tr.lost("attention across the batch dimension") if bad else (tag & WEAK) | pos
+            tag = tr.lost("attention across the batch dimension", tag) if bad else (tag & WEAK) | pos
             items.append((tag, out_ndim, out_ndim))
         else:
             items.append((tag, out_ndim, out_ndim))
@@ -928,7 +981,7 @@ def _cat(tr: BatchTracker, func, args, kwargs):
             if stack:
                 d = d + 1 if d >= dim else d
             elif d == dim:
-                tag = tr.lost("concatenates along the batch dimension")
+                tag = tr.lost("concatenates along the batch dimension", tag)
                 items.append((tag, ndim, ndim))
                 continue
             items.append(((tag & WEAK) | d, ndim, ndim))
@@ -959,11 +1012,11 @@ def _split(tr: BatchTracker, func, args, kwargs):
         d = tag & _DIM
         if name == "unbind":
             dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), x.ndim)
-            tag = tr.lost("unbinds the batch") if dim == d else (tag & WEAK) | (d - (1 if dim < d else 0))
+            tag = tr.lost("unbinds the batch", tag) if dim == d else (tag & WEAK) | (d - (1 if dim < d else 0))
         else:
             dim = _norm_dim(int(_arg(args, kwargs, 2, "dim", 0)), x.ndim)
             if dim == d and not (len(out) == 1 and out[0].shape[d] == x.shape[d]):
-                tag = tr.lost(f"{name} along the batch dimension")
+                tag = tr.lost(f"{name} along the batch dimension", tag)
     tr.put_all(out, tag)
     return out
 
@@ -986,7 +1039,7 @@ def _gather(tr: BatchTracker, func, args, kwargs):
     for t in parts:
         tag = tr.get(t)
         if type(tag) is int and (dim is None or (tag & _DIM) + out_ndim - t.ndim == dim):
-            tag = tr.lost(f"{name} along the batch dimension")
+            tag = tr.lost(f"{name} along the batch dimension", tag)
         items.append((tag, t.ndim, out_ndim))
     tag, meeting = tr.combine(items)
     if meeting:
@@ -1001,7 +1054,7 @@ def _take(tr, func, args, kwargs):
     tx, ti = tr.get(x), tr.get(index)
     out = func(*args, **kwargs)
     if tx is not None and type(tx) is not tuple:
-        tr.put(out, tr.lost("take over the flattened batch"))
+        tr.put(out, tr.lost("take over the flattened batch", tx))
     elif type(tx) is tuple and type(ti) is int:
         raise tr.unsupported_meeting(tx, "take with batched indices")
     else:
@@ -1062,6 +1115,18 @@ def _index_layout(x: Tensor, index: Any):
     return layout, advanced, removed, partial_
 
 
+def _identity_index_dim(index: Any, n: int) -> Optional[int]:
+    """The dim along which an integer index tensor is ``arange(n)`` (sizes 1 elsewhere), else None."""
+    if not isinstance(index, Tensor) or index.dtype in (torch.bool, torch.uint8) or index.numel() != n:
+        return None
+    dims = [i for i, s in enumerate(index.shape) if s != 1]
+    if len(dims) > 1 or (not dims and n != 1):
+        return None
+    if not torch.equal(index.reshape(-1).to("cpu"), torch.arange(n)):
+        return None
+    return dims[0] if dims else 0
+
+
 def _advanced_block(layout: List[Any], advanced) -> Tuple[List[Any], int, int]:
     """Replace the "A" markers by the advanced block: (layout, block start, block rank)."""
     rank = 0
@@ -1088,7 +1153,7 @@ def _getitem(tr: BatchTracker, func, args, kwargs):
     try:
         tag = _index_tag(tr, x, index, xtag, out.ndim)
     except (TypeError, ValueError, IndexError):
-        tag = tr.lost("indexing the tracker does not follow") if xtag is not None else None
+        tag = tr.lost("indexing the tracker does not follow", xtag) if xtag is not None else None
     tr.put(out, tag)
     return out
 
@@ -1100,12 +1165,18 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
     if type(xtag) is int:
         d = xtag & _DIM
         if d in removed:
-            return tr.lost("indexes one sample")
-        if any(d in dims for _, dims in advanced):
-            return tr.lost("indexes the batch dimension with a tensor")
-        if d in partial_:
-            return tr.lost("slices part of the batch")
-        items.append(((xtag & WEAK) | layout.index(d), out_ndim, out_ndim))
+            return tr.lost("indexes one sample", xtag)
+        by = next((it for it, dims in advanced if d in dims), None)
+        if by is not None:
+            at = _identity_index_dim(by, x.shape[d])
+            if at is None:
+                return tr.lost("indexes the batch dimension with a tensor", xtag)
+            # x[arange(n)[:, None], ...]: row i of the result is sample i's (HF's padding masks, pooling)
+            items.append(((xtag & WEAK) | (start + at + rank - by.ndim), out_ndim, out_ndim))
+        elif d in partial_:
+            return tr.lost("slices part of the batch", xtag)
+        else:
+            items.append(((xtag & WEAK) | layout.index(d), out_ndim, out_ndim))
     else:
         items.append((xtag, out_ndim, out_ndim))
     for it, _ in advanced:
@@ -1113,7 +1184,7 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
             tag = tr.get(it)
             if type(tag) is int:
                 if it.dtype in (torch.bool, torch.uint8):
-                    tag = tr.lost("a boolean mask over the batch")
+                    tag = tr.lost("a boolean mask over the batch", tag)
                 else:
                     tag = (tag & WEAK) | (start + (tag & _DIM) + rank - it.ndim)
             elif type(tag) is tuple:
@@ -1145,13 +1216,13 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
         if type(src) is int:
             new = tr.combine([((vtag & WEAK) | src, x.ndim, x.ndim), (xtag if type(xtag) is not tuple else None, x.ndim, x.ndim)])[0]
             if type(xtag) is tuple:
-                new = tr.lost("batched values written into a shared tensor")
+                new = tr.lost("batched values written into a shared tensor", vtag)
         else:
-            new = tr.lost("batched values written across the batch dimension")
+            new = tr.lost("batched values written across the batch dimension", vtag)
     elif type(vtag) is int:
-        new = tr.lost("batched values written by an index the tracker does not follow")
+        new = tr.lost("batched values written by an index the tracker does not follow", vtag)
     elif type(vtag) is Lost:
-        new = vtag if xtag is None or type(xtag) is not int else tr.lost(vtag.reason)
+        new = vtag if xtag is None or type(xtag) is not int else tr.lost(vtag.reason, vtag)
     elif type(vtag) is tuple:
         if type(xtag) is int and layout is not None and (xtag & _DIM) in layout:
             value = tr.meet(value, region_ndim, layout.index(xtag & _DIM))
@@ -1169,27 +1240,57 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
 
 def _pad_packed(tr: BatchTracker, func, args, kwargs):
     data = args[0]
-    batch_first = bool(_arg(args, kwargs, 2, "batch_first", False))
+    dim = 0 if bool(_arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(data)
     out = func(*args, **kwargs)
-    if tag is PACKED or type(tag) is int:
-        tr.put(out[0], 0 if batch_first else 1)
-        tr.put(out[1], 0)
+    if type(tag) is Lost and tag.kind == "packed":
+        # rows in the packed (sorted) order; pad_packed_sequence gathers them back with unsorted_indices
+        tr.put(out[0], dim if tag.order is None else Lost("the batch in sorted order", "permuted", dim, tag.order))
     elif tag is not None:
-        tr.put_all(out, tag)
+        tr.put(out[0], tag if type(tag) is tuple else tr.lost("pads data that is not a PackedSequence's"))
     return out
 
 
 def _pack_padded(tr: BatchTracker, func, args, kwargs):
     x = args[0]
-    batch_first = bool(_arg(args, kwargs, 2, "batch_first", False))
+    dim = 0 if bool(_arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(x)
     out = func(*args, **kwargs)
-    if type(tag) is int and (tag & _DIM) == (0 if batch_first else 1):
+    if type(tag) is int and (tag & _DIM) == dim:
         tr.put(out[0], PACKED)
+    elif type(tag) is Lost and tag.kind == "permuted" and tag.dim == dim:
+        tr.put(out[0], packed(tag.order))
     elif tag is not None:
         tr.put(out[0], tr.lost("packs a tensor whose batch is not where pack_padded_sequence expects it"))
     return out
+
+
+def _index_select(tr: BatchTracker, func, args, kwargs):
+    """index_select along the batch dim: a permutation of the rows keeps track of their samples."""
+    x = args[0]
+    tag = tr.get(x)
+    dim = _norm_dim(int(_arg(args, kwargs, 1, "dim")), max(x.ndim, 1))
+    index = _arg(args, kwargs, 2, "index")
+    out = func(*args, **kwargs)
+    if tag is None:
+        return out
+    if type(tag) is int and (tag & _DIM) == dim:
+        tag = _reorder(tr, tag, None, dim, index, x.shape[dim])
+    elif type(tag) is Lost and tag.kind == "permuted" and tag.dim == dim:
+        tag = _reorder(tr, dim, tag.order, dim, index, x.shape[dim])
+    tr.put(out, tag)
+    return out
+
+
+def _reorder(tr: BatchTracker, tag: int, order: Optional[Tensor], dim: int, index: Tensor, n: int) -> Any:
+    index = index.reshape(-1).to("cpu")
+    identity = torch.arange(n)
+    new = index if order is None else order.to("cpu")[index]
+    if torch.equal(new, identity):
+        return tag
+    if new.numel() == n and torch.equal(new.sort().values, identity):
+        return Lost("the batch in another order", "permuted", dim, new, weak=bool(tag & WEAK))
+    return tr.lost("index_select along the batch dimension", tag)
 
 
 def _embedding_bag(tr: BatchTracker, func, args, kwargs):
@@ -1199,10 +1300,10 @@ def _embedding_bag(tr: BatchTracker, func, args, kwargs):
     out = func(*args, **kwargs)
     result = out[0] if isinstance(out, tuple) else out
     if x.ndim == 2:
-        new = tag if type(tag) is not int or tag & _DIM == 0 else tr.lost("embedding_bag across the batch")
+        new = tag if type(tag) is not int or tag & _DIM == 0 else tr.lost("embedding_bag across the batch", tag)
     else:
         otag = tr.get(offsets) if isinstance(offsets, Tensor) else None
-        new = otag if type(otag) is int and otag & _DIM == 0 else (tag if tag is None or type(tag) is tuple else tr.lost("embedding_bag of flat indices"))
+        new = otag if type(otag) is int and otag & _DIM == 0 else (tag if tag is None or type(tag) is tuple else tr.lost("embedding_bag of flat indices", tag))
     tr.put(result, new)
     return out
 
@@ -1216,13 +1317,14 @@ def _loss(tr: BatchTracker, func, args, kwargs):
     if isinstance(out, Tensor) and out.ndim and type(tag) is int and tag & _DIM == 0:
         tr.put(out, tag)
     else:
-        tr.put(out, tr.lost(f"{_name(func)} (a loss over the batch)"))
+        tr.put(out, tr.lost_from(f"{_name(func)} (a loss over the batch)", [tr.get(t) for _, t in _tensors_of(args, kwargs)]))
     return out
 
 
 def _lost_if_tagged(tr, func, args, kwargs, reason: Optional[str] = None):
+    tags = [tr.get(t) for _, t in _tensors_of(args, kwargs)]
     out = func(*args, **kwargs)
-    tr.put_all(out, tr.lost(reason or f"{_name(func)}, which the tracker does not follow"))
+    tr.put_all(out, tr.lost_from(reason or f"{_name(func)}, which the tracker does not follow", tags))
     return out
 
 
@@ -1236,7 +1338,7 @@ def _cosine(tr: BatchTracker, func, args, kwargs):  # cosine_similarity(x1, x2, 
         dim = out_ndim - 1 if name == "pairwise_distance" else _norm_dim(int(_arg(args, kwargs, 2, "dim", 1)), out_ndim)
         keep = name == "pairwise_distance" and bool(_arg(args, kwargs, 4, "keepdim", False))
         d = tag & _DIM
-        tag = tr.lost(f"{name} across the batch dimension") if d == dim else (tag & WEAK) | (d if keep or d < dim else d - 1)
+        tag = tr.lost(f"{name} across the batch dimension", tag) if d == dim else (tag & WEAK) | (d if keep or d < dim else d - 1)
     tr.put(out, tag)
     return out
 
@@ -1261,7 +1363,7 @@ def _default(tr: BatchTracker, func, args, kwargs):
         if match is not None:
             tr.put(o, match)
         elif batched or any(type(g) is Lost for _, g in tags):
-            tr.put(o, tr.lost(f"{name}, an operation the batch tracker does not follow"))
+            tr.put(o, tr.lost_from(f"{name}, an operation the batch tracker does not follow", [g for _, g in tags]))
         elif origins:
             tr.put(o, tuple(dict.fromkeys(x for g in origins for x in g)))
     return out
@@ -1333,7 +1435,7 @@ _RULES.update({
     "expand": _structural(_d_expand), "expand_as": _structural(_d_expand), "broadcast_to": _structural(_d_expand),
     "repeat": _structural(_d_repeat), "tile": _structural(_d_repeat),
     "repeat_interleave": _structural(_d_repeat_interleave), "narrow": _structural(_d_narrow),
-    "select": _structural(_d_select), "index_select": _structural(_dim_is_batch(1, "dim", reason="index_select along the batch dimension")),
+    "select": _structural(_d_select), "index_select": _index_select,
     "unfold": _structural(_d_unfold),
     "softmax": _structural(_d_softmax), "log_softmax": _structural(_d_softmax), "softmin": _structural(_d_softmax),
     "cumsum": _structural(_dim_is_batch(1, "dim")), "cumprod": _structural(_dim_is_batch(1, "dim")),

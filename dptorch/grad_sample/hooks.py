@@ -29,7 +29,16 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample import expanded_weights
-from dptorch.grad_sample.batch_tracking import PACKED as _PACKED, WEAK, BatchTracker, CallBatch, OriginCall, classify, origin_grads
+from dptorch.grad_sample.batch_tracking import (
+    WEAK,
+    BatchTracker,
+    CallBatch,
+    OriginCall,
+    classify,
+    origin_grads,
+    packed,
+    rows_to_dense,
+)
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
@@ -131,6 +140,7 @@ class GradSampleHooks:
         self._replaying = False
         self._tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
         self._root_depth = 0
+        self._tracking_off = False  # the tracker stepped aside for a layer call
         self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
         self._in_backward = False
         self._round_done = False
@@ -138,6 +148,7 @@ class GradSampleHooks:
         self._attached = False
         self._check_compatible(strict)
         self._attach()
+        self._attach_batch_tracking()
 
     # ------------------------------------------------------------------ attach / detach
 
@@ -320,7 +331,7 @@ class GradSampleHooks:
             strong = value is primary or (dim == 0 and name in _PER_SAMPLE_KEYS)
             for leaf in tree_flatten(value)[0] if not isinstance(value, PackedSequence) else [value]:
                 if isinstance(leaf, PackedSequence):
-                    tracker.put(leaf.data, _PACKED)
+                    tracker.put(leaf.data, packed(leaf.sorted_indices))
                 elif isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == n:
                     tracker.tag_root(leaf, dim, strong or leaf is primary)
         tracker.__enter__()
@@ -329,8 +340,42 @@ class GradSampleHooks:
     def _stop_tracking(self) -> None:
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
-            tracker.__exit__(None, None, None)
+            if not self._tracking_off:
+                tracker.__exit__(None, None, None)
+            self._tracking_off = False
             tracker.close()
+
+    def _attach_batch_tracking(self) -> None:
+        """Inside a capturing call of a leaf layer with a grad sampler, the layer's own operations
+        need not be followed: its output is batched where its input is (a sampler's layer works row
+        by row). The tracker steps aside for the call (a pre-hook that runs before the others)."""
+        if self.grad_sample_mode == "ew":
+            return
+        for module, layer in self._layers.items():
+            if layer.sampler is not None and next(module.children(), None) is None:
+                self._handles.append(module.register_forward_pre_hook(self._enter_leaf_layer, prepend=True))
+
+    def _enter_leaf_layer(self, module: nn.Module, args: tuple) -> None:
+        layer = self._layers.get(module)
+        if self._tracker is not None and layer is not None and self._capturing(module) and any(
+            p.requires_grad for p in layer.params.values()
+        ):
+            self._suspend_tracking()
+
+    def _suspend_tracking(self) -> None:
+        """Take the tracker off torch's mode stack (if it is on top) until ``_resume_tracking``."""
+        tracker = self._tracker
+        if tracker is None or self._tracking_off:
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is tracker:
+            torch._C._pop_torch_function_stack()
+            self._tracking_off = True
+
+    def _resume_tracking(self) -> None:
+        if self._tracking_off and self._tracker is not None:
+            torch._C._push_on_torch_function_stack(self._tracker)
+        self._tracking_off = False
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if module is not self.module or self._replaying:
@@ -371,12 +416,14 @@ class GradSampleHooks:
             return
         rows = _infer_batch_size(args, kwargs, self._batch_dim)
         tensors = _tensor_arguments(module, args, kwargs)
-        if self._tracker is not None and tensors:
+        if self._tracker is not None and tensors:  # the batch must derive from the root's, along dim 0
             kind, dims, _ = classify([self._tracker.get(t) for t in tensors], self._tracker.n)
-            ok = kind == "single" or (kind == "batched" and dims[0] == 0)
-            rows = self.last_batch_size if ok else tensors[0].shape[0] if tensors[0].dim() else 1
-            if not ok and rows == self.last_batch_size:
-                rows = f"inputs that do not derive from the batch, or not along dim 0 ({tuple(tensors[0].shape)}), with {rows}"
+            rows = tensors[0].shape[0] if tensors[0].dim() else 1
+            if kind == "batched" and dims[0] == 0:
+                rows = self.last_batch_size
+            elif kind != "single" and rows == self.last_batch_size:
+                rows = (f"inputs of shape {tuple(tensors[0].shape)} whose {rows} rows are not the batch's (they do not "
+                        "derive from it along dim 0), so it is called with no")
         if rows is not None and rows != self.last_batch_size:
             layer = self._layers[module]
             raise PerSampleGradientError(
@@ -427,6 +474,13 @@ class GradSampleHooks:
         self._suppressed[module] = params
 
     def _on_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        self._suspend_tracking()  # our own operations are not the model's
+        try:
+            return self._layer_forward(module, args, kwargs, output)
+        finally:
+            self._resume_tracking()
+
+    def _layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         suppressed = self._suppressed.pop(module, None)
         if suppressed:
             for p in suppressed.values():
@@ -436,6 +490,7 @@ class GradSampleHooks:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad and id(t) not in inputs:
                     t.requires_grad_()  # no input needed grad: the output becomes the graph's leaf
         if not self._capturing(module):
+            self._note_uncaptured_call(module, args, kwargs, output)
             return None
         layer = self._layers[module]
         params = suppressed or {name: p for name, p in layer.params.items() if p.requires_grad}
@@ -454,18 +509,15 @@ class GradSampleHooks:
         if not output.requires_grad:
             return None
         activations = _tensor_arguments(layer.module, args, kwargs)
-        n = self._batch_size_for(output)
-        if self._is_broadcast(output, n):
-            # Shared by the whole batch (e.g. GPT-2's position_ids of shape (1, T)): give each
-            # sample its own row so that its gradient is kept apart.
-            if not all(self._is_broadcast(a, n) for a in activations):
-                raise self._not_per_sample(layer, output, n)
-            output = _expand_batch(output, self._batch_dim, n)
-            activations = tuple(_expand_batch(a, self._batch_dim, n) for a in activations)
-        elif not self._has_batch(output, n):
-            raise self._not_per_sample(layer, output, n)
-        on_backward = partial(self._layer_backward, layer, params, n)
-        return tap((output,), activations, on_backward)[0]
+        call, tag, chained = self._classify_call(layer, activations, (output,))
+        if call.kind == "batched":
+            dim = call.output_dims[0]
+            if dim is None or output.dim() <= dim or output.shape[dim] != call.n:
+                raise self._not_per_sample(layer, output, call.n, dim)
+        on_backward = partial(self._layer_backward, layer, params, call)
+        tapped = tap((output,), activations, on_backward)
+        self._tag_outputs(call, tapped, [tag], chained)
+        return tapped[0]
 
     def _capture_for_replay(self, layer: _Layer, params, args, kwargs, output):
         out_leaves, out_spec = tree_flatten(output)
@@ -474,71 +526,192 @@ class GradSampleHooks:
             return None
         call_leaves, call_spec = tree_flatten((args, kwargs))
         tensor_positions = [i for i, t in enumerate(call_leaves) if isinstance(t, torch.Tensor)]
-        n = self._batch_size_for(out_leaves[positions[0]])
-        for i in positions:
-            if self._is_broadcast(out_leaves[i], n):
-                out_leaves[i] = _expand_batch(out_leaves[i], self._batch_dim, n)
-            elif not self._has_batch(out_leaves[i], n):
-                raise self._not_per_sample(layer, out_leaves[i], n)
-        on_backward = partial(self._replay_backward, layer, params, n, call_leaves, call_spec, tensor_positions, positions)
-        tapped = tap([out_leaves[i] for i in positions], [call_leaves[i] for i in tensor_positions], on_backward)
+        outputs = [out_leaves[i] for i in positions]
+        call, _, chained = self._classify_call(layer, [call_leaves[i] for i in tensor_positions], outputs)
+        tags = [self._tracker.get(t) for t in outputs] if self._tracker is not None else [None] * len(outputs)
+        on_backward = partial(self._replay_backward, layer, params, call, call_leaves, call_spec, tensor_positions, positions)
+        tapped = tap(outputs, [call_leaves[i] for i in tensor_positions], on_backward)
+        self._tag_outputs(call, tapped, tags, chained)
         for i, t in zip(positions, tapped):
             out_leaves[i] = t
         return tree_unflatten(out_leaves, out_spec)
 
-    def _batch_size_for(self, output: torch.Tensor) -> int:
-        """The batch size of the current root call, else the rows of this output."""
-        if self._batch_size is not None:
-            return self._batch_size
-        return output.shape[self._batch_dim] if output.dim() > self._batch_dim else 1
+    def _classify_call(self, layer: _Layer, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]):
+        """How this call carries the batch (a ``CallBatch``), from what its inputs derive from.
 
-    def _has_batch(self, t: torch.Tensor, n: int) -> bool:
-        return t.dim() > self._batch_dim and t.shape[self._batch_dim] == n
+        Also returns the tag of its primary batched input and the origins (layer calls without a
+        batched input) its inputs derive from. Outside a tracked forward (recomputation under
+        activation checkpointing, a layer called directly) the decision made for the same layer
+        and input shapes in the forward is reused.
+        """
+        tracker = self._tracker
+        if tracker is None:
+            return self._recall_call(layer, tensors, outputs), None, ()
+        n = tracker.n
+        tags = [tracker.get(t) for t in tensors]
+        if n <= 1:  # one sample cannot be mixed with others; only a dim of one row can be its batch dim
+            tags = [g if type(g) is not int or (t.dim() > g & (WEAK - 1) and t.shape[g & (WEAK - 1)] == n) else None
+                    for t, g in zip(tensors, tags)]
+        kind, dims, primary = classify(tags, n)
+        if kind == "lost":
+            raise self._lost_batch(layer, next(t for t, g in zip(tensors, tags) if g is primary), primary)
+        if kind == "batched":
+            for t, d in zip(tensors, dims):
+                if d is not None and (t.dim() <= d or t.shape[d] != n):
+                    raise self._not_per_sample(layer, t, n, d)
+            if layer.sampler is not None:
+                out_dims: Tuple[Optional[int], ...] = (primary & (WEAK - 1),)
+            else:
+                out_tags = [tracker.get(t) for t in outputs]
+                out_dims = tuple(g & (WEAK - 1) if type(g) is int else None for g in out_tags)
+            if n <= 1:
+                out_dims = tuple(d if d is not None and o.dim() > d and o.shape[d] == n else None for o, d in zip(outputs, out_dims))
+            call = CallBatch("batched", n, dims, out_dims)
+            if n <= 1 and layer.sampler is not None and out_dims[0] is None:
+                call = CallBatch("single", n, (None,) * len(tensors), (None,))
+        else:
+            call = CallBatch(kind, n, dims, (None,) * len(outputs))
+        self._remember_call(layer.module, tensors, call)
+        if kind == "origin":
+            call = CallBatch("origin", n, dims, call.output_dims, tuple(OriginCall(layer.name, n) for _ in outputs))
+        chained = tuple(dict.fromkeys(o for g in tags if type(g) is tuple for o in g))
+        return call, primary, chained
 
-    def _is_broadcast(self, t: torch.Tensor, n: int) -> bool:
-        return n != 1 and t.dim() > self._batch_dim and t.shape[self._batch_dim] == 1
+    def _tag_outputs(self, call: CallBatch, tapped: Sequence[torch.Tensor], tags: Sequence[Any], chained: tuple) -> None:
+        """Tag the tapped outputs for the tracker: a batched call's outputs keep the batch;
+        an origin call's outputs are where its per-sample gradients will be gathered."""
+        tracker = self._tracker
+        for j, alias in enumerate(tapped):
+            if call.kind == "origin":
+                origin = call.origins[j]
+                origin.bind(alias)
+                if tracker is not None:
+                    tracker.add_origin(origin)
+                    tracker.put(alias, (origin,) + chained)
+            elif tracker is not None and tags[j] is not None:
+                tracker.put(alias, tags[j])
 
-    def _not_per_sample(self, layer: _Layer, t: torch.Tensor, n: int) -> PerSampleGradientError:
+    def _note_uncaptured_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """A hooked call in a tracked forward that captures nothing (grad disabled, e.g. the first
+        pass of reentrant checkpointing): remember its decision for the recomputation."""
+        tracker = self._tracker
+        layer = self._layers.get(module)
+        if tracker is None or layer is None or torch.is_grad_enabled() or not module.training or self._replaying:
+            return
+        if layer.sampler is not None:
+            tensors = list(_tensor_arguments(module, args, kwargs))
+            outputs = [output] if isinstance(output, torch.Tensor) else []
+        else:
+            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        try:
+            self._classify_call(layer, tensors, outputs)
+        except PerSampleGradientError:
+            pass  # reported if the call is ever captured
+
+    def _remember_call(self, module: nn.Module, tensors: Sequence[torch.Tensor], call: CallBatch) -> None:
+        memo = self._decisions.setdefault(module, {})
+        key = tuple([(t.shape, t.dtype) for t in tensors])
+        held = memo.get(key)
+        if held is None:
+            if len(memo) >= 64:
+                memo.pop(next(iter(memo)))
+            memo[key] = call
+        elif held is not _AMBIGUOUS and (held.kind, held.input_dims, held.output_dims) != (call.kind, call.input_dims, call.output_dims):
+            memo[key] = _AMBIGUOUS
+
+    def _recall_call(self, layer: _Layer, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> CallBatch:
+        """The decision for a call outside a tracked forward (see ``_classify_call``)."""
+        key = tuple([(t.shape, t.dtype) for t in tensors])
+        held = self._decisions.get(layer.module, {}).get(key)
+        if held is _AMBIGUOUS:
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(layer.module).__name__}) is recomputed outside the model's forward (activation "
+                "checkpointing), and the forward called it on inputs of these shapes both with and without the batch, "
+                "so which one this is cannot be told. Call it outside the checkpointed region, or use "
+                "use_reentrant=False."
+            )
+        if held is not None:
+            if held.kind == "origin":
+                return CallBatch("origin", held.n, held.input_dims, held.output_dims,
+                                 tuple(OriginCall(layer.name, held.n) for _ in outputs))
+            return held
+        # Called directly, outside any forward of the model: its own arguments are the batch, along batch_dim.
+        dim = self._batch_dim
+        first = next((t for t in tensors if t.dim() > dim), None)
+        if first is None:
+            return CallBatch("single", 1, (None,) * len(tensors), (None,) * len(outputs))
+        n = first.shape[dim]
+        dims = tuple(dim if t.dim() > dim and t.shape[dim] == n else None for t in tensors)
+        return CallBatch("batched", n, dims, tuple(dim if t.dim() > dim and t.shape[dim] == n else None for t in outputs))
+
+    def _not_per_sample(self, layer: _Layer, t: torch.Tensor, n: int, dim: Optional[int]) -> PerSampleGradientError:
+        where = f"along dim {dim}" if dim is not None else "along its batch dimension"
         return PerSampleGradientError(
             f"{layer.name} ({type(layer.module).__name__}) produced a tensor of shape {tuple(t.shape)}, which does "
-            f"not have the batch's {n} rows along dim {self._batch_dim}: it is shared by, or flattened across, "
+            f"not have the batch's {n} rows {where}: it is shared by, or flattened across, "
             "samples, so per-sample gradients of its parameters are not defined by this call. Freeze its "
             "parameters, give it inputs with one row per sample (check batch_first), or register a grad sampler."
         )
 
+    def _lost_batch(self, layer: _Layer, t: torch.Tensor, lost: Any) -> PerSampleGradientError:
+        return PerSampleGradientError(
+            f"{layer.name} ({type(layer.module).__name__}) is called on a tensor of shape {tuple(t.shape)} that derives "
+            f"from the batch but no longer has its batch dimension ({lost.reason}): it mixes or merges the samples, "
+            "so per-sample gradients of the layer's parameters are not defined. Keep the batch dimension through to "
+            "the layer (apply the layer to each sample's rows), or freeze its parameters."
+        )
+
     # ------------------------------------------------------------------ backward side
 
-    def _layer_backward(self, layer: _Layer, params, n: int, activations, grad_outputs) -> None:
+    def _layer_backward(self, layer: _Layer, params, call: CallBatch, activations, grad_outputs) -> None:
         if self._suspended:
             return
         self._begin_round()
-        backprops = grad_outputs[0]
-        if self._batch_dim != 0:
-            # 1-D inputs (EmbeddingBag's flat indices and offsets) carry no batch dimension.
-            activations = tuple(a.movedim(self._batch_dim, 0) if a.dim() > 1 else a for a in activations)
-            backprops = backprops.movedim(self._batch_dim, 0)
-        scale = float(n) if self.loss_reduction == "mean" else 1.0
+        activations, backprops = _batch_first(call, activations, grad_outputs[0])
+        scale = float(call.n) if self.loss_reduction == "mean" else 1.0
         call = LayerCall(layer.name, layer.module, params, layer.sampler, layer.norm_sampler, tuple(activations), backprops, scale)
         self._strategy.on_call(call)
 
-    def _replay_backward(self, layer: _Layer, params, n, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
+    def _replay_backward(self, layer: _Layer, params, call: CallBatch, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:
             return
         self._begin_round()
         leaves = list(call_leaves)
         for i, t in zip(tensor_positions, saved):
             leaves[i] = t
-        grad_outputs = [self._per_sample_scale(g, n) for g in grad_outputs]
+        n = call.n
+        positions, per_sample, out_dims = [], [], []
+        for j, (pos, grad) in enumerate(zip(out_positions, grad_outputs)):
+            if call.kind == "batched":
+                dim = call.output_dims[j]
+                if dim is None:  # an output without the batch: refused only if a gradient reached it
+                    if grad is not None and bool((grad != 0).any()):
+                        raise self._not_per_sample(layer, grad, n, None)
+                    continue
+                grad = grad.movedim(dim, 0)
+            elif call.kind == "origin":
+                grad = origin_grads(call.origins[j], grad, rows_ok=False)[0]
+            else:
+                grad, dim = grad.expand(n, *grad.shape), None
+            positions.append(pos)
+            per_sample.append(self._per_sample_scale(grad, n))
+            out_dims.append(dim if call.kind == "batched" else None)
+        if not positions:
+            grads = {p: p.new_zeros((n, *p.shape)) for p in params.values()}
+            self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), grad_outputs[0]), grads)
+            return
+        tensor_dims = call.input_dims if call.kind == "batched" else (None,) * len(tensor_positions)
         self._replaying = True
         try:
             with torch.enable_grad():
                 grads = functorch_per_sample_grads(
-                    layer.module, params, leaves, call_spec, out_positions, grad_outputs,
-                    batch_size=n, batch_dim=self._batch_dim,
+                    layer.module, params, leaves, call_spec, positions, per_sample,
+                    batch_size=n, tensor_dims=tensor_dims, output_dims=out_dims,
                 )
         finally:
             self._replaying = False
-        self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), grad_outputs[0]), grads)
+        self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), per_sample[0]), grads)
 
     def _per_sample_scale(self, grad: torch.Tensor, n: int) -> torch.Tensor:
         return grad * n if self.loss_reduction == "mean" else grad
@@ -659,7 +832,25 @@ def _tensor_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tor
     return tuple(v for v in values if isinstance(v, torch.Tensor))
 
 
-def _expand_batch(t: torch.Tensor, batch_dim: int, n: int) -> torch.Tensor:
-    shape = list(t.shape)
-    shape[batch_dim] = n
-    return t.expand(*shape)
+_AMBIGUOUS: Any = object()  # a layer call signature seen with different decisions
+
+
+def _batch_first(call: CallBatch, activations: Sequence[torch.Tensor], grad: torch.Tensor):
+    """A captured call's inputs and output gradient with one row per sample along dim 0."""
+    n = call.n
+    if call.kind == "batched":
+        activations = tuple(a if d in (None, 0) else a.movedim(d, 0) for a, d in zip(activations, call.input_dims))
+        dim = call.output_dims[0]
+        return activations, grad if not dim else grad.movedim(dim, 0)
+    if call.kind == "origin":
+        # Each sample's gradient of the shared output, gathered where it met the batch. When every
+        # use paired the output's rows with the samples (e.g. token_type_ids expanded from a buffer),
+        # the inputs' rows pair with them too (a sampler's layer works row by row).
+        grad, dim = origin_grads(call.origins[0], grad, rows_ok=True)
+        if dim is not None and all(a.dim() > dim and a.shape[dim] == n for a in activations):
+            return tuple(a.movedim(dim, 0) for a in activations), grad.movedim(dim, 0)
+        if dim is not None:
+            grad = rows_to_dense(grad, dim, n)
+    else:  # at most one sample: the whole call is its
+        grad = grad.expand(n, *grad.shape)
+    return tuple(a.expand(n, *a.shape) for a in activations), grad

@@ -47,7 +47,10 @@ def register_grad_sampler(*module_types: Type[nn.Module], probe: Optional[Probe]
     ``probe(module, generator)``, if given, returns example inputs (batch of 2, on the CPU) for a
     module of these types; with it, subclasses that override ``forward`` can be checked against
     ``torch.func`` and keep the sampler when they match (without it they fall back to torch.func).
+    A single list or tuple of types is accepted too (Opacus' ``register_grad_sampler([A, B])``).
     """
+    if len(module_types) == 1 and isinstance(module_types[0], (list, tuple)):
+        module_types = tuple(module_types[0])
     if not module_types:
         raise TypeError("register_grad_sampler needs at least one module type")
 

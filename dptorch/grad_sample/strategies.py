@@ -92,7 +92,10 @@ class Instantiate:
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad():
-            return {p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float32) for p, g in self.grads.items()}
+            return {
+                p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+                for p, g in self.grads.items()
+            }
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad(), float32_matmuls_at_full_precision():
@@ -227,11 +230,12 @@ def float32_matmuls_at_full_precision() -> Iterator[None]:
 
     ``torch.backends.cuda.matmul.allow_tf32`` (the HF Trainer's ``tf32=True``) or
     ``torch.set_float32_matmul_precision("high"/"medium")`` let float32 matmuls round their inputs
-    to 10 or 8 mantissa bits: a clipped contribution could then exceed ``C`` by about 0.1 %. The
-    user's setting is restored on exit, through the same API (torch >= 2.9 forbids mixing the
-    legacy and the per-backend API); nothing is touched when it already is full precision.
+    to 10 or 7 mantissa bits: a clipped contribution could then exceed ``C`` by up to about 0.4 %.
+    Nothing is touched when the setting already is full precision; otherwise it is restored on
+    exit (on torch >= 2.9 through the per-backend flags, which then read back as before through
+    the legacy API too: torch refuses reads after a mix of the two APIs).
     """
-    matmul_backends = [getattr(torch.backends, name).matmul for name in ("cuda", "mkldnn")]
+    matmul_backends = [getattr(getattr(torch.backends, name, None), "matmul", None) for name in ("cuda", "mkldnn")]
     if all(hasattr(b, "fp32_precision") for b in matmul_backends):  # torch >= 2.9
         generic = torch.backends.fp32_precision
         before = [b.fp32_precision for b in matmul_backends]

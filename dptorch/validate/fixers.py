@@ -28,7 +28,12 @@ BATCHNORM_REPLACEMENTS = ("groupnorm", "instancenorm")
 
 
 def register_module_fixer(*module_types: Type[nn.Module]):
-    """Decorator registering ``fixer(module, **options) -> nn.Module`` for module types."""
+    """Decorator registering ``fixer(module, **options) -> nn.Module`` for module types.
+
+    A single list or tuple of types is accepted too (Opacus' ``register_module_fixer([A, B])``).
+    """
+    if len(module_types) == 1 and isinstance(module_types[0], (list, tuple)):
+        module_types = tuple(module_types[0])
     if not module_types:
         raise TypeError("register_module_fixer needs at least one module type")
 

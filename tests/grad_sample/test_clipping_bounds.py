@@ -391,6 +391,16 @@ def test_a_subclass_whose_forward_differs_is_exact_in_every_mode(name, n, t):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()) + 1e-9)
 
 
+def test_opt_positional_embedding_is_exact():
+    """OPT's positional embedding subclasses nn.Embedding and looks up positions computed from the
+    attention mask it is called with: the inherited sampler would scatter into the mask's rows."""
+    transformers = pytest.importorskip("transformers")
+    positions = transformers.models.opt.modeling_opt.OPTLearnedPositionalEmbedding(16, 8)
+    assert find_grad_sampler(positions) is None
+    mask = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    check_per_sample_grads(positions, (mask,))
+
+
 # ---------------------------------------------------------------------------------- Embedding(max_norm)
 
 
@@ -501,3 +511,17 @@ def test_expanded_weights_padding_row_is_zeroed_and_scale_grad_by_freq_refused()
         torch.testing.assert_close(grads[p], want, rtol=1e-4, atol=1e-6)
     with pytest.raises(UnsupportedModuleError, match=r"0 \(Embedding\): scale_grad_by_freq=True"):
         GradSampleHooks(nn.Sequential(nn.Embedding(6, 4, scale_grad_by_freq=True)), grad_sample_mode="ew")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_float64_model_takes_a_step_within_C(mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 5)).double()
+    inputs = (torch.randn(4, 3, 6, dtype=torch.float64),)
+    reference = reference_per_sample_grads(model, inputs, projection_loss)
+    seen = step_contributions(model, inputs, mode)
+    factor = next(iter(seen["factors"].values())).double()
+    for i, alone in enumerate(seen["alone"]):
+        assert norm64(alone) <= C
+        for p, got in alone.items():
+            torch.testing.assert_close(got, factor[i] * reference[p][i], rtol=1e-5, atol=1e-9)

@@ -43,9 +43,13 @@ def test_unsupported_operations_are_named_with_the_fix(build, culprit):
 def test_broadcast_input_is_a_clear_error():
     torch.manual_seed(0)
     model = tiny_bert()
+    ids = torch.randint(0, 61, (3, 6))
     with GradSampleHooks(model, grad_sample_mode="ew"):
         with pytest.raises(PerSampleGradientError, match=r"position_embeddings.*1 rows.*grad_sample_mode='hooks'"):
-            model(input_ids=torch.randint(0, 61, (3, 6)))
+            model(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+        # BERT's default token_type_ids, expanded from a buffer, have 3 rows that are not the batch's
+        with pytest.raises(PerSampleGradientError, match=r"token_type_embeddings.*\(3, 6\).*not the batch's"):
+            model(input_ids=ids)
 
 
 def test_frozen_broadcast_modules_are_left_alone():

@@ -61,9 +61,9 @@ class OutputsRecipe(LossRecipe):
     def check(self, trainer: Trainer) -> None:
         if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
             raise ValueError(
-                "encoder-decoder models are not supported by the private trainer yet: their decoder inputs come from "
-                "the labels, and relative position biases (T5) are shared across samples; use a decoder-only or "
-                "encoder-only model"
+                "encoder-decoder models are not supported by the private trainer yet: it calls the model without "
+                "labels (to compute each sample's loss itself), and an encoder-decoder model builds its decoder inputs "
+                "from the labels, so its decoder would get none; use a decoder-only or encoder-only model"
             )
         if trainer.compute_loss_func is not None:
             raise ValueError(

@@ -1,0 +1,1 @@
+"""``opacus.accountants.analysis``: only the ``rdp`` functions are provided."""

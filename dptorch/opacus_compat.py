@@ -1,0 +1,358 @@
+"""Opacus 1.6 import paths and names mapped onto dptorch: the one place that says where each lives.
+
+A script written for Opacus runs after replacing ``opacus`` by ``dptorch`` in its imports. The
+modules that make that work (``dptorch.validators``, ``dptorch.accountants``,
+``dptorch.utils.batch_memory_manager``, ``dptorch.optimizers``, ``dptorch.distributed``, ...) are
+one-line re-exports of the names below; the table of every path is in
+``docs/migrating-from-opacus.md``.
+
+Most names are the dptorch object itself (``UniformWithReplacementSampler`` *is*
+``PoissonBatchSampler``, ``GaussianAccountant`` *is* ``GDPAccountant``). A few are thin adapters
+that translate Opacus' keywords and nothing else: ``DistributedUniformWithReplacementSampler``,
+``wrap_data_loader``, ``DPPerLayerOptimizer``, ``get_optimizer_class``, ``wrap_model`` /
+``prepare_module`` / ``get_gsm_class``, ``DPLossFastGradientClipping``, ``compute_rdp`` and
+``get_privacy_spent``. An Opacus name with no dptorch counterpart raises
+:class:`OpacusCompatibilityError` (an ``ImportError`` and a ``NotImplementedError``) that names the
+replacement, at ``from ... import`` time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Type
+
+import numpy as np
+import torch
+from torch import nn
+
+from dptorch.accounting import (
+    Accountant,
+    GDPAccountant,
+    PLDAccountant,
+    PRVAccountant,
+    RDPAccountant,
+    create_accountant,
+    get_noise_multiplier,
+)
+from dptorch.accounting.sampled_gaussian_rdp import rdp_to_epsilon, sampled_gaussian_rdp
+from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
+from dptorch.data import BatchMemoryManager, DPDataLoader, PhysicalBatchLoader
+from dptorch.data.poisson import PoissonBatchSampler, distributed_rank_and_world_size
+from dptorch.engine import PrivacyEngine
+from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad_sampler
+from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
+from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
+from dptorch.loss import DPLoss
+from dptorch.optim import DPOptimizer
+from dptorch.optim.clipping import CLIPPING_MODES
+from dptorch.validate import ModuleValidator, register_module_fixer
+
+
+class OpacusCompatibilityError(ImportError, NotImplementedError):
+    """An Opacus name or option with no dptorch counterpart; the message names the replacement."""
+
+
+def unmapped_names(module_name: str, replacements: Mapping[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` raising :class:`OpacusCompatibilityError` for Opacus-only names.
+
+    ``replacements`` maps each Opacus name of ``module_name`` that dptorch does not provide to
+    what to use instead. Other missing names raise the usual ``AttributeError`` (so ``hasattr``
+    and tools that probe modules keep working).
+    """
+
+    def __getattr__(name: str) -> Any:
+        if name in replacements:
+            opacus_path = module_name.replace("dptorch", "opacus", 1)
+            raise OpacusCompatibilityError(
+                f"{opacus_path}.{name} has no dptorch counterpart: {replacements[name]} "
+                "(see docs/migrating-from-opacus.md)",
+                name=module_name,
+            )
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+# ---------------------------------------------------------------------------------- accountants
+
+#: ``opacus.accountants.IAccountant``: the interface every accountant implements.
+IAccountant = Accountant
+#: ``opacus.accountants.GaussianAccountant``: the GDP central-limit approximation (warns; not a bound).
+GaussianAccountant = GDPAccountant
+
+ACCOUNTANTS_UNMAPPED = {
+    "PLVAccountant": "dptorch's default 'pld' accountant (PLDAccountant) composes privacy loss distributions",
+}
+
+
+def compute_rdp(*, q: float, noise_multiplier: float, steps: int, orders: Any) -> Any:
+    """``opacus.accountants.analysis.rdp.compute_rdp``: RDP of ``steps`` sampled Gaussian steps.
+
+    Returns an array over ``orders`` (a float for a single order), as Opacus does.
+    """
+    single = np.isscalar(orders)
+    order_list = [orders] if single else list(orders)
+    rdp = check_steps(steps, "steps") * sampled_gaussian_rdp(
+        check_noise_multiplier(noise_multiplier), check_sample_rate(q, "q"), order_list
+    )
+    return float(rdp[0]) if single else rdp
+
+
+def get_privacy_spent(*, orders: Any, rdp: Any, delta: float) -> Tuple[float, float]:
+    """``opacus.accountants.analysis.rdp.get_privacy_spent``: ``(epsilon, best order)`` from RDP values."""
+    order_array = np.atleast_1d(np.asarray(orders, dtype=float))
+    rdp_array = np.atleast_1d(np.asarray(rdp, dtype=float))
+    if order_array.shape != rdp_array.shape:
+        raise ValueError(f"orders and rdp must have the same length, got {order_array.shape} and {rdp_array.shape}")
+    epsilon, best = rdp_to_epsilon(rdp_array, order_array, check_delta(delta))
+    return epsilon, float(order_array[best])
+
+
+# ---------------------------------------------------------------------------------- data
+
+#: ``opacus.utils.uniform_sampler.UniformWithReplacementSampler``: Poisson batches of rate ``sample_rate``
+#: (``num_samples=``, ``sample_rate=``, ``generator=``, ``steps=`` keep Opacus' meaning).
+UniformWithReplacementSampler = PoissonBatchSampler
+
+
+class DistributedUniformWithReplacementSampler(PoissonBatchSampler):
+    """``opacus.utils.uniform_sampler.DistributedUniformWithReplacementSampler`` on dptorch's sampler.
+
+    Takes Opacus' keywords; rank and world size come from the initialised process group. Each rank
+    draws its shard (``rank::world_size``) of one Poisson batch of rate ``sample_rate`` over
+    ``total_size`` samples, so the global batch has Opacus' law; ``shuffle`` and ``shuffle_seed``
+    (Opacus' way of splitting the indices between ranks) change nothing the privacy analysis sees
+    and are accepted for compatibility only.
+    """
+
+    def __init__(
+        self,
+        *,
+        total_size: int,
+        sample_rate: float,
+        shuffle: bool = True,
+        shuffle_seed: int = 0,
+        generator: Optional[torch.Generator] = None,
+        steps: Optional[int] = None,
+    ) -> None:
+        rank, world_size = distributed_rank_and_world_size()
+        super().__init__(total_size, sample_rate, steps=steps, generator=generator, rank=rank, world_size=world_size)
+
+
+def wrap_data_loader(*, data_loader: Any, max_batch_size: int, optimizer: Any) -> PhysicalBatchLoader:
+    """``opacus.utils.batch_memory_manager.wrap_data_loader``: physical batches of at most ``max_batch_size``."""
+    return BatchMemoryManager(
+        data_loader=data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer
+    ).__enter__()
+
+
+# ---------------------------------------------------------------------------------- optimizers
+
+#: Under torch.distributed the one DPOptimizer adds up the clipped sums of all ranks and draws the
+#: noise once (on rank 0), so Opacus' distributed variants are the same class.
+DistributedDPOptimizer = DPOptimizer
+#: Ghost clipping is a strategy of the per-sample gradient controller, not of the optimizer.
+DPOptimizerFastGradientClipping = DPOptimizer
+DistributedDPOptimizerFastGradientClipping = DPOptimizer
+
+
+class DPPerLayerOptimizer(DPOptimizer):
+    """``opacus.optimizers.DPPerLayerOptimizer``: a :class:`DPOptimizer` with ``clipping="per_layer"``.
+
+    ``max_grad_norm`` is one threshold per trainable parameter (or one number for all of them), as in
+    Opacus; ``make_private(clipping="per_layer")`` builds the same optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> None:
+        if kwargs.get("plan") is None:
+            kwargs.setdefault("clipping", "per_layer")
+        super().__init__(optimizer, **kwargs)
+
+
+DistributedPerLayerOptimizer = DPPerLayerOptimizer
+SimpleDistributedPerLayerOptimizer = DPPerLayerOptimizer
+
+_FSDP_REPLACEMENT = (
+    "dptorch has no FSDP ghost clipping; use grad_sample_mode='bk' or 'ghost' (one backward pass or two, "
+    "no per-sample gradients kept), with DistributedDataParallel for several processes"
+)
+_ADAPTIVE_REPLACEMENT = (
+    "dptorch has no adaptive (AdaClip) clipping; use clipping='flat' or 'per_layer' with a fixed "
+    "max_grad_norm (docs/choosing-hyperparameters.md)"
+)
+OPTIMIZERS_UNMAPPED = {
+    "AdaClipDPOptimizer": _ADAPTIVE_REPLACEMENT,
+    "FSDPOptimizerFastGradientClipping": _FSDP_REPLACEMENT,
+}
+
+
+def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: Optional[str] = None) -> Type[DPOptimizer]:
+    """``opacus.optimizers.get_optimizer_class``: the DP optimizer class for a clipping mode.
+
+    ``distributed`` and every dptorch ``grad_sample_mode`` give the same class (the optimizer
+    handles both); adaptive clipping and FSDP ghost clipping raise :class:`OpacusCompatibilityError`.
+    """
+    if grad_sample_mode in ("ghost_fsdp", "ghost_tp"):
+        raise OpacusCompatibilityError(f"grad_sample_mode={grad_sample_mode!r}: {_FSDP_REPLACEMENT}")
+    if grad_sample_mode is not None and grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
+    if clipping == "adaptive":
+        raise OpacusCompatibilityError(f"clipping='adaptive': {_ADAPTIVE_REPLACEMENT}")
+    if clipping not in CLIPPING_MODES:
+        raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+    return DPPerLayerOptimizer if clipping == "per_layer" else DPOptimizer
+
+
+# ---------------------------------------------------------------------------------- distributed
+
+#: ``opacus.distributed.DifferentiallyPrivateDistributedDataParallel``. Opacus' wrapper only makes all
+#: ranks start from rank 0's weights and leaves gradient synchronisation to its distributed optimizer;
+#: dptorch's DPOptimizer does that synchronisation itself and works with torch's own
+#: DistributedDataParallel (which broadcasts rank 0's weights at construction), so that is the class.
+DifferentiallyPrivateDistributedDataParallel = nn.parallel.DistributedDataParallel
+
+
+# ---------------------------------------------------------------------------------- grad samples
+
+_OPACUS_ONLY_MODES = {
+    "ghost_fsdp": _FSDP_REPLACEMENT,
+    "ghost_tp": _FSDP_REPLACEMENT,
+    "no_op": "dptorch has no 'no_op' mode; leave the model unwrapped for non-private training",
+}
+
+
+def _controller_kwargs(grad_sample_mode: str, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    if grad_sample_mode in _OPACUS_ONLY_MODES:
+        raise OpacusCompatibilityError(f"grad_sample_mode={grad_sample_mode!r}: {_OPACUS_ONLY_MODES[grad_sample_mode]}")
+    kwargs = dict(kwargs)
+    if kwargs.pop("force_functorch", False):
+        grad_sample_mode = "functorch"
+    kwargs.pop("max_grad_norm", None)  # Opacus' ghost module keeps the bound; dptorch's optimizer does
+    kwargs.pop("use_ghost_clipping", None)
+    return dict(kwargs, grad_sample_mode=grad_sample_mode)
+
+
+def wrap_model(
+    model: nn.Module,
+    grad_sample_mode: str = "hooks",
+    wrap_model: bool = True,
+    *,
+    attach_only: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``opacus.grad_sample.utils.wrap_model``: capture per-sample gradients of ``model``.
+
+    Returns a :class:`GradSampleModule` (wrapping), or with ``wrap_model=False`` (Opacus'
+    later spelling: ``attach_only=True``) the :class:`GradSampleHooks` controller attached to the
+    untouched model. ``kwargs`` are Opacus' module keywords (``batch_first``, ``loss_reduction``,
+    ``strict``, ``force_functorch``).
+    """
+    options = _controller_kwargs(grad_sample_mode, kwargs)
+    if wrap_model and not attach_only:
+        return GradSampleModule(model, **options)
+    return GradSampleHooks(model, **options)
+
+
+def prepare_module(model: nn.Module, grad_sample_mode: str = "hooks", attach_only: bool = False, **kwargs: Any) -> Any:
+    """``opacus.grad_sample.utils.prepare_module``: ``wrap_model`` with Opacus' ``attach_only`` flag."""
+    return wrap_model(model, grad_sample_mode, attach_only=attach_only, **kwargs)
+
+
+def get_gsm_class(grad_sample_mode: str) -> Type[GradSampleModule]:
+    """``opacus.grad_sample.utils.get_gsm_class``: one wrapper class for every mode (the mode is a keyword)."""
+    _controller_kwargs(grad_sample_mode, {})
+    if grad_sample_mode not in GRAD_SAMPLE_MODES:
+        raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
+    return GradSampleModule
+
+
+def get_hooks_class(grad_sample_mode: str) -> Type[GradSampleHooks]:
+    """``opacus.grad_sample.utils.get_hooks_class``: the one controller class for every mode."""
+    get_gsm_class(grad_sample_mode)
+    return GradSampleHooks
+
+
+#: Opacus' ghost-clipping wrapper class: dptorch's wrapper with ``grad_sample_mode="ghost"``.
+GRAD_SAMPLE_UNMAPPED = {
+    "GradSampleModuleFastGradientClipping": "GradSampleModule(model, grad_sample_mode='ghost') "
+    "(or make_private(grad_sample_mode='ghost'))",
+    "GradSampleModuleExpandedWeights": "GradSampleModule(model, grad_sample_mode='ew')",
+    "register_norm_sampler": "dptorch.grad_sample.registry.register_norm_sampler (a NormSampler object, "
+    "not a function)",
+}
+
+
+_CELL_REPLACEMENT = "dptorch has no DP cell layers; run the whole sequence through DPRNN, DPGRU or DPLSTM"
+LAYERS_UNMAPPED = {
+    "DPRNNCell": _CELL_REPLACEMENT,
+    "DPGRUCell": _CELL_REPLACEMENT,
+    "DPLSTMCell": _CELL_REPLACEMENT,
+    "RNNLinear": "dptorch's recurrent layers need no marked Linear: each layer-direction is a RecurrentSweep",
+}
+
+
+class DPLossFastGradientClipping(DPLoss):
+    """``opacus.utils.fast_gradient_clipping_utils.DPLossFastGradientClipping`` with Opacus' arguments.
+
+    ``DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction)`` is
+    ``dptorch.DPLoss(criterion, controller)``, the controller taken from ``module`` (a
+    :class:`GradSampleModule`, or any model a controller is attached to) or from ``optimizer``.
+    ``loss.backward()`` then does the ghost-clipping passes.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: Any, criterion: Callable[..., torch.Tensor],
+                 loss_reduction: str = "mean") -> None:
+        hooks = getattr(optimizer, "hooks", None)
+        if isinstance(module, GradSampleModule):
+            hooks = module.hooks
+        if not isinstance(hooks, GradSampleHooks):
+            raise TypeError(
+                "DPLossFastGradientClipping needs the per-sample gradient controller: pass the module returned by "
+                "make_private (a GradSampleModule) or the DPOptimizer it returned"
+            )
+        super().__init__(criterion, hooks, loss_reduction=loss_reduction)
+
+
+__all__ = [
+    "BatchMemoryManager",
+    "DPDataLoader",
+    "DPGRU",
+    "DPLSTM",
+    "DPLossFastGradientClipping",
+    "DPMultiheadAttention",
+    "DPOptimizer",
+    "DPOptimizerFastGradientClipping",
+    "DPPerLayerOptimizer",
+    "DPRNN",
+    "DPRNNBase",
+    "DifferentiallyPrivateDistributedDataParallel",
+    "DistributedDPOptimizer",
+    "DistributedDPOptimizerFastGradientClipping",
+    "DistributedPerLayerOptimizer",
+    "DistributedUniformWithReplacementSampler",
+    "GaussianAccountant",
+    "GradSampleHooks",
+    "GradSampleModule",
+    "IAccountant",
+    "LAYERS_UNMAPPED",
+    "ModuleValidator",
+    "OpacusCompatibilityError",
+    "PLDAccountant",
+    "PRVAccountant",
+    "PrivacyEngine",
+    "RDPAccountant",
+    "SimpleDistributedPerLayerOptimizer",
+    "UniformWithReplacementSampler",
+    "compute_rdp",
+    "create_accountant",
+    "get_gsm_class",
+    "get_hooks_class",
+    "get_noise_multiplier",
+    "get_optimizer_class",
+    "get_privacy_spent",
+    "prepare_module",
+    "register_grad_sampler",
+    "register_module_fixer",
+    "unmapped_names",
+    "wrap_data_loader",
+    "wrap_model",
+]

@@ -1,0 +1,26 @@
+"""``opacus.optimizers``: the DP optimizer under Opacus' class names (implementation: dptorch.optim)."""
+
+from dptorch.opacus_compat import (
+    OPTIMIZERS_UNMAPPED,
+    DistributedDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DistributedPerLayerOptimizer,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+    DPPerLayerOptimizer,
+    SimpleDistributedPerLayerOptimizer,
+    get_optimizer_class,
+    unmapped_names,
+)
+
+__all__ = [
+    "DPOptimizer",
+    "DPOptimizerFastGradientClipping",
+    "DPPerLayerOptimizer",
+    "DistributedDPOptimizer",
+    "DistributedDPOptimizerFastGradientClipping",
+    "DistributedPerLayerOptimizer",
+    "SimpleDistributedPerLayerOptimizer",
+    "get_optimizer_class",
+]
+__getattr__ = unmapped_names(__name__, OPTIMIZERS_UNMAPPED)
