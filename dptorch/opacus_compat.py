@@ -18,7 +18,7 @@ replacement, at ``from ... import`` time.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Type
 
 import numpy as np
 import torch
@@ -79,10 +79,6 @@ IAccountant = Accountant
 #: ``opacus.accountants.GaussianAccountant``: the GDP central-limit approximation (warns; not a bound).
 GaussianAccountant = GDPAccountant
 
-ACCOUNTANTS_UNMAPPED = {
-    "PLVAccountant": "dptorch's default 'pld' accountant (PLDAccountant) composes privacy loss distributions",
-}
-
 
 def compute_rdp(*, q: float, noise_multiplier: float, steps: int, orders: Any) -> Any:
     """``opacus.accountants.analysis.rdp.compute_rdp``: RDP of ``steps`` sampled Gaussian steps.
@@ -105,6 +101,13 @@ def get_privacy_spent(*, orders: Any, rdp: Any, delta: float) -> Tuple[float, fl
         raise ValueError(f"orders and rdp must have the same length, got {order_array.shape} and {rdp_array.shape}")
     epsilon, best = rdp_to_epsilon(rdp_array, order_array, check_delta(delta))
     return epsilon, float(order_array[best])
+
+
+#: ``opacus.validators`` names with no counterpart.
+VALIDATORS_UNMAPPED = {
+    "register_module_validator": "dptorch.validate.register_module_check(*types) registers check(module) -> "
+    "the reason as a str, or None when the module is fine (not a list of exceptions)",
+}
 
 
 # ---------------------------------------------------------------------------------- data
@@ -342,6 +345,7 @@ __all__ = [
     "RDPAccountant",
     "SimpleDistributedPerLayerOptimizer",
     "UniformWithReplacementSampler",
+    "VALIDATORS_UNMAPPED",
     "compute_rdp",
     "create_accountant",
     "get_gsm_class",

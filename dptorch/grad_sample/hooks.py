@@ -79,14 +79,16 @@ class GradSampleHooks:
     per-sample gradient is then rescaled to the gradient of sample ``i``'s own loss);
     ``"sum"`` means it sums them. ``grad_sample_mode="functorch"`` uses the torch.func
     fallback for every layer; ``"ew"`` uses torch's expanded weights; ``"bk"`` (book-keeping) keeps each layer's inputs and output
-    gradients and forms norms and clipped sums from them in one backward pass; ``"ghost"`` does
-    the same norms and takes the clipped sums from a second backward pass of the loss wrapped
-    by ``dptorch.DPLoss``. In these two modes only instantiated parameters (tied weights, layers
-    without a norm sampler) have ``grad_sample``. With ``strict=True``, modules whose buffers mix samples
+    gradients and forms norms and clipped sums from them in one backward pass; ``"ghost"`` is
+    the same method under Opacus' name (``dptorch.DPLoss`` is optional there). In these two modes
+    only instantiated parameters (tied weights, layers without a norm sampler) have
+    ``grad_sample``. With ``strict=True``, modules whose buffers mix samples
     (BatchNorm) are refused at attach time; otherwise they only warn.
     ``keep_param_grads=False`` spares autograd the ordinary parameter gradients of layers whose
     per-sample results are computed here (``p.grad`` then stays empty for them; the DP
-    optimizer writes it); it is the default for ``"bk"``.
+    optimizer writes it); it is the default for ``"bk"`` and ``"ghost"``, and the engine's. Then
+    a gradient that reaches a parameter by a path outside its module's call (a weight read
+    directly, a penalty on it in the loss) is refused at the end of backward.
     """
 
     def __init__(
@@ -115,11 +117,10 @@ class GradSampleHooks:
         self.loss_reduction = loss_reduction
         self.grad_sample_mode = grad_sample_mode
         # Whether autograd still fills p.grad for layers whose per-sample results we compute
-        # ourselves. The DP optimizer overwrites p.grad, so it turns this off; book-keeping
-        # defaults to off, the two-pass ghost mode needs the parameters in the graph.
-        self.keep_param_grads = grad_sample_mode != "bk" if keep_param_grads is None else keep_param_grads
-        if grad_sample_mode == "ghost":
-            self.keep_param_grads = True
+        # ourselves. The DP optimizer overwrites p.grad, so it turns this off (and then any
+        # autograd gradient reaching a parameter reveals a path we do not see); book-keeping and
+        # ghost default to off.
+        self.keep_param_grads = grad_sample_mode not in ("bk", "ghost") if keep_param_grads is None else keep_param_grads
         self._batch_dim = 0 if batch_first else 1
         self._handles: List[Any] = []
         self._restore_param_hooks: List[Tuple[nn.Parameter, Any]] = []
@@ -233,10 +234,8 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ public results
 
     def _new_strategy(self):
-        if self.grad_sample_mode == "bk":
+        if self.grad_sample_mode in ("bk", "ghost"):
             return BookKeeping(self.parameter_name)
-        if self.grad_sample_mode == "ghost":
-            return BookKeeping(self.parameter_name, second_pass=self._capture_suspended)
         return Instantiate(self.parameter_name)
 
     @property
@@ -256,11 +255,6 @@ class GradSampleHooks:
     def batch_size(self) -> int:
         """Samples (units) in the held round (0 when nothing is held)."""
         return self._strategy.batch_size()
-
-    def register_per_sample_loss(self, per_sample_loss: torch.Tensor) -> None:
-        """Ghost mode: the per-sample loss whose reweighted sum gives the clipped gradient."""
-        if isinstance(self._strategy, BookKeeping):
-            self._strategy.per_sample_loss = per_sample_loss
 
     @contextlib.contextmanager
     def _capture_suspended(self):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
@@ -37,8 +38,9 @@ Probe = Callable[[nn.Module, torch.Generator], Tuple[torch.Tensor, ...]]
 _GRAD_SAMPLERS: Dict[Type[nn.Module], GradSampler] = {}
 _PROBES: Dict[Type[nn.Module], Probe] = {}
 _DUCK_RULES: List[Tuple[ModulePredicate, GradSampler, Optional[ModulePredicate]]] = []
-_VERIFIED: Dict[Tuple[Type[nn.Module], Any], bool] = {}
-_VERIFIED_SUBCLASSES: Dict[Tuple[Type[nn.Module], Type[nn.Module], Any], bool] = {}
+# Verdicts of the numerical checks, per module instance: an instance's attributes (a scale, a
+# mask) can change what its forward computes, so one instance never vouches for another.
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, Dict[Any, bool]]" = weakref.WeakKeyDictionary()
 
 
 def register_grad_sampler(*module_types: Type[nn.Module], probe: Optional[Probe] = None):
@@ -121,26 +123,32 @@ def registered_probe(cls: Type[nn.Module]) -> Optional[Probe]:
 
 def _trusted_for(module: nn.Module, base: Type[nn.Module], entry: Any, norm: bool = False) -> bool:
     """An entry registered for ``base`` holds for ``module`` unless its class changed ``forward``
-    since ``base`` and does not reproduce torch.func on ``base``'s probe (cached per class)."""
+    since ``base`` and does not reproduce torch.func on ``base``'s probe (checked per instance)."""
     cls = type(module)
     if cls is base or not overrides_forward(cls, base):
         return True
-    key = (cls, base, entry)
-    if key not in _VERIFIED_SUBCLASSES:
+
+    def check() -> bool:
         probe = _PROBES.get(base)
-        _VERIFIED_SUBCLASSES[key] = probe is not None and (
+        return probe is not None and (
             matches_torch_func(module, probe, norm_sampler=entry) if norm else matches_torch_func(module, probe, sampler=entry)
         )
-    return _VERIFIED_SUBCLASSES[key]
+
+    return _verdict(module, (base, entry), check)
 
 
 def _verified(module: nn.Module, fn: Any, verify: Optional[ModulePredicate]) -> bool:
     if verify is None:
         return True
-    key = (type(module), fn)
-    if key not in _VERIFIED:
-        _VERIFIED[key] = bool(verify(module))
-    return _VERIFIED[key]
+    return _verdict(module, fn, lambda: bool(verify(module)))
+
+
+def _verdict(module: nn.Module, key: Any, check: Callable[[], bool]) -> bool:
+    """``check()`` once per (module instance, key)."""
+    verdicts = _VERIFIED.setdefault(module, {})
+    if key not in verdicts:
+        verdicts[key] = check()
+    return verdicts[key]
 
 
 NormFunction = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]

@@ -115,9 +115,7 @@ class BookKeeping:
     scaled by ``c_i`` (``NormSampler.clipped_sum``); modes "bk" and "ghost" both use it.
     """
 
-    def __init__(self, name_of: NameOf, second_pass: object = None) -> None:
-        # ``second_pass`` is accepted and ignored until the controller stops passing it: "ghost"
-        # no longer takes a second backward pass.
+    def __init__(self, name_of: NameOf) -> None:
         self.name_of = name_of
         self.dense = Instantiate(name_of)
         self.calls: List[LayerCall] = []

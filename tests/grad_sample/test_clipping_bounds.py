@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import weakref
 import copy
 import subprocess
 import sys
@@ -328,7 +329,7 @@ def test_a_subclass_that_keeps_forward_keeps_the_fast_path_unchecked(monkeypatch
     assert find_grad_sampler(nn.modules.linear.NonDynamicallyQuantizableLinear(3, 2)) is linear_grad_sampler
 
 
-def test_a_subclass_whose_forward_matches_is_checked_once_per_class(monkeypatch):
+def test_a_subclass_whose_forward_matches_is_checked_once_per_instance(monkeypatch):
     calls = []
     check = registry.matches_torch_func
 
@@ -336,12 +337,29 @@ def test_a_subclass_whose_forward_matches_is_checked_once_per_class(monkeypatch)
         calls.append((type(module), "norm" if kwargs.get("norm_sampler") else "grad"))
         return check(module, *args, **kwargs)
 
-    monkeypatch.setattr(registry, "_VERIFIED_SUBCLASSES", {})
+    monkeypatch.setattr(registry, "_VERIFIED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(registry, "matches_torch_func", counting)
-    for module in (PassThroughLinear(3, 2), PassThroughLinear(5, 4, bias=False), PassThroughLinear(3, 2)):
+    first, second = PassThroughLinear(3, 2), PassThroughLinear(5, 4, bias=False)
+    for module in (first, second, first):
         assert find_grad_sampler(module) is linear_grad_sampler
         assert find_norm_sampler(module).norms_sq is linear_norm_sampler
-    assert calls == [(PassThroughLinear, "grad"), (PassThroughLinear, "norm")]
+    assert calls == [(PassThroughLinear, "grad"), (PassThroughLinear, "norm")] * 2
+
+
+class AttributeScaledLinear(nn.Linear):
+    """What forward computes depends on an instance attribute."""
+
+    def __init__(self, *args, scale=1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def test_one_instance_never_vouches_for_another():
+    assert find_grad_sampler(AttributeScaledLinear(3, 2, scale=1.0)) is linear_grad_sampler
+    assert find_grad_sampler(AttributeScaledLinear(3, 2, scale=3.0)) is not linear_grad_sampler
 
 
 DIFFERENT = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 import copy
 import math
 import subprocess
@@ -489,19 +490,20 @@ def test_look_alike_is_matched_by_the_duck_rule_but_fails_verification():
     assert find_grad_sampler(GatedRMSNorm(4)) is None
 
 
-def test_verification_is_cached_per_class(monkeypatch):
+def test_verification_is_cached_per_instance(monkeypatch):
     calls = []
 
     def counting(module, sampler):
-        calls.append(type(module))
+        calls.append(module)
         return True
 
-    monkeypatch.setattr(norms, "_VERIFIED", {})
+    monkeypatch.setattr(norms, "_VERIFIED", weakref.WeakKeyDictionary())
     monkeypatch.setattr(norms, "sampler_matches_torch_func", counting)
     llama, qwen, _, _ = hf_rms_norms(4)
-    for module in [llama, type(llama)(8), qwen, llama]:
+    other = type(llama)(8)
+    for module in [llama, other, qwen, llama, other]:
         assert verify_duck_sampler(module)
-    assert calls == [type(llama), type(qwen)]
+    assert calls == [llama, other, qwen]
 
 
 def test_verification_leaves_the_module_alone_and_skips_its_hooks():

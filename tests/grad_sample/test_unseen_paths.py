@@ -14,7 +14,7 @@ from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.errors import PerSampleGradientError
 
-MODES = ["hooks", "bk", "functorch", "ew"]
+MODES = ["hooks", "bk", "ghost", "functorch", "ew"]
 
 
 class TiedHead(nn.Module):
@@ -76,7 +76,7 @@ def test_penalty_on_a_weight_in_the_loss_is_refused(mode):
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("mode", ["hooks", "bk", "functorch"])  # ew expands whatever is trainable at each forward
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost", "functorch"])  # ew expands whatever is trainable at each forward
 def test_parameter_unfrozen_after_attach_and_used_in_eval_mode_is_refused(mode):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))

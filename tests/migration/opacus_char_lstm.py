@@ -253,7 +253,8 @@ def main(argv=None):
     print(f"Train stats ({args.mode}): \n")
     losses = []
     for epoch in range(args.epochs):
-        losses.append(train(model, criterion, optimizer, train_loader, epoch, privacy_engine, args.delta, device=device))
+        loss = train(model, criterion, optimizer, train_loader, epoch, privacy_engine, args.delta, device=device)
+        losses.append(loss)
 
     mean_acc = test(model, test_loader, privacy_engine, args.delta, device=device)
     return {"accuracy": mean_acc, "losses": losses, "privacy_engine": privacy_engine, "train_loader": train_loader,

@@ -11,6 +11,8 @@ a class (``register_verified_duck_sampler``, also used for HF ``Conv1D``).
 
 from __future__ import annotations
 
+import weakref
+
 import inspect
 import math
 from numbers import Real
@@ -150,7 +152,7 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
 # ----------------------------------------------------------------------------- duck-rule verification
 
 _DUCK_SAMPLERS: List[Tuple[ModulePredicate, GradSampler]] = []
-_VERIFIED: Dict[Tuple[type, GradSampler], bool] = {}
+_VERIFIED: "weakref.WeakKeyDictionary[nn.Module, Dict[GradSampler, bool]]" = weakref.WeakKeyDictionary()
 
 
 def _tokens_of_weight_width(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
@@ -175,15 +177,16 @@ def sampler_matches_torch_func(module: nn.Module, sampler: GradSampler) -> bool:
 def verify_duck_sampler(module: nn.Module) -> bool:
     """True if the built-in duck rule matching ``module`` reproduces ``torch.func`` on a probe.
 
-    Cached per class (and rule). The registry calls it through ``verify=`` before it hands out the
-    rule's sampler for a class; False there means the generic torch.func fallback is used.
+    Cached per module instance (and rule): attributes can change what an instance computes, so one
+    instance never vouches for another. The registry calls it through ``verify=`` before it hands
+    out the rule's sampler; False there means the generic torch.func fallback is used.
     """
     for predicate, sampler in _DUCK_SAMPLERS:
         if predicate(module):
-            key = (type(module), sampler)
-            if key not in _VERIFIED:
-                _VERIFIED[key] = sampler_matches_torch_func(module, sampler)
-            return _VERIFIED[key]
+            verdicts = _VERIFIED.setdefault(module, {})
+            if sampler not in verdicts:
+                verdicts[sampler] = sampler_matches_torch_func(module, sampler)
+            return verdicts[sampler]
     return False
 
 
