@@ -98,11 +98,12 @@ class OriginCall:
         self.dense: Optional[Tensor] = None
         self.rows: List[Tuple[Tensor, int]] = []
 
-    def bind(self, output: Tensor) -> None:
-        """The layer's (tapped) output, whose per-sample gradients this call collects."""
+    def bind(self, output: Tensor, tracked: bool = True) -> None:
+        """The layer's (tapped) output, whose per-sample gradients this call collects; ``tracked``:
+        whether meetings may follow (then the graph edge is held until the forward ends)."""
         self.shape = tuple(output.shape)
         self.output = weakref.ref(output)
-        self.edge = get_gradient_edge(output)
+        self.edge = get_gradient_edge(output) if tracked else None
 
     def add_dense(self, grads: Tensor) -> None:
         self.dense = grads if self.dense is None else self.dense + grads

@@ -578,7 +578,7 @@ class GradSampleHooks:
         for j, alias in enumerate(tapped):
             if call.kind == "origin":
                 origin = call.origins[j]
-                origin.bind(alias)
+                origin.bind(alias, tracked=tracker is not None)
                 if tracker is not None:
                     tracker.add_origin(origin)
                     tracker.put(alias, (origin,) + chained)

@@ -2,8 +2,10 @@
 
 The four projections are ``nn.Linear`` modules (the Linear sampler handles them) applied to
 batch-first tensors, whatever the layer's own ``batch_first``: time-major inputs are transposed
-first, so every hooked call has the batch along dim 0. ``bias_k``/``bias_v`` live in two
-``AppendedVector`` modules with their own sampler. An ``nn.MultiheadAttention`` state_dict
+first, so the projections see the batch along dim 0. The controller follows the batch through
+that transposition (its batch tracking gives each call its own batch dim), so the layer is exact
+inside a time-major model (controller ``batch_first=False``) as inside a batch-first one.
+``bias_k``/``bias_v`` live in two ``AppendedVector`` modules with their own sampler. An ``nn.MultiheadAttention`` state_dict
 (``in_proj_weight``/``in_proj_bias`` or ``q_proj_weight``..., ``bias_k``, ``bias_v``,
 ``out_proj.*``) loads directly; the layer's own state_dict uses its module names.
 """

@@ -45,7 +45,7 @@ def test_arguments_parse_next_to_training_arguments():
         (dict(noise_multiplier=1.0, target_delta=1.5), "target_delta"),
         (dict(noise_multiplier=1.0, per_sample_max_grad_norm=0), "per_sample_max_grad_norm"),
         (dict(noise_multiplier=1.0, poisson_sampling=False), "poisson_sampling=False is refused"),
-        (dict(noise_multiplier=1.0, grad_sample_mode="ghost"), "second backward"),
+        (dict(noise_multiplier=1.0, grad_sample_mode="twopass"), "grad_sample_mode must be one of"),
         (dict(noise_multiplier=1.0, accountant="moments"), "accountant must be one of"),
         (dict(noise_multiplier=1.0, secure_mode=True, noise_seed=3), "secure_mode"),
     ],

@@ -15,8 +15,8 @@ from dptorch.accounting import check_accountant_name, check_calibration_accounta
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES as _CONTROLLER_MODES
 from dptorch.optim.clipping import CLIPPING_MODES
 
-#: "ghost" needs a second backward pass of the loss (``DPLoss``), which the Trainer does not run.
-GRAD_SAMPLE_MODES = tuple(mode for mode in _CONTROLLER_MODES if mode != "ghost")
+#: Every controller mode; "ghost" is book-keeping under Opacus' name (one backward pass).
+GRAD_SAMPLE_MODES = _CONTROLLER_MODES
 
 
 @dataclass
@@ -99,11 +99,7 @@ class PrivacyArguments:
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
-            hint = " ('ghost' needs a second backward pass that the Trainer does not run; 'bk' gives the same saving)"
-            raise ValueError(
-                f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}"
-                + (hint if self.grad_sample_mode == "ghost" else "")
-            )
+            raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
         self.accountant = check_accountant_name(self.accountant)
         if self.target_epsilon is not None:
             check_calibration_accountant(self.accountant)
