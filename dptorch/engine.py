@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader
 from dptorch.accounting import create_accountant
 from dptorch.data.poisson import DPDataLoader
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
+from dptorch.grad_sample.hooks import is_attached
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_clipping
@@ -122,6 +123,12 @@ class PrivacyEngine:
         """Every check that needs no plan, then the Poisson loader; nothing is attached yet."""
         if self.hooks is not None and self.hooks.attached:
             raise RuntimeError("this PrivacyEngine already made a model private; call engine.detach() first")
+        if isinstance(module, GradSampleModule) or any(is_attached(m) for m in module.modules()):
+            raise RuntimeError(
+                f"{type(module).__name__} is already private (it is, or holds, a model with per-sample gradient hooks "
+                "from an earlier make_private): a second engine would clip and noise every step twice and both would "
+                "count its privacy. Keep using the first engine's model and optimizer, or call detach() on it first"
+            )
         _check_optimizer_params_in_model(module, optimizer)
         if not module.training:
             raise ValueError("the model is in eval mode; call model.train() before make_private (eval mode captures no per-sample gradients)")

@@ -141,7 +141,7 @@ class GradSampleHooks:
         self._replaying = False
         self._tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
         self._root_depth = 0
-        self._tracking_off = False  # the tracker stepped aside for a layer call
+        self._tracking_off: Any = False  # "popped"/"paused": the tracker stepped aside for a layer call
         self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
         self._in_backward = False
         self._round_done = False
@@ -334,7 +334,7 @@ class GradSampleHooks:
     def _stop_tracking(self) -> None:
         tracker, self._tracker = self._tracker, None
         if tracker is not None:
-            if not self._tracking_off:
+            if self._tracking_off != "popped":
                 tracker.__exit__(None, None, None)
             self._tracking_off = False
             tracker.close()
@@ -350,11 +350,12 @@ class GradSampleHooks:
                 self._handles.append(module.register_forward_pre_hook(self._enter_leaf_layer, prepend=True))
 
     def _enter_leaf_layer(self, module: nn.Module, args: tuple) -> None:
-        layer = self._layers.get(module)
-        if self._tracker is not None and layer is not None and self._capturing(module) and any(
-            p.requires_grad for p in layer.params.values()
-        ):
-            self._suspend_tracking()
+        if self._tracker is None or self._tracking_off or not self._capturing(module):
+            return
+        for p in self._layers[module].params.values():
+            if p.requires_grad:
+                self._suspend_tracking()
+                return
 
     def _suspend_tracking(self) -> None:
         """Take the tracker off torch's mode stack (if it is on top) until ``_resume_tracking``."""
@@ -364,11 +365,16 @@ class GradSampleHooks:
         depth = torch._C._len_torch_function_stack()
         if depth and torch._C._get_function_stack_at(depth - 1) is tracker:
             torch._C._pop_torch_function_stack()
-            self._tracking_off = True
+            self._tracking_off = "popped"
+        else:  # another mode above it: the tracker stays, ignoring what it sees
+            tracker.paused = True
+            self._tracking_off = "paused"
 
     def _resume_tracking(self) -> None:
-        if self._tracking_off and self._tracker is not None:
-            torch._C._push_on_torch_function_stack(self._tracker)
+        if self._tracker is not None:
+            if self._tracking_off == "popped":
+                torch._C._push_on_torch_function_stack(self._tracker)
+            self._tracker.paused = False
         self._tracking_off = False
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -806,6 +812,11 @@ def _primary_input(args: tuple, kwargs: dict, batch_dim: int) -> Any:
         if isinstance(value, PackedSequence) or (isinstance(value, torch.Tensor) and value.dim() > batch_dim):
             return value
     return None
+
+
+def is_attached(module: nn.Module) -> bool:
+    """Whether a controller is attached to ``module`` (as its root)."""
+    return module in _ATTACHED
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

@@ -72,6 +72,10 @@ class DPOptimizer(torch.optim.Optimizer):
         # Not Optimizer.__init__: parameter groups and state belong to the inner optimizer.
         self.original_optimizer = optimizer
         self.hooks = hooks
+        # The update is ours to write: autograd skips the hooked layers' own parameter gradients,
+        # and any gradient that still reaches a parameter came by a path the controller does not
+        # see, which the controller then refuses.
+        hooks.keep_param_grads = False
         #: The privacy plan: noise multiplier, clipping bound, expected batch size, and the accountant
         #: this optimizer reports every logical step to.
         self.plan = plan

@@ -167,3 +167,35 @@ def test_empty_batch_gives_a_noise_only_update(mode):
     optimizer.step()
     for p in model.parameters():
         assert torch.isfinite(p.grad).all() and torch.count_nonzero(p.grad) == p.numel()
+
+
+@pytest.mark.parametrize("wrap_model", [True, False])
+def test_make_private_twice_on_the_same_model_is_refused(wrap_model):
+    """A second engine would clip and noise every step twice, and both would count."""
+    data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
+    model = nn.Sequential(nn.Linear(4, 3))
+    first = PrivacyEngine()
+    private_model, optimizer, loader = first.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
+        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=wrap_model,
+    )
+    with pytest.raises(RuntimeError, match="already private"):
+        PrivacyEngine().make_private(
+            module=private_model, optimizer=torch.optim.SGD(private_model.parameters(), lr=0.1), data_loader=data,
+            noise_multiplier=1.0, max_grad_norm=1.0,
+        )
+    first.detach()
+
+
+def test_dp_optimizer_keeps_unseen_paths_refused_with_a_default_controller():
+    """GradSampleHooks' default (hooks mode) keeps autograd's p.grad; under the DP optimizer it may not."""
+    from dptorch.optim.optimizer import DPOptimizer
+
+    model = TiedHead()
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    assert hooks.keep_param_grads
+    DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0,
+                expected_batch_size=4, loss_reduction="sum")
+    with pytest.raises(PerSampleGradientError, match="path outside"):
+        model(torch.randint(0, 11, (4, 5))).logsumexp(-1).sum().backward()
+    hooks.cleanup()

@@ -47,7 +47,7 @@ def test_each_sample_contribution_is_clipped_flat(scale):
     for i in range(4):
         before = flat_params(model)
         loss_of(model, x[i : i + 1], y[i : i + 1]).backward()
-        raw_norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm()
+        raw_norm = torch.cat([hooks.grad_samples[p][0].flatten() for p in model.parameters()]).norm()
         opt.step()
         opt.zero_grad()
         change = (flat_params(model) - before).norm()
@@ -63,7 +63,7 @@ def test_each_sample_contribution_is_clipped_per_layer():
     for i in range(3):
         before = [p.detach().clone() for p in model.parameters()]
         loss_of(model, x[i : i + 1], y[i : i + 1]).backward()
-        raw = [p.grad.norm() for p in model.parameters()]
+        raw = [hooks.grad_samples[p][0].norm() for p in model.parameters()]
         opt.step()
         opt.zero_grad()
         for p, b, c, r in zip(model.parameters(), before, thresholds, raw):
