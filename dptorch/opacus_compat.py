@@ -298,8 +298,8 @@ class DPLossFastGradientClipping(DPLoss):
 
     ``DPLossFastGradientClipping(module, optimizer, criterion, loss_reduction)`` is
     ``dptorch.DPLoss(criterion, controller)``, the controller taken from ``module`` (a
-    :class:`GradSampleModule`, or any model a controller is attached to) or from ``optimizer``.
-    ``loss.backward()`` then does the ghost-clipping passes.
+    :class:`GradSampleModule`) or from ``optimizer`` (the DPOptimizer ``make_private`` returned).
+    ``loss.backward()`` is then the usual single backward pass.
     """
 
     def __init__(self, module: nn.Module, optimizer: Any, criterion: Callable[..., torch.Tensor],

@@ -567,8 +567,8 @@ class GradSampleHooks:
             if n <= 1:
                 out_dims = tuple(d if d is not None and o.dim() > d and o.shape[d] == n else None for o, d in zip(outputs, out_dims))
             call = CallBatch("batched", n, dims, out_dims)
-            if n <= 1 and layer.sampler is not None and out_dims[0] is None:
-                call = CallBatch("single", n, (None,) * len(tensors), (None,))
+            if n <= 1 and any(d is None for d in out_dims):  # the whole call is the one sample's
+                call = CallBatch("single", n, (None,) * len(tensors), (None,) * len(outputs))
         else:
             call = CallBatch(kind, n, dims, (None,) * len(outputs))
         self._remember_call(layer.module, tensors, call)
