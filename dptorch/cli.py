@@ -2,6 +2,7 @@
 
     dptorch epsilon --noise-multiplier S --sample-rate Q --steps N --delta D [--accountant pld]
     dptorch noise --target-epsilon E --delta D --sample-rate Q (--epochs E | --steps N)
+    dptorch audit [--canaries M] [--noise-multiplier S] [--steps N] [--delta D] [--plot FILE.png] [--json]
 
 Adding a subcommand: write ``add_<name>_command(subparsers)`` that creates its parser with
 ``subparsers.add_parser(...)`` and sets ``handler=run_<name>`` through ``set_defaults``; the
@@ -314,10 +315,83 @@ def run_example(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- dptorch audit --------------------------------------------------------------------------
+
+
+def add_audit_command(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "audit",
+        help="audit DP-SGD empirically: epsilon lower bound from one run with gradient canaries",
+        description="Train a linear model once with white-box Dirac gradient canaries through dptorch's DP-SGD and "
+        "bound epsilon from below (Steinke, Nasr, Jagielski 2023). A lower bound above the claimed epsilon refutes "
+        "the claim (exit code 1). Defaults: a claimed epsilon of about 2 at delta 1e-5.",
+    )
+    parser.add_argument("--canaries", type=int, default=500, metavar="M", help="number of canaries (default 500)")
+    parser.add_argument("--noise-multiplier", action="append", metavar="S",
+                        help="sigma (default 4); repeat or comma-separate to audit several runs")
+    parser.add_argument("--steps", type=int, default=4, metavar="N", help="training steps (default 4)")
+    parser.add_argument("--sample-rate", type=float, default=1.0, metavar="Q", help="Poisson sample rate (default 1)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, metavar="C", help="clipping bound (default 1)")
+    parser.add_argument("--delta", type=float, default=1e-5, metavar="D", help="delta (default 1e-5)")
+    parser.add_argument("--confidence", type=float, default=0.95, metavar="P", help="confidence (default 0.95)")
+    parser.add_argument("--clipping", default="flat", metavar="MODE", help="flat, automatic or adaptive (default flat)")
+    parser.add_argument("--grad-sample-mode", default="hooks", metavar="MODE", help="hooks, bk, ghost, ... (default hooks)")
+    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME", help=f"one of {', '.join(ACCOUNTANTS)}")
+    parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of canaries, sampling and noise (default 0)")
+    parser.add_argument("--plot", metavar="FILE.png", help="also draw claimed against audited epsilon to this file")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run_audit)
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    from dptorch.auditing import audit_dp_sgd, plot_audit
+
+    sigmas = [check_noise_multiplier(float(part), "--noise-multiplier")
+              for value in (args.noise_multiplier or ["4"]) for part in value.split(",") if part.strip()]
+    if not sigmas or any(s == 0 for s in sigmas):
+        raise ValueError("--noise-multiplier must be > 0 (a run without noise claims no epsilon to audit)")
+    steps = check_steps(args.steps, "--steps")
+    q = check_sample_rate(args.sample_rate, "--sample-rate")
+    delta = check_delta(args.delta, "--delta")
+    check_positive(args.max_grad_norm, "--max-grad-norm")
+    if not 0 < args.confidence < 1:
+        raise ValueError(f"--confidence must be in (0, 1), got {args.confidence}")
+    if args.canaries < 2:
+        raise ValueError(f"--canaries must be >= 2, got {args.canaries}")
+    if args.clipping not in ("flat", "automatic", "adaptive"):
+        raise ValueError(f"--clipping must be flat, automatic or adaptive, got {args.clipping!r}")
+    name = check_accountant_name(args.accountant, "--accountant")
+    if args.plot:
+        _check_plot_target(args.plot)
+    results = [
+        audit_dp_sgd(num_canaries=args.canaries, noise_multiplier=sigma, steps=steps, sample_rate=q,
+                     max_grad_norm=args.max_grad_norm, delta=delta, confidence=args.confidence, clipping=args.clipping,
+                     grad_sample_mode=args.grad_sample_mode, accountant=name, seed=args.seed)
+        for sigma in sigmas
+    ]
+    if args.plot:
+        plot_audit(results, args.plot)
+    lines = []
+    for sigma, result in zip(sigmas, results):
+        verdict = "consistent with the claim" if result.consistent else "REFUTES the claimed epsilon"
+        lines.append(
+            f"audited epsilon >= {_number(result.epsilon_lower_bound)} at {result.confidence:.0%} confidence, claimed "
+            f"epsilon = {_number(result.claimed_epsilon)} (delta = {delta:g}, sigma = {sigma:g}, {steps} steps, q = {q:g}; "
+            f"{result.num_correct} of {result.num_guesses} guesses right, {result.num_canaries} canaries): {verdict}"
+        )
+    if args.plot:
+        lines.append(f"plot written to {args.plot}")
+    payload: Dict[str, Any] = results[0].to_dict() if len(results) == 1 else {"runs": [r.to_dict() for r in results]}
+    if args.plot:
+        payload["plot"] = args.plot
+    _emit(payload, lines, args.json)
+    return 0 if all(r.consistent for r in results) else 1
+
+
 # -- entry point ----------------------------------------------------------------------------
 
 #: Each function adds one subcommand; append yours to extend the CLI.
-COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command, add_example_command]
+COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command, add_example_command, add_audit_command]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,27 +1,40 @@
 """PrivacyEngine: wires the controller, the DP optimizer, Poisson sampling and the privacy plan.
 
-``make_private`` returns ``(module, optimizer, data_loader)`` in every mode. With
-``wrap_model=False`` the module returned is the very object passed in and the controller is
-``engine.hooks``; ``engine.detach()`` removes it without a trace.
+``make_private`` returns ``(module, optimizer, data_loader)`` in every mode, and
+``(module, optimizer, criterion, data_loader)`` when the caller passes ``criterion=`` (wrapped in
+:class:`~dptorch.loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the module returned is the
+very object passed in and the controller is ``engine.hooks``; ``engine.detach()`` removes it
+without a trace.
+
+Checkpoints use Opacus' layout (``module_state_dict``, ``privacy_accountant_state_dict``,
+``optimizer_state_dict``, ... and the caller's entries at the top level) plus a ``"dptorch"`` entry
+with what an exact resume needs (privacy plan, sampler position, torch's RNG); ``load_checkpoint``
+also reads checkpoint files written by Opacus 1.6 and by earlier dptorch versions.
 """
 
 from __future__ import annotations
 
+import dis
 import os
+import sys
 import warnings
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
-from dptorch.data.poisson import DPDataLoader
+from dptorch.data.poisson import DPDataLoader, check_map_style, poisson_sampler_of
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.grad_sample.hooks import is_attached
-from dptorch.noise import NoiseGenerator
+from dptorch.loss import DPLoss
+from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.optimizer import DPOptimizer
+from dptorch.optim.adaptive import clipping_plan_fields
+from dptorch.optim.clipping import CLIPPING_MODES
 from dptorch.plan import PrivacyPlan, check_clipping
+from dptorch.validate import ModuleValidator
 
 
 class PrivacyEngine:
@@ -75,18 +88,43 @@ class PrivacyEngine:
         wrap_model: bool = True,
         noise_generator: Optional[Any] = None,
         strict: bool = True,
+        criterion: Optional[Any] = None,
+        gamma: Optional[float] = None,
+        target_unclipped_quantile: Optional[float] = None,
+        clipbound_learning_rate: Optional[float] = None,
+        max_clipbound: Optional[float] = None,
+        min_clipbound: Optional[float] = None,
+        unclipped_num_std: Optional[float] = None,
+        clipping_stats: Optional[str] = None,
     ):
         """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
 
-        ``noise_multiplier=0`` is accepted with a warning: clipping only, no privacy, and
-        ``get_epsilon`` returns infinity.
+        ``clipping`` is "flat", "per_layer", "automatic" (``gamma``, default 0.01; sensitivity 1,
+        ``max_grad_norm`` unused) or "adaptive" (``max_grad_norm`` is the starting bound;
+        ``target_unclipped_quantile``, ``clipbound_learning_rate``, ``max_clipbound``,
+        ``min_clipbound``, ``unclipped_num_std`` as in Opacus). ``clipping_stats`` ("raw" or
+        "private") records clipping statistics per step (docs/clipping.md).
+
+        With ``criterion=`` (Opacus' argument) it returns ``(module, optimizer, criterion,
+        data_loader)``, the criterion wrapped in :class:`~dptorch.loss.DPLoss` (one loss per sample,
+        ``loss.backward()`` is one backward pass), in every ``grad_sample_mode``; the mode alone
+        never changes the shape. ``noise_generator`` is a ``torch.Generator`` (as in Opacus) or a
+        :class:`~dptorch.noise.NoiseGenerator`. ``noise_multiplier=0`` is accepted with a warning:
+        clipping only, no privacy, and ``get_epsilon`` returns infinity.
         """
+        if not wrap_model:
+            _warn_if_opacus_hooks_idiom(sys._getframe(1))
+        options = clipping_plan_fields(
+            clipping, gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
+            clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound, min_clipbound=min_clipbound,
+            unclipped_num_std=unclipped_num_std, clipping_stats=clipping_stats,
+        ) if clipping in CLIPPING_MODES else {}
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
         plan = PrivacyPlan.for_sampler(dp_loader.batch_sampler, noise_multiplier=noise_multiplier,
-                                       **self._plan_fields(max_grad_norm, clipping))
+                                       **self._plan_fields(max_grad_norm, clipping, options))
         return self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
                             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
-                            strict=strict)
+                            strict=strict, criterion=criterion)
 
     def make_private_with_epsilon(
         self,
@@ -105,19 +143,78 @@ class PrivacyEngine:
 
         The noise is calibrated at exactly the sample rate the Poisson sampler draws with and the
         steps the run takes: ``steps``, or ``epochs`` passes over the returned loader
-        (``epochs * len(loader)`` draws), with this engine's accountant (not 'gdp').
+        (``epochs * len(loader)`` draws), with this engine's accountant (not 'gdp'). Returns what
+        ``make_private`` returns for the same arguments (with ``criterion=``: four items).
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")
+        if not kwargs.get("wrap_model", True):
+            _warn_if_opacus_hooks_idiom(sys._getframe(1))
         clipping = kwargs.pop("clipping", "flat")
         poisson_sampling = kwargs.pop("poisson_sampling", True)
+        option_names = ("gamma", "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
+                        "min_clipbound", "unclipped_num_std", "clipping_stats")
+        given = {name: kwargs.pop(name) for name in option_names if name in kwargs}
+        options = clipping_plan_fields(clipping, **given) if clipping in CLIPPING_MODES else {}
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
         plan = PrivacyPlan.calibrated(
             target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
             sample_rate=dp_loader.batch_sampler.sample_rate, steps_per_epoch=dp_loader.batch_sampler.steps,
-            num_units=dp_loader.batch_sampler.num_samples, **self._plan_fields(max_grad_norm, clipping),
+            num_units=dp_loader.batch_sampler.num_samples, **self._plan_fields(max_grad_norm, clipping, options),
         )
         return self._attach(module, optimizer, dp_loader, plan, **kwargs)
+
+    # ------------------------------------------------------------------ compatibility (Opacus' names)
+
+    def is_compatible(
+        self, *, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+        data_loader: Optional[DataLoader] = None,
+    ) -> bool:
+        """True when ``make_private`` would accept these objects as they are (Opacus' name).
+
+        Beyond Opacus, which checks the model only, this also checks what ``make_private`` would
+        refuse: a model in eval mode, optimizer parameters that are not the model's, and a data
+        loader whose sample rate cannot be derived. Changes nothing, draws no random number.
+        """
+        return not self.compatibility_problems(module=module, optimizer=optimizer, data_loader=data_loader)
+
+    def validate(
+        self, *, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+        data_loader: Optional[DataLoader] = None,
+    ) -> None:
+        """``is_compatible`` that raises: ``UnsupportedModuleError`` naming each incompatible module
+        and its fix (as Opacus), else ``ValueError`` listing the optimizer and data loader problems."""
+        ModuleValidator.validate(module, strict=True)
+        problems = self.compatibility_problems(module=module, optimizer=optimizer, data_loader=data_loader)
+        if problems:
+            raise ValueError("make_private would refuse this set-up:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @classmethod
+    def get_compatible_module(cls, module: nn.Module) -> nn.Module:
+        """A compatible deep copy of ``module`` (``ModuleValidator.fix``, which also validates the result).
+
+        Build the optimizer from the returned model's parameters, as with Opacus.
+        """
+        return ModuleValidator.fix(module)
+
+    def compatibility_problems(
+        self, *, module: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+        data_loader: Optional[DataLoader] = None,
+    ) -> List[str]:
+        """Every reason ``make_private`` would refuse these objects (empty when it would accept them)."""
+        problems = [str(problem) for problem in ModuleValidator.validate(module)]
+        if not module.training:
+            problems.append("the model is in eval mode; call model.train() before make_private")
+        if optimizer is not None:
+            try:
+                _check_optimizer_params_in_model(module, optimizer)
+            except ValueError as err:
+                problems.append(str(err))
+        if data_loader is not None:
+            problem = _data_loader_problem(data_loader, self.secure_mode)
+            if problem is not None:
+                problems.append(problem)
+        return problems
 
     def _check_and_prepare(self, module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm) -> DPDataLoader:
         """Every check that needs no plan, then the Poisson loader; nothing is attached yet."""
@@ -137,12 +234,18 @@ class PrivacyEngine:
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
         return _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
 
-    def _plan_fields(self, max_grad_norm, clipping) -> Dict[str, Any]:
+    def _plan_fields(self, max_grad_norm, clipping, options=None) -> Dict[str, Any]:
         return dict(max_grad_norm=max_grad_norm, clipping=clipping, accountant=self.accountant,
-                    secure_mode=self.secure_mode, track_draws=True)
+                    secure_mode=self.secure_mode, track_draws=True, **(options or {}))
 
     def _attach(self, module, optimizer, dp_loader, plan, *, batch_first=True, loss_reduction="mean",
-                grad_sample_mode="hooks", wrap_model=True, noise_generator=None, strict=True):
+                grad_sample_mode="hooks", wrap_model=True, noise_generator=None, strict=True, criterion=None):
+        if noise_generator is not None and self.secure_mode and not isinstance(noise_generator, SecureNoiseGenerator):
+            raise ValueError(
+                "secure_mode=True draws the noise from the OS CSPRNG, and a noise_generator (a seedable, replayable "
+                "stream) would replace it: remove noise_generator, or use PrivacyEngine(secure_mode=False)"
+            )
+        noise_generator = as_noise_generator(noise_generator)  # a torch.Generator becomes a NoiseGenerator
         if plan.noise_multiplier == 0:
             warnings.warn(
                 "noise_multiplier=0: the gradients are clipped but no noise is added, so the training is not "
@@ -174,6 +277,8 @@ class PrivacyEngine:
             raise
         self.hooks, self.optimizer, self.plan = hooks, dp_optimizer, plan
         dp_loader.privacy_plan = plan  # the loader reports every draw it hands out to the plan
+        if criterion is not None:  # Opacus' shape: the caller asked for the wrapped criterion
+            return returned, dp_optimizer, DPLoss(criterion, hooks), dp_loader
         return returned, dp_optimizer, dp_loader
 
     def detach(self) -> None:
@@ -202,53 +307,261 @@ class PrivacyEngine:
 
     def save_checkpoint(
         self,
-        path: Union[str, os.PathLike],
+        path: Union[str, os.PathLike, Any] = None,
         *,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
         data_loader: Optional[DataLoader] = None,
         extra: Optional[Dict[str, Any]] = None,
+        optimizer_scheduler: Optional[Any] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        checkpoint_dict: Optional[Dict[str, Any]] = None,
+        module_state_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_save_kwargs: Optional[Dict[str, Any]] = None,
     ) -> None:
         """Save everything a run needs to continue exactly: weights, optimizer with its
-        accumulator and noise RNG, accountant history, sampler state and torch's RNG."""
-        state = {
-            "module": _unwrap(module).state_dict(),
-            "accountant": self.accountant.state_dict(),
+        accumulator and noise RNG, accountant history, sampler state and torch's RNG.
+
+        Takes Opacus' keywords and writes Opacus' layout: ``module_state_dict`` (the unwrapped
+        model's keys), ``privacy_accountant_state_dict``, ``optimizer_state_dict``,
+        ``scheduler_state_dict`` (``optimizer_scheduler``), ``noise_scheduler_state_dict``,
+        ``grad_clip_scheduler_state_dict``, and the entries of ``checkpoint_dict`` and ``extra``
+        at the top level (a name the checkpoint uses itself is refused). What only dptorch needs
+        (privacy plan, sampler position with ``data_loader=``, torch's RNG) is under ``"dptorch"``.
+        ``path`` may be a file object; a file path is written atomically (a run killed mid-save
+        keeps its previous checkpoint). ``checkpoint_dict`` is not modified.
+        """
+        if path is None:
+            raise TypeError("save_checkpoint needs path=")
+        user = _user_entries(checkpoint_dict, extra)
+        state: Dict[str, Any] = dict(user)
+        state["module_state_dict"] = _unwrap(module).state_dict(**(module_state_dict_kwargs or {}))
+        state["privacy_accountant_state_dict"] = self.accountant.state_dict()
+        if optimizer is not None:
+            state["optimizer_state_dict"] = optimizer.state_dict()
+        for key, scheduler in _schedulers_given(optimizer_scheduler, noise_scheduler, grad_clip_scheduler):
+            state[key] = scheduler.state_dict()
+        ours: Dict[str, Any] = {
+            "version": _CHECKPOINT_VERSION,
             "plan": self.plan.state_dict() if self.plan is not None else None,
             "torch_rng_state": torch.get_rng_state(),
-            "extra": extra or {},
+            "user_keys": sorted(user),
         }
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
         if data_loader is not None and hasattr(data_loader, "state_dict"):
-            state["data_loader"] = data_loader.state_dict()
+            ours["data_loader"] = data_loader.state_dict()
+        state[_OURS] = ours
+        if not isinstance(path, (str, os.PathLike)):  # a file object, as Opacus allows
+            torch.save(state, path, **(torch_save_kwargs or {}))
+            return
         tmp = f"{os.fspath(path)}.tmp"
-        torch.save(state, tmp)
+        torch.save(state, tmp, **(torch_save_kwargs or {}))
         os.replace(tmp, path)  # a run killed mid-save keeps its previous checkpoint
 
     def load_checkpoint(
         self,
-        path: Union[str, os.PathLike],
+        path: Union[str, os.PathLike, Any] = None,
         *,
         module: nn.Module,
         optimizer: Optional[DPOptimizer] = None,
         data_loader: Optional[DataLoader] = None,
+        optimizer_scheduler: Optional[Any] = None,
+        noise_scheduler: Optional[Any] = None,
+        grad_clip_scheduler: Optional[Any] = None,
+        module_load_dict_kwargs: Optional[Dict[str, Any]] = None,
+        torch_load_kwargs: Optional[Dict[str, Any]] = None,
     ) -> Dict[str, Any]:
-        """Restore a checkpoint written by ``save_checkpoint``; returns its ``extra`` dict."""
-        state = torch.load(path, weights_only=True)
-        if self.plan is not None and state.get("plan") is not None:
-            self.plan.load_state_dict(state["plan"])  # refuses a different sampling before anything is loaded
-        else:  # written before checkpoints held the plan
-            self.accountant.load_state_dict(state["accountant"])
+        """Restore a checkpoint and return it, as Opacus does: the checkpoint dict, with the caller's
+        entries (``checkpoint_dict``, ``extra``) at the top level and the optimizer and scheduler
+        states taken out.
+
+        Reads checkpoints of ``save_checkpoint``, of earlier dptorch versions, and Opacus 1.6
+        checkpoint files: their weights (``_module.`` prefixes of Opacus' wrapper are dropped),
+        optimizer state and accountant history (each step's noise multiplier and sample rate), so
+        a run started with Opacus continues here with the same epsilon. A dptorch checkpoint of a
+        run that sampled differently (sample rate, steps per epoch, dataset size) is refused
+        before anything is loaded. Loads with ``weights_only=True`` unless ``torch_load_kwargs``
+        says otherwise.
+        """
+        if path is None:
+            raise TypeError("load_checkpoint needs path=")
+        checkpoint = _normalised_checkpoint(torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})}))
+        ours = checkpoint.get(_OURS)
+        if ours is None:  # an Opacus checkpoint: the accountant history is all the privacy state it has
+            self._load_opacus_accountant(checkpoint["privacy_accountant_state_dict"])
+        elif self.plan is not None and ours.get("plan") is not None:
+            self.plan.load_state_dict(ours["plan"])  # refuses a different sampling before anything is loaded
+        else:  # no plan here yet, or a checkpoint written before checkpoints held the plan
+            self.accountant.load_state_dict(checkpoint["privacy_accountant_state_dict"])
             if self.plan is not None:
                 self.plan.steps = len(self.accountant)
-        _unwrap(module).load_state_dict(state["module"])
-        torch.set_rng_state(state["torch_rng_state"])
-        if optimizer is not None and "optimizer" in state:
-            optimizer.load_state_dict(state["optimizer"])
-        if data_loader is not None and "data_loader" in state:
-            data_loader.load_state_dict(state["data_loader"])
-        return state["extra"]
+        target = _unwrap(module)
+        target.load_state_dict(_matching_keys(checkpoint["module_state_dict"], target),
+                               **(module_load_dict_kwargs or {}))
+        if ours is not None and ours.get("torch_rng_state") is not None:
+            torch.set_rng_state(ours["torch_rng_state"])
+        optimizer_state = checkpoint.pop("optimizer_state_dict", None)
+        if optimizer is not None and optimizer_state:
+            optimizer.load_state_dict(optimizer_state)
+        elif optimizer is not None or optimizer_state:
+            warnings.warn(
+                "the checkpoint has no optimizer state, so the optimizer starts afresh" if optimizer is not None
+                else "the checkpoint holds an optimizer state but no optimizer= was given, so it is not restored",
+                UserWarning, stacklevel=2,
+            )
+        for key, scheduler in _schedulers_given(optimizer_scheduler, noise_scheduler, grad_clip_scheduler):
+            saved = checkpoint.pop(key, None)
+            if saved is None and key == "scheduler_state_dict":
+                saved = checkpoint.pop("optimizer_scheduler_state_dict", None)
+            if saved is None:
+                warnings.warn(f"the checkpoint has no {key}; the scheduler starts afresh", UserWarning, stacklevel=2)
+            else:
+                scheduler.load_state_dict(saved)
+        for key in _SCHEDULER_STATE_KEYS:
+            checkpoint.pop(key, None)
+        if data_loader is not None and ours is not None and "data_loader" in ours:
+            data_loader.load_state_dict(ours["data_loader"])
+        return checkpoint
+
+    def _load_opacus_accountant(self, state: Dict[str, Any]) -> None:
+        """Take the step history of an Opacus accountant state (``{"history": [(sigma, q, steps), ...],
+        "mechanism": ...}``): the history is the same whatever accountant composes it."""
+        if not isinstance(state, dict) or "history" not in state:
+            raise ValueError("the checkpoint's privacy_accountant_state_dict has no 'history' of steps")
+        history, unprotected = [], 0
+        for index, entry in enumerate(state["history"]):
+            if len(entry) != 3:
+                raise ValueError(f"accountant history[{index}] must be (noise_multiplier, sample_rate, steps), got {entry!r}")
+            sigma, q, count = float(entry[0]), float(entry[1]), int(entry[2])
+            if sigma == 0:
+                unprotected += count
+            else:
+                history.append([sigma, q, count])
+        if unprotected and self.plan is None:
+            raise ValueError(
+                f"the Opacus run took {unprotected} step(s) with noise_multiplier=0, so its epsilon is infinite; call "
+                "load_checkpoint after make_private, whose privacy plan records such steps"
+            )
+        mechanism = str(state.get("mechanism", ""))
+        if mechanism and mechanism != self.accountant.mechanism:
+            warnings.warn(
+                f"the Opacus checkpoint was accounted with {mechanism!r}, this engine accounts with "
+                f"{self.accountant.mechanism!r}: the same steps are composed by another method, so epsilon may differ "
+                f"slightly; use PrivacyEngine(accountant={mechanism!r}) for Opacus' figure",
+                UserWarning, stacklevel=3,
+            )
+        self.accountant.load_state_dict({"mechanism": str(self.accountant.mechanism), "history": history})
+        if self.plan is not None:
+            self.plan.unprotected_steps = unprotected
+            self.plan.steps = len(self.accountant) + unprotected
+            if history and self.plan.sample_rate is not None and history[-1][1] != self.plan.sample_rate:
+                warnings.warn(
+                    f"the Opacus run's last steps sampled at q={history[-1][1]:g}, this run samples at "
+                    f"q={self.plan.sample_rate:g} (another dataset size or batch size): epsilon accounts each step at "
+                    "its own rate, but the resumed run is not the one that was started",
+                    UserWarning, stacklevel=3,
+                )
+
+
+#: Where dptorch keeps what only it needs in a checkpoint (plan, sampler, torch's RNG).
+_OURS = "dptorch"
+_CHECKPOINT_VERSION = 2
+_SCHEDULER_STATE_KEYS = ("scheduler_state_dict", "noise_scheduler_state_dict", "grad_clip_scheduler_state_dict")
+_RESERVED_KEYS = frozenset({"module_state_dict", "privacy_accountant_state_dict", "optimizer_state_dict",
+                            "optimizer_scheduler_state_dict", _OURS, *_SCHEDULER_STATE_KEYS})
+
+
+def _schedulers_given(optimizer_scheduler: Any, noise_scheduler: Any, grad_clip_scheduler: Any):
+    """``(checkpoint key, scheduler)`` of each scheduler given."""
+    given = zip(_SCHEDULER_STATE_KEYS, (optimizer_scheduler, noise_scheduler, grad_clip_scheduler))
+    return [(key, scheduler) for key, scheduler in given if scheduler is not None]
+
+
+def _user_entries(checkpoint_dict: Optional[Dict[str, Any]], extra: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The caller's entries (Opacus' ``checkpoint_dict``, dptorch's ``extra``), checked against the checkpoint's own."""
+    entries: Dict[str, Any] = {}
+    for source in (checkpoint_dict or {}, extra or {}):
+        clash = sorted(set(source) & (_RESERVED_KEYS | set(entries)))
+        if clash:
+            raise ValueError(
+                f"checkpoint entries {clash} clash with the checkpoint's own entries or with each other; rename them"
+            )
+        entries.update(source)
+    return entries
+
+
+def _normalised_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint in the current layout: files of dptorch before version 2 are translated."""
+    if not isinstance(state, dict):
+        raise ValueError(f"a checkpoint is a dict, got {type(state).__name__}")
+    if "module_state_dict" in state:  # this version's layout, or Opacus'
+        if "privacy_accountant_state_dict" not in state:
+            raise ValueError("the checkpoint has module_state_dict but no privacy_accountant_state_dict")
+        return dict(state)
+    if "module" in state and "accountant" in state:  # dptorch before version 2
+        checkpoint = dict(state.get("extra") or {})
+        checkpoint["module_state_dict"] = state["module"]
+        checkpoint["privacy_accountant_state_dict"] = state["accountant"]
+        if "optimizer" in state:
+            checkpoint["optimizer_state_dict"] = state["optimizer"]
+        ours = {"version": 1, "plan": state.get("plan"), "torch_rng_state": state.get("torch_rng_state")}
+        if "data_loader" in state:
+            ours["data_loader"] = state["data_loader"]
+        checkpoint[_OURS] = ours
+        return checkpoint
+    raise ValueError(
+        f"not a checkpoint of dptorch or Opacus (keys: {sorted(state)[:8]}); expected module_state_dict and "
+        "privacy_accountant_state_dict"
+    )
+
+
+def _matching_keys(saved: Dict[str, Any], module: nn.Module) -> Dict[str, Any]:
+    """``saved`` with the wrapper prefixes Opacus writes (``_module.``, DDP's ``module.``) dropped
+    when the model's own keys do not have them."""
+    wanted = set(module.state_dict())
+    keys = set(saved)
+    while keys and not keys <= wanted:
+        for prefix in ("_module.", "module."):
+            if all(key.startswith(prefix) for key in keys):
+                saved = {key[len(prefix):]: value for key, value in saved.items()}
+                keys = set(saved)
+                break
+        else:
+            break
+    return saved
+
+
+#: Names Opacus code gives the first item ``make_private(wrap_model=False)`` returns there (its controller).
+_CONTROLLER_NAMES = ("hook", "gsm", "controller", "grad_sample")
+
+
+def _warn_if_opacus_hooks_idiom(frame: Any) -> None:
+    """Warn when the caller unpacks ``make_private(wrap_model=False)`` as Opacus 1.6 code does.
+
+    Opacus returns its ``GradSampleHooks`` controller as the first item; dptorch returns the model
+    itself. Code such as ``hooks, optimizer, loader = engine.make_private(..., wrap_model=False)``
+    would later fail on ``hooks.cleanup()`` with a bare ``AttributeError`` about the user's model.
+    The first assignment target is read from the caller's bytecode (the instructions right after
+    the call), so the warning fires only for such names; anything unexpected just skips it.
+    """
+    try:
+        code, offset = frame.f_code, frame.f_lasti
+        following = [i for i in dis.get_instructions(code) if i.offset > offset][:4]
+        if not following or following[0].opname != "UNPACK_SEQUENCE":
+            return
+        target = next((i.argval for i in following[1:] if i.opname.startswith("STORE_")), None)
+    except Exception:  # never let a heuristic break make_private
+        return
+    if not isinstance(target, str) or not any(name in target.lower() for name in _CONTROLLER_NAMES):
+        return
+    warnings.warn(
+        f"make_private(wrap_model=False) returns your model itself as its first item, not a GradSampleHooks "
+        f"controller as Opacus 1.6 does: {target!r} is your model, and {target}.cleanup() would raise "
+        f"AttributeError. Write `model, optimizer, data_loader = engine.make_private(..., wrap_model=False)`; the "
+        "controller is engine.hooks, and engine.detach() removes it (see docs/migrating-from-opacus.md)",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _default_noise_generator(secure_mode: bool) -> Optional[NoiseGenerator]:
@@ -273,6 +586,23 @@ def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.O
             "ModuleValidator.fix and get_peft_model return a new model, so build the optimizer from "
             "model.parameters() of the model you pass, after them"
         )
+
+
+def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional[str]:
+    """Why ``make_private`` would refuse ``data_loader`` (None when it would accept it); builds nothing."""
+    if isinstance(data_loader, DPDataLoader):
+        if secure_mode and not data_loader.batch_sampler.secure:
+            return "secure_mode=True needs a DPDataLoader built with secure_mode=True (its sampling is seeded)"
+        return None
+    try:
+        check_map_style(data_loader.dataset)
+        if data_loader.batch_size is None and poisson_sampler_of(data_loader) is not None:
+            return None
+        if len(data_loader) == 0:
+            return "the data loader yields no batches"
+    except (TypeError, ValueError) as err:
+        return f"cannot derive the sample rate from the data loader: {err}"
+    return None
 
 
 def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure_mode: bool = False) -> DPDataLoader:

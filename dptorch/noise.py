@@ -133,11 +133,26 @@ def secure_gaussian(
 class NoiseGenerator:
     """Replayable Gaussian noise from an owned ``torch.Generator`` (default path).
 
-    ``seed=None`` seeds from OS entropy. ``state_dict()`` holds the RNG state as a uint8
-    tensor (``torch.load(weights_only=True)`` compatible); loading it restores the stream.
+    ``seed=None`` seeds from OS entropy. ``generator=`` adopts an existing ``torch.Generator``
+    as it is (Opacus' ``noise_generator=torch.Generator()``; its current state is the stream's
+    start, and the noise moves it on). ``state_dict()`` holds the RNG state as a uint8 tensor
+    (``torch.load(weights_only=True)`` compatible); loading it restores the stream.
     """
 
-    def __init__(self, seed: Optional[int] = None, device: Union[str, torch.device] = "cpu"):
+    def __init__(
+        self,
+        seed: Optional[int] = None,
+        device: Union[str, torch.device] = "cpu",
+        *,
+        generator: Optional[torch.Generator] = None,
+    ):
+        if generator is not None:
+            if seed is not None:
+                raise ValueError("give seed= or generator=, not both")
+            if not isinstance(generator, torch.Generator):
+                raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+            self.generator = generator
+            return
         self.generator = torch.Generator(device=device)
         if seed is None:
             self.generator.seed()
@@ -156,6 +171,22 @@ class NoiseGenerator:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.generator.set_state(state["rng_state"].cpu())  # Accelerate may have moved it to the device
+
+
+def as_noise_generator(source: Any) -> Any:
+    """``source`` as an object with ``noise_like``/``state_dict``/``load_state_dict``.
+
+    None stays None (the caller picks its default); a ``torch.Generator`` (Opacus'
+    ``noise_generator=``) is adopted by a :class:`NoiseGenerator`; anything with ``noise_like``
+    (a ``NoiseGenerator``, a ``SecureNoiseGenerator`` or a custom source) is returned as it is.
+    """
+    if source is None or hasattr(source, "noise_like"):
+        return source
+    if isinstance(source, torch.Generator):
+        return NoiseGenerator(generator=source)
+    raise TypeError(
+        f"noise_generator must be a torch.Generator or a dptorch.noise.NoiseGenerator, got {type(source).__name__}"
+    )
 
 
 class SecureNoiseGenerator:
@@ -190,6 +221,7 @@ class SecureNoiseGenerator:
 __all__ = [
     "NoiseGenerator",
     "SecureNoiseGenerator",
+    "as_noise_generator",
     "gaussian_noise",
     "noise_dtype",
     "secure_gaussian",

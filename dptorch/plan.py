@@ -11,7 +11,12 @@ reads (and only the optimizer writes) one plan:
   (the Trainer), never recomputed elsewhere;
 * the mechanism: ``mechanism`` ("gaussian": independent Gaussian noise, DP-SGD),
   ``noise_multiplier``, ``max_grad_norm`` and ``clipping``; the optimizer's noise std and
-  ``expected_batch_size`` come from here;
+  ``expected_batch_size`` come from here. With adaptive clipping (or private clipping
+  statistics) each step also releases a noised count of unclipped units (std
+  ``count_noise_std``): the gradient noise is then ``gradient_noise_multiplier`` (raised so that
+  the two Gaussian queries compose to ``noise_multiplier``, see :mod:`dptorch.optim.adaptive`),
+  and the accountant still records one Gaussian of ``noise_multiplier`` per step. Adaptive
+  clipping moves ``max_grad_norm`` (the optimizer writes it after every step; checkpoints keep it);
 * calibration: ``PrivacyPlan.calibrated`` chooses the noise multiplier for exactly the plan's
   ``sample_rate`` and planned steps (``planned_steps``), the ones the accountant will record;
 * accounting: the optimizer calls ``close_step`` and ``record_steps`` once per logical step;
@@ -32,6 +37,7 @@ private and ``epsilon`` is infinite.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
@@ -70,7 +76,7 @@ def check_clipping(
     ``params`` (the optimizer's trainable parameters, in order) lets a per-layer list be checked
     for one threshold per parameter; ``names`` are their names for the message.
     """
-    from dptorch.optim.clipping import CLIPPING_MODES  # here: dptorch.optim imports this module
+    from dptorch.optim.clipping import CLIPPING_MODES, FLAT_MODES  # here: dptorch.optim imports this module
 
     if clipping not in CLIPPING_MODES:
         raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
@@ -78,8 +84,8 @@ def check_clipping(
         if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         return
-    if clipping == "flat":
-        raise ValueError("flat clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
+    if clipping in FLAT_MODES:
+        raise ValueError(f"{clipping} clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
     try:
         thresholds = list(max_grad_norm)
     except TypeError:
@@ -213,6 +219,12 @@ class PrivacyPlan:
     or None (steps are counted but not accounted: a bare ``DPOptimizer``). ``expected_batch_size``
     defaults to ``sample_rate * num_units``, the expected (global) logical batch. ``sampling`` is
     "poisson" when the batches come from a Poisson sampler with ``sample_rate``, None when unknown.
+
+    Clipping options: ``gamma`` (automatic clipping, default 0.01), ``adaptive``
+    (:class:`~dptorch.optim.adaptive.AdaptiveClipping`, for ``clipping="adaptive"``; default
+    settings when None), ``clipping_stats`` (None, "raw" or "private") and ``unclipped_num_std``
+    (the noise of the released count; default ``expected_batch_size / 20``);
+    :func:`~dptorch.optim.adaptive.clipping_plan_fields` builds them from keyword options.
     """
 
     def __init__(
@@ -233,6 +245,10 @@ class PrivacyPlan:
         target_epsilon: Optional[float] = None,
         target_delta: Optional[float] = None,
         track_draws: bool = False,
+        gamma: Optional[float] = None,
+        adaptive: Optional[Any] = None,
+        clipping_stats: Optional[str] = None,
+        unclipped_num_std: Optional[float] = None,
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
@@ -259,6 +275,7 @@ class PrivacyPlan:
         self.steps = len(self.accountant) if self.accountant is not None else 0
         self.unprotected_steps = 0  # steps taken with noise_multiplier 0
         self.draws: Optional[DrawLedger] = DrawLedger() if track_draws else None
+        self._set_clipping_options(gamma, adaptive, clipping_stats, unclipped_num_std)
 
     # ------------------------------------------------------------------ construction
 
@@ -300,6 +317,60 @@ class PrivacyPlan:
         return cls(noise_multiplier=sigma, planned_steps=total, target_epsilon=target_epsilon,
                    target_delta=target_delta, **fields)
 
+    def _set_clipping_options(self, gamma, adaptive, clipping_stats, unclipped_num_std) -> None:
+        from dptorch.optim.adaptive import CLIPPING_STATS, AdaptiveClipping
+        from dptorch.optim.clipping import DEFAULT_GAMMA
+
+        clipping = self.clipping
+        if gamma is not None and clipping != "automatic":
+            raise ValueError(f"gamma is an option of clipping='automatic', not of clipping={clipping!r}")
+        if adaptive is not None and clipping != "adaptive":
+            raise ValueError(f"adaptive clipping settings were given with clipping={clipping!r}")
+        if clipping_stats not in CLIPPING_STATS:
+            raise ValueError(f"clipping_stats must be one of {CLIPPING_STATS}, got {clipping_stats!r}")
+        if clipping_stats == "private" and clipping == "automatic":
+            raise ValueError(
+                "clipping_stats='private' counts the units within the clipping bound; automatic clipping has no "
+                "bound (every unit is normalised). Use clipping_stats='raw' (not covered by epsilon) or none"
+            )
+        #: gamma of automatic clipping (None for other modes).
+        self.gamma: Optional[float] = None
+        if clipping == "automatic":
+            if gamma is not None and not (_is_number(gamma) and gamma > 0 and math.isfinite(gamma)):
+                raise ValueError(f"gamma of automatic clipping must be a finite number > 0, got {gamma!r}")
+            self.gamma = DEFAULT_GAMMA if gamma is None else float(gamma)
+            if self.max_grad_norm is not None and self.max_grad_norm != 1:
+                warnings.warn(
+                    f"max_grad_norm={self.max_grad_norm} is not used by automatic clipping: every unit's gradient is "
+                    "normalised to norm < 1 and the noise std is noise_multiplier (sensitivity 1). Scale the learning "
+                    "rate instead, and pass max_grad_norm=1.0 to silence this warning",
+                    UserWarning, stacklevel=4,
+                )
+        #: Adaptive clipping settings; ``max_grad_norm`` is the current bound, ``initial_max_grad_norm`` the first.
+        self.adaptive: Optional[AdaptiveClipping] = None
+        self.initial_max_grad_norm = self.max_grad_norm
+        if clipping == "adaptive":
+            self.adaptive = adaptive if adaptive is not None else AdaptiveClipping()
+            if self.max_grad_norm is not None:
+                self.adaptive.check_initial(float(self.max_grad_norm))
+        self.clipping_stats = clipping_stats
+        if unclipped_num_std is not None and not self.counts_unclipped:
+            raise ValueError(
+                "unclipped_num_std is the noise of the count of unclipped units, released only with "
+                "clipping='adaptive' or clipping_stats='private'"
+            )
+        if unclipped_num_std is not None and not (_is_number(unclipped_num_std) and unclipped_num_std > 0
+                                                  and math.isfinite(unclipped_num_std)):
+            raise ValueError(f"unclipped_num_std must be a finite number > 0, got {unclipped_num_std!r}")
+        self.unclipped_num_std = None if unclipped_num_std is None else float(unclipped_num_std)
+        if self.counts_unclipped:
+            if self.unclipped_num_std is None and not self.expected_batch_size:
+                raise ValueError(
+                    "adaptive clipping (and private clipping statistics) estimate the unclipped fraction over the "
+                    "expected logical batch size: give expected_batch_size (or unclipped_num_std and expected_batch_size)"
+                )
+            self.gradient_noise_multiplier  # refuses unclipped_num_std <= noise_multiplier / 2 now, not at the first step
+
     # ------------------------------------------------------------------ mechanism
 
     @property
@@ -308,7 +379,36 @@ class PrivacyPlan:
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        self._noise_multiplier = check_noise_multiplier(value)
+        value = check_noise_multiplier(value)
+        if getattr(self, "clipping_stats", None) is not None or getattr(self, "adaptive", None) is not None:
+            from dptorch.optim.adaptive import gradient_noise_multiplier
+
+            gradient_noise_multiplier(value, self.count_noise_std)  # refuses a sigma the count cannot share
+        self._noise_multiplier = value
+
+    @property
+    def counts_unclipped(self) -> bool:
+        """True when each step releases a noised count of unclipped units (adaptive or private stats)."""
+        return self.clipping == "adaptive" or getattr(self, "clipping_stats", None) == "private"
+
+    @property
+    def count_noise_std(self) -> Optional[float]:
+        """Std of the noise on the count of unclipped units (``unclipped_num_std``, default m / 20), or None."""
+        if not self.counts_unclipped:
+            return None
+        if self.unclipped_num_std is not None:
+            return self.unclipped_num_std
+        from dptorch.optim.adaptive import default_unclipped_num_std
+
+        return default_unclipped_num_std(self.expected_batch_size)
+
+    @property
+    def gradient_noise_multiplier(self) -> float:
+        """The noise multiplier of the clipped sum: ``noise_multiplier``, or with a count released,
+        ``(sigma^-2 - (2 sigma_b)^-2)^-1/2`` so that both queries together compose to ``noise_multiplier``."""
+        from dptorch.optim.adaptive import gradient_noise_multiplier
+
+        return gradient_noise_multiplier(self._noise_multiplier, self.count_noise_std)
 
     @property
     def private(self) -> bool:
@@ -335,8 +435,9 @@ class PrivacyPlan:
 
     @property
     def noise_std(self) -> float:
-        """Std of the Gaussian noise added to the clipped sum at each step: sigma * sensitivity."""
-        return self._noise_multiplier * self.sensitivity
+        """Std of the Gaussian noise added to the clipped sum at each step: sigma * sensitivity
+        (``gradient_noise_multiplier * max_grad_norm`` when a count is released too; sigma for automatic clipping)."""
+        return self.gradient_noise_multiplier * self.sensitivity
 
     # ------------------------------------------------------------------ steps (the optimizer)
 
@@ -416,6 +517,15 @@ class PrivacyPlan:
         if self.target_epsilon is not None:
             report.update(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
                           planned_steps=self.planned_steps)
+        if self.gamma is not None:
+            report["gamma"] = self.gamma
+        if self.adaptive is not None:
+            report["adaptive_clipping"] = {**self.adaptive.as_dict(), "initial_max_grad_norm": self.initial_max_grad_norm}
+        if self.counts_unclipped:
+            report.update(gradient_noise_multiplier=self.gradient_noise_multiplier,
+                          unclipped_num_std=self.count_noise_std)
+        if self.clipping_stats is not None:
+            report["clipping_stats"] = self.clipping_stats + (" (not covered by epsilon)" if self.clipping_stats == "raw" else "")
         if not self.private:
             report["note"] = (
                 "noise_multiplier=0: clipping only, no differential privacy (epsilon is infinite)"
@@ -439,6 +549,7 @@ class PrivacyPlan:
             "unprotected_steps": self.unprotected_steps,
             "accountant": self.accountant.state_dict() if self.accountant is not None else None,
             "draws": self.draws.state_dict() if self.draws is not None else None,
+            **({"max_grad_norm": float(self.max_grad_norm)} if self.adaptive is not None else {}),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -462,6 +573,8 @@ class PrivacyPlan:
         self.unprotected_steps = int(state.get("unprotected_steps", 0))
         if self.draws is not None and state.get("draws") is not None:
             self.draws.load_state_dict(state["draws"])
+        if self.adaptive is not None and state.get("max_grad_norm") is not None:
+            self.max_grad_norm = float(state["max_grad_norm"])  # the adapted bound, not the initial one
 
     def __repr__(self) -> str:
         return (

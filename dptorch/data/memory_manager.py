@@ -9,6 +9,15 @@ Each logical batch is one Poisson draw: when its first physical batch is handed 
 draw and its size are reported to the ``DPDataLoader`` (which tells the privacy plan), so the
 optimizer can check that the physical batches of one step add up to exactly that draw.
 
+Distributed (a ``DPDataLoader(distributed=True)``, or ``distributed=True``): each rank splits
+its own shard of every logical batch, so ranks would get different numbers of physical batches
+per logical step, and a rank that runs fewer forward/backward passes than another leaves it
+waiting in a collective (FSDP2 all-gathers parameters in every forward, DDP with its gradient
+sync on reduces in every backward). When the epoch is planned, the ranks agree (one all-reduce of
+the per-step counts, MAX) and every rank pads each logical step with empty physical batches up to
+the largest count; an empty physical batch adds no sample and no gradient, but it runs forward and
+backward like the others. Every rank then has the same number of physical batches per step.
+
 Length: at the start of each epoch (or on ``plan_epoch()``) the manager first draws all logical
 index lists of the epoch from the underlying batch sampler (indices only, cheap), then splits
 them. From then on ``len()`` is exact for that epoch, until the next epoch is planned. Before
@@ -45,6 +54,46 @@ def plan_physical_batches(
     return plan
 
 
+def pad_physical_plan(logical_batches: List[List[int]], target_counts: List[int], max_physical_batch_size: int):
+    """``plan_physical_batches`` with logical batch ``k`` padded by empty physical batches to
+    ``target_counts[k]`` physical batches (the last one still closes the logical batch)."""
+    plan = []
+    for logical, target in zip(logical_batches, target_counts):
+        chunks = split_logical_batch(logical, max_physical_batch_size)
+        if target < len(chunks):
+            raise ValueError(f"cannot pad {len(chunks)} physical batches down to {target}")
+        chunks = chunks + [[] for _ in range(target - len(chunks))]
+        plan.extend((chunk, position == len(chunks) - 1) for position, chunk in enumerate(chunks))
+    return plan
+
+
+def agreed_counts(counts: List[int], group: Any = None) -> List[int]:
+    """The element-wise maximum of every rank's ``counts`` (physical batches per logical step).
+
+    Refuses ranks that planned different numbers of logical steps (their samplers are out of step:
+    different ``steps`` or positions), which would leave one of them waiting in a collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return list(counts)
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    length = torch.tensor([len(counts), -len(counts)], dtype=torch.int64, device=device)
+    dist.all_reduce(length, op=dist.ReduceOp.MAX, group=group)
+    if int(length[0]) != -int(length[1]):
+        raise RuntimeError(
+            f"the ranks planned between {-int(length[1])} and {int(length[0])} logical batches for this epoch "
+            f"(this rank: {len(counts)}): their samplers are out of step. Build every rank's DPDataLoader with the "
+            "same sample rate and steps, and iterate them the same number of times"
+        )
+    agreed = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    return [int(c) for c in agreed.tolist()]
+
+
 def estimated_num_physical_batches(num_logical: int, expected_batch_size: float, max_physical_batch_size: int) -> int:
     """``num_logical * max(1, ceil(expected_batch_size / max_physical_batch_size))``."""
     return num_logical * max(1, math.ceil(expected_batch_size / max_physical_batch_size))
@@ -66,8 +115,13 @@ class _PlannedBatchSampler:
 class PhysicalBatchLoader:
     """Iterable of physical batches returned by ``BatchMemoryManager.__enter__``."""
 
-    def __init__(self, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any):
+    def __init__(self, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any,
+                 distributed: Optional[bool] = None):
         self.logical_loader = data_loader
+        if distributed is None:
+            distributed = getattr(data_loader.batch_sampler, "world_size", 1) > 1
+        #: Whether every rank pads its logical steps to the same number of physical batches.
+        self.distributed = bool(distributed)
         self.max_physical_batch_size = max_physical_batch_size
         self.optimizer = optimizer
         self.dataset = data_loader.dataset
@@ -92,10 +146,13 @@ class PhysicalBatchLoader:
                 drawn = [(position, list(batch)) for position, batch in batch_sampler.draws()]
             else:
                 drawn = [(None, list(batch)) for batch in batch_sampler]
-            self._plan = plan_physical_batches([batch for _, batch in drawn], self.max_physical_batch_size)
+            logical = [batch for _, batch in drawn]
+            counts = [len(split_logical_batch(batch, self.max_physical_batch_size)) for batch in logical]
+            if self.distributed:
+                counts = agreed_counts(counts)
+            self._plan = pad_physical_plan(logical, counts, self.max_physical_batch_size)
             self._opens = []
-            for position, batch in drawn:
-                chunks = len(split_logical_batch(batch, self.max_physical_batch_size))
+            for (position, batch), chunks in zip(drawn, counts):
                 self._opens += [(position, len(batch))] + [None] * (chunks - 1)
             self._plan_is_fresh = True
         return len(self._plan)
@@ -147,9 +204,14 @@ class BatchMemoryManager:
     once per logical batch. An empty logical batch gives one empty physical batch (its step
     still happens). ``data_loader`` is any map-style DataLoader with a batch sampler, typically
     a ``DPDataLoader``. See the module docstring for how ``len()`` is computed.
+
+    ``distributed`` (default: whether the loader's batch sampler has ``world_size > 1``, as a
+    ``DPDataLoader(distributed=True)`` has) pads every rank's logical steps with empty physical
+    batches to the same count on all ranks; the loop must run forward and backward on them too.
     """
 
-    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any):
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer: Any,
+                 distributed: Optional[bool] = None):
         if max_physical_batch_size <= 0:
             raise ValueError(f"max_physical_batch_size must be positive, got {max_physical_batch_size}")
         check_map_style(data_loader.dataset)
@@ -160,9 +222,10 @@ class BatchMemoryManager:
         self.data_loader = data_loader
         self.max_physical_batch_size = int(max_physical_batch_size)
         self.optimizer = optimizer
+        self.distributed = distributed
 
     def __enter__(self) -> PhysicalBatchLoader:
-        return PhysicalBatchLoader(self.data_loader, self.max_physical_batch_size, self.optimizer)
+        return PhysicalBatchLoader(self.data_loader, self.max_physical_batch_size, self.optimizer, self.distributed)
 
     def __exit__(self, exc_type, exc_value, traceback) -> bool:
         return False
@@ -171,7 +234,9 @@ class BatchMemoryManager:
 __all__ = [
     "BatchMemoryManager",
     "PhysicalBatchLoader",
+    "agreed_counts",
     "estimated_num_physical_batches",
+    "pad_physical_plan",
     "plan_physical_batches",
     "split_logical_batch",
 ]

@@ -457,14 +457,38 @@ class DPDataLoader(DataLoader):
 
         The expected (global) batch size is len(dataset)/len(data_loader), i.e. the original
         batch size (slightly less when the last batch is partial).
+
+        A loader with ``batch_size=None`` and a ``batch_sampler`` (Accelerate's prepared loaders,
+        a loader built on Opacus' ``UniformWithReplacementSampler``) takes its rate from the batch
+        sampler: a Poisson batch sampler (``PoissonBatchSampler``, also found inside Accelerate's
+        ``BatchSamplerShard``) keeps its sample rate and steps per epoch; a fixed-size batch
+        sampler (one with an integer ``batch_size``, as torch's ``BatchSampler``) gives q =
+        1/len(data_loader), as a ``batch_size`` loader does. A batch sampler of variable-size
+        batches (length grouping, token budgets) has no rate that describes it and is refused.
         """
         check_map_style(data_loader.dataset)
         if data_loader.batch_size is None:
-            raise ValueError(
-                "the source DataLoader has batch_size=None (a custom batch_sampler, or unbatched "
-                "samples), so its batch size is unknown; build DPDataLoader(dataset, "
-                "sample_rate=...) directly with the sample rate you want"
-            )
+            poisson = poisson_sampler_of(data_loader)
+            if poisson is not None:
+                if poisson.world_size > 1 and not distributed:
+                    raise ValueError(
+                        f"the source loader's Poisson batch sampler is rank {poisson.rank} of {poisson.world_size}; "
+                        "pass distributed=True (with torch.distributed initialised) to keep sharding the batches"
+                    )
+                secure_mode = secure_mode or poisson.secure
+                if secure_mode:
+                    generator = seed = None
+                return cls(
+                    data_loader.dataset,
+                    sample_rate=poisson.sample_rate,
+                    steps=poisson.steps,
+                    collate_fn=data_loader.collate_fn,
+                    generator=generator,
+                    seed=seed,
+                    distributed=distributed,
+                    secure_mode=secure_mode,
+                    **worker_settings(data_loader),
+                )
         try:
             num_batches = len(data_loader)
         except TypeError as error:
@@ -494,6 +518,41 @@ class DPDataLoader(DataLoader):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
+
+
+def poisson_sampler_of(data_loader: DataLoader) -> Optional[PoissonBatchSampler]:
+    """For a loader with ``batch_size=None``: its Poisson batch sampler, or None when its batches
+    have a fixed size (q = 1/len then); ValueError when neither gives a sound rate.
+
+    Follows ``.batch_sampler`` through wrappers (Accelerate's ``BatchSamplerShard``,
+    ``SkipBatchSampler``) to the batch sampler that decides the batches.
+    """
+    batch_sampler = data_loader.batch_sampler
+    if batch_sampler is None:
+        raise ValueError(
+            "the source DataLoader has batch_size=None and no batch_sampler (it yields unbatched "
+            "samples), so it has no batch size to derive a sample rate from; build DPDataLoader(dataset, "
+            "sample_rate=...) directly with the sample rate you want"
+        )
+    chain, current = [], batch_sampler
+    while current is not None and len(chain) < 8:
+        chain.append(current)
+        if isinstance(current, PoissonBatchSampler):
+            return current
+        current = getattr(current, "batch_sampler", None)
+    if any(_is_count(getattr(item, "batch_size", None)) for item in chain):
+        return None
+    raise ValueError(
+        f"the source DataLoader draws its batches from a {type(batch_sampler).__name__}, which is neither a "
+        "Poisson batch sampler (dptorch.data.PoissonBatchSampler, Opacus' UniformWithReplacementSampler) nor "
+        "a sampler of fixed-size batches (an integer batch_size attribute): its batches vary in size by a rule "
+        "(length grouping, token budgets) that no sample rate describes. Build DPDataLoader(dataset, "
+        "sample_rate=...) directly with the sample rate you want"
+    )
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class _HandingOutIterator:

@@ -10,9 +10,11 @@ Tags (kept in a side table keyed by tensor identity, holding weak references onl
 
 - an ``int``: batched along that dim; ``+ WEAK`` when the evidence is only a root argument whose
   size matched the batch (a mask ``(T, T)`` with ``T == n``): a weak dim gives way to a strong one;
+  ``+ k * INNER`` when the batch was merged with an inner dim of size ``k`` (BLOOM's ``(B * H, T, d)``,
+  OPT's ``(B * T, d)``): the dim holds each sample's ``k`` rows one after the other;
 - a ``Lost``: derived from the batch, but the batch dim is gone (a mean over the batch, the batch
-  flattened with another dim, an operation the tracker does not follow). A layer fed such a tensor
-  is refused: its per-sample gradients are not defined;
+  interleaved with another dim, an operation the tracker does not follow). A layer fed such a
+  tensor is refused: its per-sample gradients are not defined;
 - a tuple of ``OriginCall``: derived only from the output of a captured layer call whose inputs
   carry no batch (T5's relative attention bias of bucket ids ``(T, T)``, nanoGPT's
   ``wpe(arange(T))``). Where such a tensor meets batched tensors (broadcast in ``scores + bias``,
@@ -43,6 +45,8 @@ from dptorch.grad_sample.tap import tap
 
 WEAK = 64  # added to a dim when the batch was only inferred from a root argument's size
 _DIM = WEAK - 1
+_KEEP = ~_DIM  # all but the dim: strength and the merged factor
+INNER = 128  # the batch dim holds n groups of ``tag // INNER`` rows (the batch merged with a dim inside it)
 UNFOLLOWED: Counter = Counter()  # names of operations the tracker has no rule for (diagnostics)
 
 
@@ -166,7 +170,8 @@ class CallBatch:
 
 
 def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...], Any]:
-    """``(kind, input dims, primary tag)`` of a layer call whose tensor arguments have ``tags``.
+    """``(kind, input dims, primary tag)`` of a layer call whose tensor arguments have ``tags``
+    (a dim is ``d + k * INNER`` when the batch is merged with an inner dim of size ``k``).
 
     kind is "batched", "origin", "single" or "lost" (the primary tag is then the ``Lost``): a
     batch-derived argument without its batch dim, or mixed with batched ones, has no per-sample
@@ -182,8 +187,8 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
             return "lost", (), lost
         dims = []
         for g in tags:
-            if type(g) is int and (not strong or not g & WEAK or g & _DIM == primary & _DIM):
-                dims.append(g & _DIM)
+            if type(g) is int and (not strong or not g & WEAK or g & ~WEAK == primary & ~WEAK):
+                dims.append(g & ~WEAK)
             else:
                 dims.append(None)
         return "batched", tuple(dims), primary
@@ -260,6 +265,25 @@ def _shape_args(args: tuple, start: int) -> Tuple[int, ...]:
     return tuple(rest)
 
 
+def _regroup(in_shape: Sequence[int], out_shape: Sequence[int], d: int, inner: int, n: int) -> Optional[Tuple[int, int]]:
+    """Where the batch of a row-major reshape lands: ``(dim, inner)``, or None if it is split or
+    interleaved. In ``in_shape`` the batch is dim ``d`` (``n`` groups of ``inner`` rows, 1 if not
+    merged); in the result it is a dim of ``n * inner'`` rows with the same elements before it."""
+    if 0 in in_shape or n < 1:
+        new = _reshape_dim(in_shape, out_shape, d) if inner <= 1 else None
+        return None if new is None else (new, 1)
+    before = math.prod(in_shape[:d])
+    after = inner * math.prod(in_shape[d + 1 :])  # elements of one sample's group
+    acc = 1
+    for e, s in enumerate(out_shape):
+        if acc == before and s >= n and s % n == 0 and (s // n) * math.prod(out_shape[e + 1 :]) == after:
+            return e, s // n
+        acc *= s
+        if acc > before:
+            return None
+    return None
+
+
 def _reshape_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int) -> Optional[int]:
     """Where dim ``d`` of a row-major reshape lands, if it stays a dim of its own."""
     size = in_shape[d]
@@ -295,6 +319,7 @@ class BatchTracker(TorchFunctionMode):
         self.paused = False
         self._table: Dict[int, Tuple[Any, Any]] = {}
         self._origins: List[OriginCall] = []
+        self._out: Any = _NOT_RUN
 
     # ---------------------------------------------------------------- table
 
@@ -365,7 +390,31 @@ class BatchTracker(TorchFunctionMode):
                     break
             else:
                 return func(*args, **kwargs)
-        return rule(self, func, args, kwargs)
+        self._out = _NOT_RUN
+        try:
+            return rule(self, func, args, kwargs)
+        except PerSampleGradientError:
+            raise
+        except Exception as err:
+            # The operation itself failed: its error is the user's. Otherwise a rule of ours did: the
+            # outputs lose the batch (a layer fed them is refused, naming the operation).
+            out = self._out
+            if out is _RAISED:
+                raise
+            if out is _NOT_RUN:
+                out = func(*args, **kwargs)
+            UNFOLLOWED[f"{_name(func)} (rule failed: {type(err).__name__})"] += 1
+            self.put_all(out, self.lost(f"{_name(func)}, which the batch tracker failed to follow ({err!r})"))
+            return out
+        finally:
+            self._out = _NOT_RUN
+
+    def run(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run the operation (rules call it through here, so that its own errors are told apart)."""
+        self._out = _RAISED
+        out = func(*args, **kwargs)
+        self._out = out
+        return out
 
     # ---------------------------------------------------------------- combining
 
@@ -382,8 +431,8 @@ class BatchTracker(TorchFunctionMode):
         for i, (tag, ndim, out_ndim) in enumerate(items):
             if tag is None:
                 continue
-            if type(tag) is int:
-                d = (tag & _DIM) + out_ndim - ndim
+            if type(tag) is int:  # the aligned dim, with the merged factor (0 if none)
+                d = (tag & _DIM) + out_ndim - ndim + (tag & ~(_DIM | WEAK))
                 (weak if tag & WEAK else strong).append(d)
             elif type(tag) is Lost:
                 if lost is None or (lost.weak and not tag.weak):
@@ -393,13 +442,13 @@ class BatchTracker(TorchFunctionMode):
         if self.n <= 1:
             lost = None
         if strong:
-            if any(d != strong[0] for d in strong):
+            if any(d != strong[0] for d in strong) and self.n > 1:
                 return Lost("an operation that aligns the batch of one input with another dimension of another"), []
             if lost is not None and not lost.weak:
                 return lost, []
             return strong[0], origins
         if weak:
-            if any(d != weak[0] for d in weak):
+            if any(d != weak[0] for d in weak) and self.n > 1:
                 return Lost("an operation that aligns the batch of one input with another dimension of another",
                             weak=True), []
             if lost is not None:
@@ -418,6 +467,8 @@ class BatchTracker(TorchFunctionMode):
         origins = self.get(use)
         if not use.requires_grad or type(origins) is not tuple:
             return use
+        if out_dim & ~_DIM:  # out_dim carries the merged factor of the batch dim, if any
+            raise self.unsupported_meeting(origins, "a tensor whose batch dimension is merged with another")
         lead = out_ndim - use.ndim
         aligned = out_dim - lead
         if lead < 0:
@@ -458,6 +509,8 @@ class BatchTracker(TorchFunctionMode):
 
 
 _CACHE: Dict[Any, Callable] = {}
+_NOT_RUN: Any = object()
+_RAISED: Any = object()
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -469,7 +522,7 @@ def _skip(tr, func, args, kwargs):  # identity marker: no tensor result to tag
 
 def _untagged(tr, func, args, kwargs):
     """Factories shaped like their input (``zeros_like``, ``new_zeros``): no data of the batch."""
-    return func(*args, **kwargs)
+    return tr.run(func, args, kwargs)
 
 
 def _tensors_of(args: tuple, kwargs: dict):
@@ -505,7 +558,7 @@ def _broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name
                     single = (a, entry[1])
         else:
             if single is not None:
-                out = func(*args, **kwargs)
+                out = tr.run(func, args, kwargs)
                 tag = single[1]
                 if isinstance(out, Tensor):
                     tr.put(out, tag + (out.ndim - single[0].ndim) if type(tag) is int else tag)
@@ -523,8 +576,8 @@ def _broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name
         where, t = tensors[i]
         if inplace and where == ("a", 0):
             raise tr.unsupported_meeting(tags[i], f"an in-place {name or 'operation'} that writes the batch into it")
-        args, kwargs = _replace(args, kwargs, where, tr.meet(t, out_ndim, tag & _DIM))
-    out = func(*args, **kwargs)
+        args, kwargs = _replace(args, kwargs, where, tr.meet(t, out_ndim, tag & ~WEAK))
+    out = tr.run(func, args, kwargs)
     if inplace:
         target = args[0]
         old = tags[0] if name != "copy_" else tr.get(target)
@@ -545,7 +598,7 @@ def _to_base(tr: BatchTracker, view: Tensor, tag: Any) -> None:
     old = tr.get(base)
     candidates = [j for j in range(base.ndim) if base.stride(j) == view.stride(d) and base.shape[j] == view.shape[d]]
     if len(candidates) == 1 and (old is None or type(old) is tuple or (type(old) is int and old & _DIM == candidates[0])):
-        tr.put(base, (tag & WEAK) | candidates[0])
+        tr.put(base, (tag & _KEEP) | candidates[0])
     elif not (type(old) is int and old & _DIM in candidates):
         tr.put(base, tr.lost("an in-place write of batched values into a view of a shared tensor", tag))
 
@@ -554,7 +607,7 @@ def _self_only(tr, func, args, kwargs):
     """``x.to(other)``, ``x.type_as(other)``: the result is ``x``'s data."""
     x = _arg(args, kwargs, 0, "input")
     tag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tag is not None:
         tr.put_all(out, tag)
     return out
@@ -567,12 +620,12 @@ def _structural(dimfn: Callable, inplace: bool = False):
         x = args[0] if args else next(iter(kwargs.values()))
         tag = tr.get(x)
         shape = tuple(x.shape)
-        out = func(*args, **kwargs)
+        out = tr.run(func, args, kwargs)
         if tag is None:
             return out
         if type(tag) is int:
             new = dimfn(tag & _DIM, shape, args, kwargs, out if not inplace else x)
-            tag = (tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} ({new})", tag)
+            tag = (tag & _KEEP) | new if type(new) is int else tr.lost(f"{_name(func)} ({new})", tag)
         if inplace:
             tr.put(x, tag)
         else:
@@ -646,11 +699,26 @@ def _d_squeeze(d, shape, args, kwargs, out):
     return d - sum(1 for i in removed if i < d)
 
 
-def _d_reshape(d, shape, args, kwargs, out):
+def _reshape(tr: BatchTracker, func, args, kwargs):
+    """view, reshape, flatten, unflatten...: the batch dim keeps its place in the row-major order."""
+    x = args[0] if args else next(iter(kwargs.values()))
+    tag = tr.get(x)
+    shape = tuple(x.shape)
+    out = tr.run(func, args, kwargs)
+    if type(tag) is not int:
+        if tag is not None:
+            tr.put(out, tag)
+        return out
+    d, inner = tag & _DIM, tag // INNER
     if len(args) > 1 and isinstance(args[1], torch.dtype):  # x.view(dtype)
-        return d if d < len(shape) - 1 else "reinterprets the batch dimension"
-    new = _reshape_dim(shape, tuple(out.shape), d)
-    return "merges or splits the batch dimension with another" if new is None else new
+        new = (d, max(inner, 1)) if d < len(shape) - 1 else None
+    else:
+        new = _regroup(shape, tuple(out.shape), d, max(inner, 1), tr.n)
+    if new is None:
+        tr.put(out, tr.lost(f"{_name(func)} (splits the batch dimension or interleaves it with another)", tag))
+    else:
+        tr.put(out, (tag & WEAK) | new[0] | (new[1] * INNER if new[1] > 1 else 0))
+    return out
 
 
 def _d_expand(d, shape, args, kwargs, out):
@@ -784,7 +852,7 @@ def _reduction(tr: BatchTracker, func, args, kwargs):
         return _broadcast(tr, func, args, kwargs)
     x = args[0] if args else kwargs.get("input")
     tag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tag is None:
         return out
     if type(tag) is int:
@@ -799,7 +867,7 @@ def _reduction(tr: BatchTracker, func, args, kwargs):
         if dims is None or d in dims:
             tag = tr.lost(f"{name} over the batch dimension", tag)
         else:
-            tag = (tag & WEAK) | (d if keepdim else d - sum(1 for i in dims if i < d))
+            tag = (tag & _KEEP) | (d if keepdim else d - sum(1 for i in dims if i < d))
     tr.put_all(out, tag)
     return out
 
@@ -840,7 +908,7 @@ def _matmul_pair(tr, func, args, kwargs, ia, ib, extra: Optional[int] = None):
     for t, tag, left, other in ((a, ta, True, b), (b, tb, False, a)):
         if type(tag) is int:
             new = _matmul_dims(tag & _DIM, t.ndim, other.ndim, out_ndim, left)
-            items.append(((tag & WEAK) | new if type(new) is int else tr.lost(f"{_name(func)} {new}", tag), out_ndim, out_ndim))
+            items.append(((tag & _KEEP) | new if type(new) is int else tr.lost(f"{_name(func)} {new}", tag), out_ndim, out_ndim))
         else:
             items.append((tag, out_ndim, out_ndim))
     if extra is not None:
@@ -851,15 +919,24 @@ def _matmul_pair(tr, func, args, kwargs, ia, ib, extra: Optional[int] = None):
         if i < 2 and (t.ndim < 2 or (tag & _DIM) >= out_ndim - 2):
             raise tr.unsupported_meeting(items[i][0], f"{_name(func)} along the matrix dimensions")
         # broadcast (batch) dims of a matrix operand align with the result's like elementwise ones
-        args = args[:pos] + (tr.meet(t, out_ndim, tag & _DIM),) + args[pos + 1 :]
-    out = func(*args, **kwargs)
+        args = args[:pos] + (tr.meet(t, out_ndim, tag & ~WEAK),) + args[pos + 1 :]
+    out = tr.run(func, args, kwargs)
     tr.put_all(out, tag)
     return out
 
 
+_ADDMM_NAMES = {"addmm": ("input", "mat1", "mat2"), "baddbmm": ("input", "batch1", "batch2"),
+                "addmv": ("input", "mat", "vec")}
+
+
 def _addmm(tr, func, args, kwargs):  # addmm(input, m1, m2), baddbmm(input, b1, b2), addmv, addbmm
-    if _name(func) == "addbmm":
+    name = _name(func)
+    if name == "addbmm":
         return _lost_if_tagged(tr, func, args, kwargs, "addbmm sums over the batch of matrices")
+    names = _ADDMM_NAMES[name]
+    if len(args) < 3:  # keyword operands (BLOOM's alibi.baddbmm(batch1=..., batch2=...)): call positionally
+        kwargs = dict(kwargs)
+        args = tuple(args) + tuple(kwargs.pop(k) for k in names[len(args):])
     return _matmul_pair(tr, func, args, kwargs, 1, 2, extra=0)
 
 
@@ -871,7 +948,7 @@ def _linear(tr: BatchTracker, func, args, kwargs):
     others = [tr.get(w) for w in (weight, bias) if isinstance(w, Tensor)]
     if any(type(o) is tuple for o in others) and type(tag) is int and tr.n > 1:
         raise tr.unsupported_meeting(next(o for o in others if type(o) is tuple), "linear as its weight")
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if any(type(o) is int or type(o) is Lost for o in others):
         tr.put(out, tr.lost_from("linear with weights derived from the batch", others))
     elif type(tag) is int:
@@ -886,7 +963,7 @@ def _einsum(tr: BatchTracker, func, args, kwargs):
     equation = args[0]
     operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     tags = [tr.get(t) for t in operands]
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     try:
         result = _einsum_tag(tr, equation, operands, tags)
     except (ValueError, IndexError):
@@ -921,7 +998,7 @@ def _einsum_tag(tr: BatchTracker, equation: str, operands: List[Tensor], tags: L
         if type(tag) is int:
             letter = sub[tag & _DIM]
             if letter in output:
-                items.append(((tag & WEAK) | output.index(letter), len(output), len(output)))
+                items.append(((tag & _KEEP) | output.index(letter), len(output), len(output)))
             else:
                 items.append((tr.lost("einsum contracts the batch dimension", tag), 0, 0))
         else:
@@ -945,7 +1022,7 @@ def _sdpa(tr: BatchTracker, func, args, kwargs):
             else:
                 pos = d + out_ndim - t.ndim
                 bad = d == t.ndim - 1 or (i > 0 and d == t.ndim - 2)
-            tag = tr.lost("attention across the batch dimension", tag) if bad else (tag & WEAK) | pos
+            tag = tr.lost("attention across the batch dimension", tag) if bad else (tag & _KEEP) | pos
             items.append((tag, out_ndim, out_ndim))
         else:
             items.append((tag, out_ndim, out_ndim))
@@ -954,12 +1031,12 @@ def _sdpa(tr: BatchTracker, func, args, kwargs):
         t = values[i]
         if i != 3 or (tag & _DIM) >= out_ndim - 2:
             raise tr.unsupported_meeting(items[i][0], "scaled_dot_product_attention as query, key or value")
-        substitute = tr.meet(t, out_ndim, tag & _DIM)
+        substitute = tr.meet(t, out_ndim, tag & ~WEAK)
         if len(args) > 3:
             args = args[:3] + (substitute,) + args[4:]
         else:
             kwargs = dict(kwargs, attn_mask=substitute)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     tr.put(out, tag)
     return out
 
@@ -985,19 +1062,19 @@ def _cat(tr: BatchTracker, func, args, kwargs):
                 tag = tr.lost("concatenates along the batch dimension", tag)
                 items.append((tag, ndim, ndim))
                 continue
-            items.append(((tag & WEAK) | d, ndim, ndim))
+            items.append(((tag & _KEEP) | d, ndim, ndim))
         else:
             items.append((tag, ndim, ndim))
     tag, meeting = tr.combine(items)
     if meeting:
         tensors = list(tensors)
         for i in meeting:
-            tensors[i] = tr.meet(tensors[i], tensors[i].ndim, (tag & _DIM) - (1 if stack and (tag & _DIM) > dim else 0),
+            tensors[i] = tr.meet(tensors[i], tensors[i].ndim, (tag & ~WEAK) - (1 if stack and (tag & _DIM) > dim else 0),
                                  broadcasts=False)
         args = (tensors,) + tuple(args[1:]) if args else args
         if not args:
             kwargs = dict(kwargs, tensors=tensors)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     tr.put(out, tag)
     return out
 
@@ -1006,14 +1083,14 @@ def _split(tr: BatchTracker, func, args, kwargs):
     name = _name(func)
     x = args[0]
     tag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tag is None:
         return out
     if type(tag) is int:
         d = tag & _DIM
         if name == "unbind":
             dim = _norm_dim(int(_arg(args, kwargs, 1, "dim", 0)), x.ndim)
-            tag = tr.lost("unbinds the batch", tag) if dim == d else (tag & WEAK) | (d - (1 if dim < d else 0))
+            tag = tr.lost("unbinds the batch", tag) if dim == d else (tag & _KEEP) | (d - (1 if dim < d else 0))
         else:
             dim = _norm_dim(int(_arg(args, kwargs, 2, "dim", 0)), x.ndim)
             if dim == d and not (len(out) == 1 and out[0].shape[d] == x.shape[d]):
@@ -1045,7 +1122,7 @@ def _gather(tr: BatchTracker, func, args, kwargs):
     tag, meeting = tr.combine(items)
     if meeting:
         raise tr.unsupported_meeting(items[meeting[0]][0], name)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     tr.put(x if inplace else out, tag)
     return out
 
@@ -1053,7 +1130,7 @@ def _gather(tr: BatchTracker, func, args, kwargs):
 def _take(tr, func, args, kwargs):
     x, index = args[0], _arg(args, kwargs, 1, "index")
     tx, ti = tr.get(x), tr.get(index)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tx is not None and type(tx) is not tuple:
         tr.put(out, tr.lost("take over the flattened batch", tx))
     elif type(tx) is tuple and type(ti) is int:
@@ -1148,7 +1225,7 @@ def _advanced_block(layout: List[Any], advanced) -> Tuple[List[Any], int, int]:
 def _getitem(tr: BatchTracker, func, args, kwargs):
     x, index = args[0], args[1]
     xtag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if not isinstance(out, Tensor):
         return out
     try:
@@ -1173,11 +1250,11 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
             if at is None:
                 return tr.lost("indexes the batch dimension with a tensor", xtag)
             # x[arange(n)[:, None], ...]: row i of the result is sample i's (HF's padding masks, pooling)
-            items.append(((xtag & WEAK) | (start + at + rank - by.ndim), out_ndim, out_ndim))
+            items.append(((xtag & _KEEP) | (start + at + rank - by.ndim), out_ndim, out_ndim))
         elif d in partial_:
             return tr.lost("slices part of the batch", xtag)
         else:
-            items.append(((xtag & WEAK) | layout.index(d), out_ndim, out_ndim))
+            items.append(((xtag & _KEEP) | layout.index(d), out_ndim, out_ndim))
     else:
         items.append((xtag, out_ndim, out_ndim))
     for it, _ in advanced:
@@ -1187,7 +1264,7 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
                 if it.dtype in (torch.bool, torch.uint8):
                     tag = tr.lost("a boolean mask over the batch", tag)
                 else:
-                    tag = (tag & WEAK) | (start + (tag & _DIM) + rank - it.ndim)
+                    tag = (tag & _KEEP) | (start + (tag & _DIM) + rank - it.ndim)
             elif type(tag) is tuple:
                 tag = None  # indices carry no gradient
             items.append((tag, out_ndim, out_ndim))
@@ -1202,7 +1279,7 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
     xtag = tr.get(x)
     vtag = tr.get(value) if isinstance(value, Tensor) else None
     if vtag is None:
-        out = func(*args, **kwargs)
+        out = tr.run(func, args, kwargs)
         return out
     try:
         layout, advanced, removed, partial_ = _index_layout(x, index)
@@ -1215,7 +1292,7 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
         r = (vtag & _DIM) + region_ndim - value.ndim
         src = layout[r] if 0 <= r < region_ndim else None
         if type(src) is int:
-            new = tr.combine([((vtag & WEAK) | src, x.ndim, x.ndim), (xtag if type(xtag) is not tuple else None, x.ndim, x.ndim)])[0]
+            new = tr.combine([((vtag & _KEEP) | src, x.ndim, x.ndim), (xtag if type(xtag) is not tuple else None, x.ndim, x.ndim)])[0]
             if type(xtag) is tuple:
                 new = tr.lost("batched values written into a shared tensor", vtag)
         else:
@@ -1226,13 +1303,13 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
         new = vtag if xtag is None or type(xtag) is not int else tr.lost(vtag.reason, vtag)
     elif type(vtag) is tuple:
         if type(xtag) is int and layout is not None and (xtag & _DIM) in layout:
-            value = tr.meet(value, region_ndim, layout.index(xtag & _DIM))
+            value = tr.meet(value, region_ndim, layout.index(xtag & _DIM) + (xtag & ~(_DIM | WEAK)))
             args = (x, index, value)
         elif type(xtag) is int:
             raise tr.unsupported_meeting(vtag, "an indexed assignment")
         elif xtag is None or type(xtag) is tuple:
             new = vtag if xtag is None else tuple(dict.fromkeys(xtag + vtag))
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     tr.put(x, new)
     if type(new) is int and type(xtag) is not int:
         _to_base(tr, x, new)
@@ -1243,7 +1320,7 @@ def _pad_packed(tr: BatchTracker, func, args, kwargs):
     data = args[0]
     dim = 0 if bool(_arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(data)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if type(tag) is Lost and tag.kind == "packed":
         # rows in the packed (sorted) order; pad_packed_sequence gathers them back with unsorted_indices
         tr.put(out[0], dim if tag.order is None else Lost("the batch in sorted order", "permuted", dim, tag.order))
@@ -1256,8 +1333,8 @@ def _pack_padded(tr: BatchTracker, func, args, kwargs):
     x = args[0]
     dim = 0 if bool(_arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(x)
-    out = func(*args, **kwargs)
-    if type(tag) is int and (tag & _DIM) == dim:
+    out = tr.run(func, args, kwargs)
+    if type(tag) is int and (tag & ~WEAK) == dim:
         tr.put(out[0], PACKED)
     elif type(tag) is Lost and tag.kind == "permuted" and tag.dim == dim:
         tr.put(out[0], packed(tag.order))
@@ -1272,11 +1349,13 @@ def _index_select(tr: BatchTracker, func, args, kwargs):
     tag = tr.get(x)
     dim = _norm_dim(int(_arg(args, kwargs, 1, "dim")), max(x.ndim, 1))
     index = _arg(args, kwargs, 2, "index")
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tag is None:
         return out
-    if type(tag) is int and (tag & _DIM) == dim:
+    if type(tag) is int and (tag & ~WEAK) == dim:
         tag = _reorder(tr, tag, None, dim, index, x.shape[dim])
+    elif type(tag) is int and (tag & _DIM) == dim:
+        tag = tr.lost("index_select along a merged batch dimension", tag)
     elif type(tag) is Lost and tag.kind == "permuted" and tag.dim == dim:
         tag = _reorder(tr, dim, tag.order, dim, index, x.shape[dim])
     tr.put(out, tag)
@@ -1298,7 +1377,7 @@ def _embedding_bag(tr: BatchTracker, func, args, kwargs):
     x = _arg(args, kwargs, 0, "input")
     offsets = _arg(args, kwargs, 2, "offsets")
     tag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     result = out[0] if isinstance(out, tuple) else out
     if x.ndim == 2:
         new = tag if type(tag) is not int or tag & _DIM == 0 else tr.lost("embedding_bag across the batch", tag)
@@ -1312,7 +1391,7 @@ def _embedding_bag(tr: BatchTracker, func, args, kwargs):
 def _loss(tr: BatchTracker, func, args, kwargs):
     x = args[0] if args else kwargs.get("input")
     tag = tr.get(x)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if tag is None and not any(tr.get(t) is not None for _, t in _tensors_of(args, kwargs)):
         return out
     if isinstance(out, Tensor) and out.ndim and type(tag) is int and tag & _DIM == 0:
@@ -1324,7 +1403,7 @@ def _loss(tr: BatchTracker, func, args, kwargs):
 
 def _lost_if_tagged(tr, func, args, kwargs, reason: Optional[str] = None):
     tags = [tr.get(t) for _, t in _tensors_of(args, kwargs)]
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     tr.put_all(out, tr.lost_from(reason or f"{_name(func)}, which the tracker does not follow", tags))
     return out
 
@@ -1334,12 +1413,12 @@ def _cosine(tr: BatchTracker, func, args, kwargs):  # cosine_similarity(x1, x2, 
     x1, x2 = args[0], args[1]
     out_ndim = max(x1.ndim, x2.ndim)
     tag = tr.combine([(tr.get(x1), x1.ndim, out_ndim), (tr.get(x2), x2.ndim, out_ndim)])[0]
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     if type(tag) is int:
         dim = out_ndim - 1 if name == "pairwise_distance" else _norm_dim(int(_arg(args, kwargs, 2, "dim", 1)), out_ndim)
         keep = name == "pairwise_distance" and bool(_arg(args, kwargs, 4, "keepdim", False))
         d = tag & _DIM
-        tag = tr.lost(f"{name} across the batch dimension", tag) if d == dim else (tag & WEAK) | (d if keep or d < dim else d - 1)
+        tag = tr.lost(f"{name} across the batch dimension", tag) if d == dim else (tag & _KEEP) | (d if keep or d < dim else d - 1)
     tr.put(out, tag)
     return out
 
@@ -1355,7 +1434,7 @@ def _default(tr: BatchTracker, func, args, kwargs):
     origins = [g for _, g in tags if type(g) is tuple]
     if batched and origins and tr.n > 1 and any(t.requires_grad for t, g in tags if type(g) is tuple):
         raise tr.unsupported_meeting(origins[0], f"{name}, an operation the batch tracker does not follow")
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     outs = out if isinstance(out, (list, tuple)) else (out,)
     for o in outs:
         if not isinstance(o, Tensor):
@@ -1430,9 +1509,8 @@ _RULES.update({
     "get:mH": _structural(_d_swap_last), "get:H": _structural(_d_t), "adjoint": _structural(_d_swap_last),
     "permute": _structural(_d_permute), "movedim": _structural(_d_movedim), "moveaxis": _structural(_d_movedim),
     "unsqueeze": _structural(_d_unsqueeze), "squeeze": _structural(_d_squeeze),
-    "view": _structural(_d_reshape), "reshape": _structural(_d_reshape), "view_as": _structural(_d_reshape),
-    "reshape_as": _structural(_d_reshape), "flatten": _structural(_d_reshape), "unflatten": _structural(_d_reshape),
-    "ravel": _structural(_d_reshape),
+    "view": _reshape, "reshape": _reshape, "view_as": _reshape, "reshape_as": _reshape, "flatten": _reshape,
+    "unflatten": _reshape, "ravel": _reshape,
     "expand": _structural(_d_expand), "expand_as": _structural(_d_expand), "broadcast_to": _structural(_d_expand),
     "repeat": _structural(_d_repeat), "tile": _structural(_d_repeat),
     "repeat_interleave": _structural(_d_repeat_interleave), "narrow": _structural(_d_narrow),
@@ -1448,7 +1526,7 @@ _RULES.update({
     "diff": _structural(_dim_is_batch(2, "dim", -1)),
     "flip": _structural(_d_flip), "fliplr": _structural(_dim_is_batch(9, "_", 1)), "flipud": _structural(_dim_is_batch(9, "_", 0)),
     "roll": _structural(_d_roll), "rot90": _structural(_d_rot90),
-    "view_as_real": _structural(_d_view_as_real), "view_as_complex": _structural(_d_keep_leading(0)),
+    "view_as_real": _structural(_d_view_as_real), "view_as_complex": _structural(_d_keep_leading(1)),
     "linear": _linear, "bilinear": _lost_if_tagged, "matmul": _matmul, "__matmul__": _matmul, "__rmatmul__": _matmul,
     "mm": _matmul, "bmm": _matmul, "mv": _matmul, "dot": _matmul, "vdot": _matmul, "inner": _lost_if_tagged,
     "addmm": _addmm, "baddbmm": _addmm, "addmv": _addmm, "addbmm": _addmm, "einsum": _einsum,
@@ -1519,7 +1597,7 @@ def _inplace(base: str, tr, func, args, kwargs):
 def _torch_embedding(tr, func, args, kwargs):  # torch.embedding(weight, indices, ...)
     weight, indices = args[0], args[1]
     tag = tr.get(indices)
-    out = func(*args, **kwargs)
+    out = tr.run(func, args, kwargs)
     wtag = tr.get(weight)
     if wtag is not None and type(wtag) is not tuple:
         tr.put(out, tr.lost("embedding of weights derived from the batch"))

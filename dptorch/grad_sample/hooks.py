@@ -17,6 +17,7 @@ mode's strategy (``strategies.py``); the capture itself is the same for every mo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.batch_tracking import (
+    INNER,
     WEAK,
     BatchTracker,
     CallBatch,
@@ -74,6 +76,12 @@ class GradSampleHooks:
     After each backward pass, every trainable parameter ``p`` has ``p.grad_sample`` of shape
     ``(batch, *p.shape)``, also readable as ``hooks.grad_samples[p]``. Use as a context manager
     or call ``cleanup()`` to detach.
+
+    ``batch_first`` says where the batch is in the root call's inputs (dim 0, else dim 1). Inside
+    the model the batch is followed through the forward (``batch_tracking.py``): each layer call
+    is per-sample along the dim its input derives from the batch, so a time-major model with
+    batch-first layers inside is exact, and a layer whose input carries no batch (T5's relative
+    attention bias) gets its per-sample gradients where its output meets the batch.
 
     ``loss_reduction="mean"`` means the loss averages the samples' losses (row ``i`` of the
     per-sample gradient is then rescaled to the gradient of sample ``i``'s own loss);
@@ -134,6 +142,8 @@ class GradSampleHooks:
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
+        # Parameter a sharding wrapper (FSDP2's fully_shard) swaps in for the call -> registered one
+        self._canonical: Dict[torch.Tensor, nn.Parameter] = {}
         self.uncaptured: List[str] = []  # parameters the last backward gave gradients but no capture
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
@@ -173,7 +183,8 @@ class GradSampleHooks:
 
     @property
     def _under_ddp(self) -> bool:
-        """DDP expects every parameter to get an autograd gradient (see the book-keeping note)."""
+        """Attached to a DistributedDataParallel module (its gradient sync is switched off while the
+        parameters are kept out of autograd: ``dptorch.distributed.ddp``)."""
         return isinstance(self.module, nn.parallel.DistributedDataParallel)
 
     def _attach(self) -> None:
@@ -196,6 +207,10 @@ class GradSampleHooks:
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
             self._watch(param)
+        if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
+            from dptorch.distributed.ddp import keep_out_of_gradient_sync
+
+            self._handles.append(keep_out_of_gradient_sync(self.module, when=lambda: self._suppressing))
         _ATTACHED[self.module] = self
         self._attached = True
 
@@ -213,6 +228,7 @@ class GradSampleHooks:
         self._watched.clear()
         self._layers.clear()
         self._listeners.clear()
+        self._canonical.clear()
         _ATTACHED.pop(self.module, None)
         self._attached = False
 
@@ -443,9 +459,10 @@ class GradSampleHooks:
 
         Then any autograd gradient that reaches a parameter came by a path the controller does not
         see (a weight read outside its module, a penalty on it in the loss) and is refused. Under
-        DDP every parameter must get an autograd gradient; expanded weights need them in the graph.
+        DDP too: DDP's gradient sync is then off for the forward (the DP optimizer all-reduces the
+        clipped sums). Expanded weights need the parameters in the graph.
         """
-        return not self.keep_param_grads and not self._under_ddp and self.grad_sample_mode != "ew"
+        return not self.keep_param_grads and self.grad_sample_mode != "ew"
 
     def _watch(self, param: nn.Parameter) -> None:
         """Register the post-accumulate-grad hook that notices gradients arriving at ``param``."""
@@ -464,14 +481,41 @@ class GradSampleHooks:
         layer = self._layers.get(module)
         if layer is None:  # a deep copy of the model carries our hooks; it is not ours
             return
-        for p in layer.params.values():
+        live = self._live_params(module, layer)
+        for p in live.values():
             self._watch(p)
         if not self._suppressing or not self._capturing(module):
             return
-        params = {name: p for name, p in layer.params.items() if p.requires_grad}
+        params = {name: p for name, p in live.items() if p.requires_grad}
         for p in params.values():
             p.requires_grad_(False)
         self._suppressed[module] = params
+
+    def _live_params(self, module: nn.Module, layer: _Layer) -> Dict[str, torch.Tensor]:
+        """The parameter tensors this call of ``layer`` uses, by name: the registered ones, or the
+        ones a sharding wrapper swapped in for the call (FSDP2's all-gathered parameters), which
+        are then remembered as aliases of the registered ones (``_canonical``)."""
+        live = {}
+        for name, param in layer.params.items():
+            current = module._parameters.get(name)
+            if current is not None and current is not param:
+                self._canonical[current] = param
+                live[name] = current
+            else:
+                live[name] = param
+        return live
+
+    def _keyed_by_registered(self, fn: Optional[Callable]) -> Optional[Callable]:
+        """``fn``, a function returning a dict by parameter, with its keys mapped to the registered
+        parameters (a sampler run while FSDP2 has its gathered parameters in place)."""
+        canonical = self._canonical
+        if fn is None or not canonical:
+            return fn
+
+        def keyed(*args: Any, **kwargs: Any) -> Dict[nn.Parameter, Any]:
+            return {canonical.get(p, p): value for p, value in fn(*args, **kwargs).items()}
+
+        return keyed
 
     def _on_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         self._suspend_tracking()  # our own operations are not the model's
@@ -493,11 +537,21 @@ class GradSampleHooks:
             self._note_uncaptured_call(module, args, kwargs, output)
             return None
         layer = self._layers[module]
-        params = suppressed or {name: p for name, p in layer.params.items() if p.requires_grad}
+        if suppressed:
+            params = {name: layer.params[name] for name in suppressed}
+        else:
+            params = {name: p for name, p in layer.params.items() if p.requires_grad}
         if not params:
             return None
         if layer.sampler is not None:
             return self._capture_for_sampler(layer, params, args, kwargs, output)
+        if any(module._parameters.get(name) is not p for name, p in params.items()):
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(module).__name__}) has no grad sampler, and its parameters are swapped for "
+                "others during the call (sharded by FSDP2's fully_shard): the torch.func fallback would replay the "
+                "call in backward, when the gathered parameters may be freed. Register a grad sampler for "
+                f"{type(module).__name__} (dptorch.grad_sample.register_grad_sampler), or freeze its parameters"
+            )
         return self._capture_for_replay(layer, params, args, kwargs, output)
 
     def _capture_for_sampler(self, layer: _Layer, params, args, kwargs, output):
@@ -512,8 +566,9 @@ class GradSampleHooks:
         call, tag, chained = self._classify_call(layer, activations, (output,))
         if call.kind == "batched":
             dim = call.output_dims[0]
-            if dim is None or output.dim() <= dim or output.shape[dim] != call.n:
-                raise self._not_per_sample(layer, output, call.n, dim)
+            rows = None if dim is None else call.n * max(dim // INNER, 1)  # the batch merged with an inner dim
+            if dim is None or output.dim() <= dim % INNER or output.shape[dim % INNER] != rows:
+                raise self._not_per_sample(layer, output, call.n, None if dim is None else dim % INNER)
         on_backward = partial(self._layer_backward, layer, params, call)
         tapped = tap((output,), activations, on_backward)
         self._tag_outputs(call, tapped, [tag], chained)
@@ -550,22 +605,25 @@ class GradSampleHooks:
         n = tracker.n
         tags = [tracker.get(t) for t in tensors]
         if n <= 1:  # one sample cannot be mixed with others; only a dim of one row can be its batch dim
-            tags = [g if type(g) is not int or (t.dim() > g & (WEAK - 1) and t.shape[g & (WEAK - 1)] == n) else None
-                    for t, g in zip(tensors, tags)]
+            tags = [g if type(g) is not int or _has_rows(t, g & ~WEAK, n) else None for t, g in zip(tensors, tags)]
         kind, dims, primary = classify(tags, n)
         if kind == "lost":
             raise self._lost_batch(layer, next(t for t, g in zip(tensors, tags) if g is primary), primary)
         if kind == "batched":
             for t, d in zip(tensors, dims):
-                if d is not None and (t.dim() <= d or t.shape[d] != n):
-                    raise self._not_per_sample(layer, t, n, d)
+                if d is None:
+                    continue
+                if d >= INNER and layer.sampler is None:  # the torch.func replay needs the batch as a dim of its own
+                    raise self._lost_batch(layer, t, _Merged)
+                if not _has_rows(t, d, n):
+                    raise self._not_per_sample(layer, t, n, d % INNER)
             if layer.sampler is not None:
-                out_dims: Tuple[Optional[int], ...] = (primary & (WEAK - 1),)
+                out_dims: Tuple[Optional[int], ...] = (primary & ~WEAK,)
             else:
                 out_tags = [tracker.get(t) for t in outputs]
-                out_dims = tuple(g & (WEAK - 1) if type(g) is int else None for g in out_tags)
+                out_dims = tuple(g & _DIM_BITS if type(g) is int and g & ~WEAK < INNER else None for g in out_tags)
             if n <= 1:
-                out_dims = tuple(d if d is not None and o.dim() > d and o.shape[d] == n else None for o, d in zip(outputs, out_dims))
+                out_dims = tuple(d if d is not None and _has_rows(o, d, n) else None for o, d in zip(outputs, out_dims))
             call = CallBatch("batched", n, dims, out_dims)
             if n <= 1 and any(d is None for d in out_dims):  # the whole call is the one sample's
                 call = CallBatch("single", n, (None,) * len(tensors), (None,) * len(outputs))
@@ -656,10 +714,10 @@ class GradSampleHooks:
 
     def _lost_batch(self, layer: _Layer, t: torch.Tensor, lost: Any) -> PerSampleGradientError:
         return PerSampleGradientError(
-            f"{layer.name} ({type(layer.module).__name__}) is called on a tensor of shape {tuple(t.shape)} that derives "
-            f"from the batch but no longer has its batch dimension ({lost.reason}): it mixes or merges the samples, "
-            "so per-sample gradients of the layer's parameters are not defined. Keep the batch dimension through to "
-            "the layer (apply the layer to each sample's rows), or freeze its parameters."
+            f"{layer.name} ({type(layer.module).__name__}) is called on a tensor of shape {tuple(t.shape)} derived from "
+            f"the batch in a way that mixes or merges its samples ({lost.reason}), so per-sample gradients of the "
+            "layer's parameters are not defined. Keep each sample's rows apart up to the layer (compute the statistic "
+            "per sample), or freeze its parameters."
         )
 
     # ------------------------------------------------------------------ backward side
@@ -668,9 +726,20 @@ class GradSampleHooks:
         if self._suspended:
             return
         self._begin_round()
-        activations, backprops = _batch_first(call, activations, grad_outputs[0])
+        activations, backprops, group = _batch_first(call, activations, grad_outputs[0], _token_wise(layer))
         scale = float(call.n) if self.loss_reduction == "mean" else 1.0
-        call = LayerCall(layer.name, layer.module, params, layer.sampler, layer.norm_sampler, tuple(activations), backprops, scale)
+        sampler, norm_sampler = layer.sampler, layer.norm_sampler
+        if group:  # the batch merged with an inner dim, into a layer that is not token-wise
+            sampler, norm_sampler = _summed_in_groups(sampler, group), None
+        if self._canonical:  # FSDP2: the samplers see the gathered parameters; results go to the registered ones
+            sampler = self._keyed_by_registered(sampler)
+            if norm_sampler is not None:
+                norm_sampler = dataclasses.replace(
+                    norm_sampler, norms_sq=self._keyed_by_registered(norm_sampler.norms_sq),
+                    clipped_sum=self._keyed_by_registered(norm_sampler.clipped_sum),
+                    linear_form=self._keyed_by_registered(norm_sampler.linear_form),
+                )
+        call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale)
         self._strategy.on_call(call)
 
     def _replay_backward(self, layer: _Layer, params, call: CallBatch, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
@@ -717,6 +786,7 @@ class GradSampleHooks:
         return grad * n if self.loss_reduction == "mean" else grad
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
+        param = self._canonical.get(param, param)  # FSDP2: a gathered parameter stands for its shard
         if param.requires_grad and param in self._param_names and not self._suspended:
             self._begin_round()
             self._received[param] = None
@@ -838,24 +908,80 @@ def _tensor_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tor
 
 
 _AMBIGUOUS: Any = object()  # a layer call signature seen with different decisions
+_DIM_BITS = WEAK - 1
 
 
-def _batch_first(call: CallBatch, activations: Sequence[torch.Tensor], grad: torch.Tensor):
-    """A captured call's inputs and output gradient with one row per sample along dim 0."""
+class _Merged:
+    reason = "merged with another dimension, which the torch.func fallback cannot replay per sample"
+
+
+def _has_rows(t: torch.Tensor, dim: int, n: int) -> bool:
+    """Whether ``t`` has the batch's rows along ``dim`` (``n * inner`` when merged)."""
+    d, inner = dim % INNER, dim // INNER
+    return t.dim() > d and t.shape[d] == n * max(inner, 1)
+
+
+_TOKEN_WISE = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+
+
+def _token_wise(layer: _Layer) -> bool:
+    """Whether the layer acts on each position of ``(B, *middle, F)`` on its own (so a sample's rows
+    can stand side by side in the middle dims)."""
+    if layer.norm_sampler is not None:
+        return layer.norm_sampler.token_wise
+    name = type(layer.module).__name__
+    return isinstance(layer.module, _TOKEN_WISE) or name == "Conv1D" or name.endswith("RMSNorm") or name == "T5LayerNorm"
+
+
+def _summed_in_groups(sampler: Any, group: int) -> Any:
+    """A grad sampler run on rows that are ``group`` consecutive rows per sample: sums each sample's."""
+
+    def summed(module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor):
+        grads = sampler(module, activations, backprops)
+        return {p: g.unflatten(0, (g.shape[0] // group, group)).sum(1) for p, g in grads.items()}
+
+    return summed
+
+
+def _to_batch_first(t: torch.Tensor, dim: Optional[int], n: int, split: bool = True) -> torch.Tensor:
+    """``t`` with its batch (along ``dim``, merged with an inner dim when ``dim >= INNER``) along dim 0;
+    a merged batch is split into ``(n, inner)`` unless ``split`` is False."""
+    if not dim:
+        return t
+    d, inner = dim % INNER, dim // INNER
+    if inner and split:
+        t = t.unflatten(d, (n, inner))
+    return t.movedim(d, 0) if d else t
+
+
+def _batch_first(call: CallBatch, activations: Sequence[torch.Tensor], grad: torch.Tensor, token_wise: bool = True):
+    """A captured call's inputs and output gradient with one row per sample along dim 0, and the
+    number of consecutive rows per sample when they stay merged (None: one row per sample).
+
+    A batch merged with an inner dim of ``k`` rows is split into ``(n, k)`` for token-wise layers;
+    other layers see the ``n * k`` rows as they computed them, and their rows' gradients are summed
+    per sample.
+    """
     n = call.n
     if call.kind == "batched":
-        activations = tuple(a if d in (None, 0) else a.movedim(d, 0) for a, d in zip(activations, call.input_dims))
-        dim = call.output_dims[0]
-        return activations, grad if not dim else grad.movedim(dim, 0)
+        inners = {d // INNER for d in (*call.input_dims, call.output_dims[0]) if d is not None}
+        split = token_wise or inners <= {0}
+        if not split and len(inners) > 1:
+            raise PerSampleGradientError(
+                "a layer's inputs and output carry the batch merged with other dims in different ways; per-sample "
+                "gradients need each sample's rows grouped alike"
+            )
+        activations = tuple(_to_batch_first(a, d, n, split) for a, d in zip(activations, call.input_dims))
+        return activations, _to_batch_first(grad, call.output_dims[0], n, split), None if split else inners.pop()
     if call.kind == "origin":
         # Each sample's gradient of the shared output, gathered where it met the batch. When every
         # use paired the output's rows with the samples (e.g. token_type_ids expanded from a buffer),
         # the inputs' rows pair with them too (a sampler's layer works row by row).
         grad, dim = origin_grads(call.origins[0], grad, rows_ok=True)
         if dim is not None and all(a.dim() > dim and a.shape[dim] == n for a in activations):
-            return tuple(a.movedim(dim, 0) for a in activations), grad.movedim(dim, 0)
+            return tuple(a.movedim(dim, 0) for a in activations), grad.movedim(dim, 0), None
         if dim is not None:
             grad = rows_to_dense(grad, dim, n)
     else:  # at most one sample: the whole call is its
         grad = grad.expand(n, *grad.shape)
-    return tuple(a.expand(n, *a.shape) for a in activations), grad
+    return tuple(a.expand(n, *a.shape) for a in activations), grad, None

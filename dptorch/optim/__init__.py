@@ -1,6 +1,8 @@
 """DP optimizers and clipping."""
 
+from dptorch.optim.adaclip import AdaClipDPOptimizer
+from dptorch.optim.adaptive import AdaptiveClipping
 from dptorch.optim.clipping import CLIPPING_MODES, clip_factors
 from dptorch.optim.optimizer import DPOptimizer
 
-__all__ = ["CLIPPING_MODES", "DPOptimizer", "clip_factors"]
+__all__ = ["CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "DPOptimizer", "clip_factors"]

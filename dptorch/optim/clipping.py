@@ -9,6 +9,14 @@ parameters' dtype: a bf16 factor could round up by 0.4 %.
 
 Flat clipping uses one norm over all parameters; per-layer clipping one norm and one threshold
 per parameter, so that the whole contribution is bounded by ``sqrt(sum_k C_k^2)``.
+
+Automatic clipping (Bu et al. 2022, "AUTO-S"): ``c_i = 1 / (||g_i|| (1 + 2^-16) + gamma)``, so
+``||c_i g_i|| < 1`` for every sample: the sensitivity is 1 whatever ``max_grad_norm`` says, and
+the noise std is ``noise_multiplier`` (the bound's scale lives in the learning rate).
+
+Adaptive clipping (Andrew et al. 2021) clips flat with a bound ``C`` that the optimizer moves
+towards a quantile of the norms between steps (:mod:`dptorch.optim.adaptive`); its factors are
+the flat ones at the current ``C``.
 """
 
 from __future__ import annotations
@@ -18,7 +26,11 @@ from typing import Dict, Sequence, Union
 
 import torch
 
-CLIPPING_MODES = ("flat", "per_layer")
+CLIPPING_MODES = ("flat", "per_layer", "automatic", "adaptive")
+#: Modes with one bound for the whole per-sample gradient (a float ``max_grad_norm``).
+FLAT_MODES = ("flat", "automatic", "adaptive")
+#: gamma of automatic clipping when none is given (Bu et al. 2022 use 0.01).
+DEFAULT_GAMMA = 0.01
 _STABILITY = 1e-6
 ROUNDING_MARGIN = 2.0**-16
 
@@ -32,6 +44,14 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float) -> torch.Tensor:
     """``min(1, C / (norm (1 + 2^-16) + 1e-6))`` elementwise, float32."""
     wide = _wide(norms)
     return (max_grad_norm / (wide * (1.0 + ROUNDING_MARGIN) + _STABILITY)).clamp(max=1.0).to(torch.float32)
+
+
+def automatic_factors(norms: torch.Tensor, gamma: float = DEFAULT_GAMMA) -> torch.Tensor:
+    """``1 / (norm (1 + 2^-16) + gamma)`` elementwise, float32: every ``||c_i g_i|| < 1``."""
+    if not (gamma > 0 and math.isfinite(gamma)):
+        raise ValueError(f"gamma of automatic clipping must be a finite number > 0, got {gamma!r}")
+    wide = _wide(norms)
+    return (1.0 / (wide * (1.0 + ROUNDING_MARGIN) + gamma)).to(torch.float32)
 
 
 def flat_norms(per_param_norms: Dict[object, torch.Tensor]) -> torch.Tensor:
@@ -57,7 +77,9 @@ def per_layer_thresholds(params: Sequence[object], max_grad_norm: Union[float, S
 
 
 def total_norm_bound(clipping: str, max_grad_norm: Union[float, Sequence[float]]) -> float:
-    """The bound on one sample's whole clipped contribution (the sensitivity)."""
-    if clipping == "flat" or isinstance(max_grad_norm, (int, float)):
+    """The bound on one sample's whole clipped contribution (the sensitivity); 1 for automatic clipping."""
+    if clipping == "automatic":
+        return 1.0
+    if clipping in FLAT_MODES or isinstance(max_grad_norm, (int, float)):
         return float(max_grad_norm)
     return math.sqrt(sum(float(c) ** 2 for c in max_grad_norm))

@@ -10,6 +10,13 @@ The noise multiplier, clipping bound and expected batch size are read from a
 :class:`~dptorch.plan.PrivacyPlan` (built from the keyword arguments when none is given), and each
 logical step is reported to it: the plan checks the step against the Poisson draws the DP data
 loader handed out, then accounts it.
+
+Clipping modes (``dptorch.optim.clipping``): "flat", "per_layer", "automatic" (every unit
+normalised by ``1 / (||g_i|| + gamma)``, sensitivity 1, noise std ``noise_multiplier``) and
+"adaptive" (``dptorch.optim.adaptive``: the bound follows a target quantile of the norms through
+a noised count of unclipped units, accumulated over the backward passes of a logical step and
+released once, at ``step()``, after the gradient noise). ``clipping_stats`` ("raw" or "private")
+fills ``last_clipping_stats`` at every logical step; off by default (raw norms are private data).
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
+from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks
-from dptorch.noise import NoiseGenerator, SecureNoiseGenerator
-from dptorch.optim.clipping import clip_factors, flat_norms, per_layer_thresholds
+from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.optim.adaptive import clipping_plan_fields, unclipped_fraction
+from dptorch.optim.clipping import _wide, automatic_factors, clip_factors, flat_norms, per_layer_thresholds
 from dptorch.plan import PrivacyPlan, check_clipping
 
 StepHook = Callable[["DPOptimizer"], None]
@@ -50,17 +60,29 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_generator: Optional[Any] = None,
         secure_mode: bool = False,
         plan: Optional[PrivacyPlan] = None,
+        gamma: Optional[float] = None,
+        target_unclipped_quantile: Optional[float] = None,
+        clipbound_learning_rate: Optional[float] = None,
+        max_clipbound: Optional[float] = None,
+        min_clipbound: Optional[float] = None,
+        unclipped_num_std: Optional[float] = None,
+        clipping_stats: Optional[str] = None,
     ) -> None:
+        options = dict(gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
+                       clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
+                       min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, clipping_stats=clipping_stats)
         if plan is None:
             if noise_multiplier is None or max_grad_norm is None:
                 raise TypeError("DPOptimizer needs noise_multiplier and max_grad_norm (or plan=PrivacyPlan(...))")
             plan = PrivacyPlan(
                 noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, clipping=clipping or "flat",
                 expected_batch_size=expected_batch_size, accountant=None, sampling=None, secure_mode=secure_mode,
+                **clipping_plan_fields(clipping or "flat", **options),
             )
         else:
             given = [name for name, value in (("noise_multiplier", noise_multiplier), ("max_grad_norm", max_grad_norm),
-                     ("expected_batch_size", expected_batch_size), ("clipping", clipping)) if value is not None]
+                     ("expected_batch_size", expected_batch_size), ("clipping", clipping), *options.items())
+                     if value is not None]
             if given:
                 raise TypeError(f"give either plan= or {', '.join(given)}: the plan already holds them")
             if plan.max_grad_norm is None:
@@ -81,12 +103,22 @@ class DPOptimizer(torch.optim.Optimizer):
         self.plan = plan
         self.loss_reduction = loss_reduction
         self.secure_mode = secure_mode or plan.secure_mode
+        # A torch.Generator (Opacus' noise_generator=) is adopted by a NoiseGenerator, so its state checkpoints.
+        noise_generator = as_noise_generator(noise_generator)
         self.noise_generator = noise_generator or (SecureNoiseGenerator() if self.secure_mode else NoiseGenerator())
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}
         self._skip_next = False
         self._last_step_skipped = False
         self._step_hooks: List[StepHook] = []
         self.last_clipped_fraction: Optional[float] = None
+        #: Clipping statistics of the last logical step (``clipping_stats`` "raw" or "private"), else None.
+        self.last_clipping_stats: Optional[Dict[str, Any]] = None
+        #: With a count released (adaptive clipping, private stats): the noised unclipped fraction of the last step.
+        self.last_unclipped_fraction: Optional[float] = None
+        self._unclipped_count: Optional[torch.Tensor] = None  # sum of (b_i - 1/2) over this logical step
+        self._raw_norms: List[torch.Tensor] = []
+        self._raw_within: List[torch.Tensor] = []
+        self._accumulated = 0  # backward rounds whose clipped gradients wait for the next step
         for name in (
             "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
             "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -94,6 +126,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ):
             setattr(self, name, OrderedDict())
         self._rank, self._world_size = _distributed_rank_and_size()
+        self._sharded = any_sharded(self.params)  # FSDP2 (fully_shard): see dptorch.distributed.fsdp
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -149,6 +182,17 @@ class DPOptimizer(torch.optim.Optimizer):
         return f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, clipping={self.clipping!r}, optimizer={self.original_optimizer!r})"
 
     @property
+    def accumulated_iterations(self) -> int:
+        """Backward passes whose clipped gradients are held for the next ``step()``, as in Opacus.
+
+        Counts every backward round since the last privatised step (or since ``zero_grad`` dropped
+        the held gradients): 1 after one backward pass, k after k physical batches of one logical
+        batch (``BatchMemoryManager``) or k virtual steps (``signal_skip_step``). Unlike Opacus it
+        never raises: dptorch clips after each backward and keeps only the running clipped sum.
+        """
+        return self._accumulated
+
+    @property
     def params(self) -> List[nn.Parameter]:
         """The trainable parameters this optimizer updates."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
@@ -170,22 +214,102 @@ class DPOptimizer(torch.optim.Optimizer):
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if not norms:
+            if self._sharded:  # FSDP2: every rank takes part in the reductions of every backward pass
+                accumulate_sharded(self, hooks, {})
             return
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
         self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
-        if self.clipping == "flat":
-            factor = clip_factors(flat_norms(norms), float(self.max_grad_norm))
+        total = flat_norms(norms)
+        within: Optional[torch.Tensor] = None  # per unit: no clipping applied (None: automatic, no bound)
+        if self.clipping in ("flat", "adaptive"):
+            bound = float(self.max_grad_norm)
+            factor = clip_factors(total, bound)
             factors = {p: factor for p in norms}
+            within = total <= bound
             self.last_clipped_fraction = float((factor < 1).float().mean()) if factor.numel() else 0.0
+        elif self.clipping == "automatic":
+            factor = automatic_factors(total, self.plan.gamma)
+            factors = {p: factor for p in norms}
         else:
             thresholds = per_layer_thresholds(self.params, self.max_grad_norm)
             unknown = [hooks.parameter_name(p) for p in norms if p not in thresholds]
             if unknown:
                 raise ValueError(f"per-layer clipping: no threshold for {', '.join(unknown)} (not in the optimizer)")
             factors = {p: clip_factors(n, thresholds[p]) for p, n in norms.items()}
+            within = torch.stack([n <= thresholds[p] for p, n in norms.items()]).all(0)
+        self._observe_clipping(total, within)
+        if self._sharded:  # FSDP2: the clipped sums are reduce-scattered now; only this rank's shard is kept
+            accumulate_sharded(self, hooks, factors)
+            factors = {p: f for p, f in factors.items() if not is_sharded(p)}
         for param, clipped in hooks.clipped_sums(factors).items():
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
+        self._accumulated += 1
+
+    def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor]) -> None:
+        """Accumulate, over the backward passes of this logical step, what the step will release."""
+        if self.plan.counts_unclipped and within is not None:
+            centred = _wide(within).sum() - 0.5 * within.numel()  # each unit moves it by 1/2: sensitivity 1/2
+            self._unclipped_count = centred if self._unclipped_count is None else self._unclipped_count + centred
+        if self.plan.clipping_stats == "raw":
+            self._raw_norms.append(total.detach())
+            if within is not None:
+                self._raw_within.append(within.detach())
+
+    def _release_clipping_step(self) -> None:
+        """After the gradient noise: the noised count (adaptive bound update, private stats) and raw stats."""
+        plan = self.plan
+        bound = float(plan.max_grad_norm) if plan.clipping in ("flat", "adaptive") else None
+        stats: Optional[Dict[str, Any]] = None
+        if plan.counts_unclipped:
+            fraction = self._noised_unclipped_fraction()
+            self.last_unclipped_fraction = fraction
+            if plan.adaptive is not None:
+                plan.max_grad_norm = plan.adaptive.next_bound(bound, fraction)
+            if plan.clipping_stats == "private":
+                stats = {"covered_by_epsilon": True, "clipped_fraction": min(1.0, max(0.0, 1.0 - fraction))}
+        if plan.clipping_stats == "raw":
+            stats = {"covered_by_epsilon": False, **_raw_clipping_stats(self._raw_norms, self._raw_within)}
+        if stats is not None and bound is not None:
+            stats["max_grad_norm"] = bound  # the bound this step clipped with
+        self.last_clipping_stats = stats
+        self._reset_clipping_step()
+
+    def _noised_unclipped_fraction(self) -> float:
+        """``(sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2``, the noise drawn once across all ranks."""
+        params = self.params
+        device = params[0].device if params else torch.device("cpu")
+        count = _wide(torch.zeros(1, device=device))
+        if self._unclipped_count is not None:
+            count += self._unclipped_count.to(device=device, dtype=count.dtype)
+        std = self.plan.count_noise_std
+        if std and self._rank == 0:
+            count += self.noise_generator.noise_like(count, std).to(count.dtype)
+        if self._world_size > 1:
+            torch.distributed.all_reduce(count)
+        return unclipped_fraction(float(count.item()), self.expected_batch_size)
+
+    def _reset_clipping_step(self) -> None:
+        self._unclipped_count = None
+        self._raw_norms, self._raw_within = [], []
+
+    def clipping_logs(self) -> Dict[str, float]:
+        """Numbers for training logs: the adaptive bound, and the last step's clipping statistics
+        (raw ones prefixed ``raw_``: they are not covered by epsilon)."""
+        logs: Dict[str, float] = {}
+        if self.plan.adaptive is not None:
+            logs["max_grad_norm"] = float(self.plan.max_grad_norm)
+        stats = self.last_clipping_stats
+        if stats:
+            prefix = "" if stats["covered_by_epsilon"] else "raw_"
+            for key, value in stats.items():
+                if key in ("covered_by_epsilon", "max_grad_norm") or value is None:
+                    continue
+                if isinstance(value, dict):
+                    logs.update({f"{prefix}norm_{k}": float(v) for k, v in value.items()})
+                else:
+                    logs[prefix + key] = float(value)
+        return logs
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only accumulate (a virtual step), as in Opacus."""
@@ -204,6 +328,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self.params
         if not params:
             return
+        if self._sharded or isinstance(self.noise_generator, ShardedNoise):  # noise per parameter element
+            return add_noise_per_parameter(self, params)
         summed = [self._summed.get(p, None) for p in params]
         device = params[0].device
         flat = torch.cat([(s if s is not None else torch.zeros_like(p, dtype=torch.float32)).flatten().to(device) for s, p in zip(summed, params)])
@@ -232,10 +358,12 @@ class DPOptimizer(torch.optim.Optimizer):
             return False
         count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
         self.add_noise()
+        self._release_clipping_step()
         self.plan.record_steps(count)
         for hook in self._step_hooks:
             hook(self)
         self._summed = {}
+        self._accumulated = 0
         self._last_step_skipped = False
         self.hooks.clear()
         return True
@@ -256,6 +384,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.hooks.clear()
         if not self._last_step_skipped:
             self._summed = {}
+            self._accumulated = 0
+            self._reset_clipping_step()
             self.plan.on_discard()
 
     def detach(self) -> None:
@@ -272,8 +402,11 @@ class DPOptimizer(torch.optim.Optimizer):
             "summed": {index[id(p)]: t for p, t in self._summed.items() if id(p) in index},
             "skip_next": self._skip_next,
             "last_step_skipped": self._last_step_skipped,
+            "accumulated_iterations": self._accumulated,
             "noise_generator": self.noise_generator.state_dict(),
         }
+        if self._unclipped_count is not None:  # mid-step (virtual steps): the count of the held clipped sums
+            state["dp"]["unclipped_count"] = self._unclipped_count.detach().reshape(())
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -286,7 +419,24 @@ class DPOptimizer(torch.optim.Optimizer):
         self._summed = {params[int(i)]: t.to(params[int(i)].device) for i, t in dp["summed"].items()}
         self._skip_next = bool(dp["skip_next"])
         self._last_step_skipped = bool(dp["last_step_skipped"])
+        self._accumulated = int(dp.get("accumulated_iterations", 1 if self._summed else 0))
         self.noise_generator.load_state_dict(dp["noise_generator"])
+        held = dp.get("unclipped_count")
+        self._unclipped_count = None if held is None else held.to(params[0].device if params else "cpu")
+
+
+def _raw_clipping_stats(norms: List[torch.Tensor], within: List[torch.Tensor]) -> Dict[str, Any]:
+    """Exact statistics of one step's per-unit norms: units, clipped fraction, norm quantiles."""
+    values = torch.cat([n.reshape(-1) for n in norms]).detach().to("cpu", torch.float64) if norms else torch.zeros(0)
+    stats: Dict[str, Any] = {"units": int(values.numel()), "clipped_fraction": None, "norm_quantiles": None}
+    if within:
+        flags = torch.cat([w.reshape(-1) for w in within]).to("cpu")
+        stats["clipped_fraction"] = float((~flags).double().mean()) if flags.numel() else 0.0
+    if values.numel():
+        levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+        q10, q50, q90 = torch.quantile(values, levels).tolist()
+        stats["norm_quantiles"] = {"p10": q10, "p50": q50, "p90": q90, "max": float(values.max())}
+    return stats
 
 
 def _distributed_rank_and_size():

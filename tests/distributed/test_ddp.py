@@ -1,73 +1,72 @@
-"""Distributed DP-SGD with torch.distributed (gloo, several processes on loopback).
+"""DP-SGD over torch.distributed (gloo, 2 processes on loopback): engine, DDP, BatchMemoryManager.
 
-Each rank samples its shard with the same rate q; the DP optimizer adds up the clipped sums of
-all ranks and draws the noise once, on rank 0, so every rank takes the same step.
+Each rank samples its shard of one Poisson batch with the global rate q; the DP optimizer adds up
+the clipped sums of all ranks and draws the noise once, on rank 0. DDP's own all-reduce of the raw
+gradients is switched off during a private forward, so the controller keeps the layers' own
+parameters out of autograd as on one process, and refuses a gradient by a path it does not see.
 """
-
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
 
-from dptorch.grad_sample import GradSampleHooks
-from dptorch.noise import NoiseGenerator
-from dptorch.optim import DPOptimizer
-
-WORLD = 2
+from tests.distributed import workers
+from tests.distributed.workers import WORLD
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="module")
+def reference_hooks():
+    return workers.reference("hooks")
 
 
-def data():
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 5, generator=g) * torch.tensor([0.1, 1, 10, 1, 1]), torch.randn(8, 2, generator=g)
+@pytest.mark.parametrize("name", ["allreduce-hooks", "ddp-hooks", "ddp-bk"])
+def test_two_processes_end_where_one_process_ends(result, reference_hooks, name):
+    """Same logical batches (the same sampling seed), same noise stream, same parameters and epsilon."""
+    runs = [result(name, rank) for rank in range(WORLD)]
+    torch.testing.assert_close(runs[0]["params"], runs[1]["params"], rtol=0, atol=0)
+    torch.testing.assert_close(runs[0]["params"], reference_hooks["params"], rtol=1e-5, atol=1e-6)
+    start = workers.flat_params(workers.model_like())
+    assert (reference_hooks["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
 
 
-def model_like():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 2))
+@pytest.mark.parametrize("name", ["ddp-hooks", "fsdp-whole-bk"])
+def test_each_step_is_accounted_once_with_the_global_sample_rate(result, reference_hooks, name):
+    runs = [result(name, rank) for rank in range(WORLD)]
+    assert [r["steps"] for r in runs] == [reference_hooks["steps"]] * WORLD == [3] * WORLD  # not 3 * WORLD
+    assert runs[0]["epsilon"] == runs[1]["epsilon"] == pytest.approx(reference_hooks["epsilon"], rel=1e-12)
+    # the ranks' shards add up to the one-process logical batches, step by step
+    assert [sum(r) for r in zip(*(run["rows_per_step"] for run in runs))] == reference_hooks["rows_per_step"]
 
 
-def dp_step(model, x, y, noise, wrap_ddp=False, mode="hooks"):
-    target = nn.parallel.DistributedDataParallel(model) if wrap_ddp else model
-    hooks = GradSampleHooks(target, loss_reduction="sum", grad_sample_mode=mode)
-    opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), hooks=hooks, noise_multiplier=noise, max_grad_norm=0.5,
-                      expected_batch_size=8, noise_generator=NoiseGenerator(seed=7))
-    ((target(x) - y) ** 2).sum().backward()
-    opt.step()
-    hooks.cleanup()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
+def test_batch_memory_manager_gives_every_rank_the_same_number_of_physical_batches(result):
+    runs = [result("ddp-hooks", rank) for rank in range(WORLD)]
+    counts = [run["physical_per_step"] for run in runs]
+    assert counts[0] == counts[1]
+    # physical batches of 1: without padding a rank would run max(1, its rows) of them
+    unpadded = [[max(1, rows) for rows in run["rows_per_step"]] for run in runs]
+    assert counts[0] == [max(column) for column in zip(*unpadded)]
+    assert unpadded[0] != unpadded[1]  # the ranks did draw different numbers: padding was needed
 
 
-def worker(rank, port, results, wrap_ddp, mode):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    torch.set_num_threads(1)
-    x, y = data()
-    shard = slice(rank, None, WORLD)
-    results[rank] = dp_step(model_like(), x[shard], y[shard], noise=0.0, wrap_ddp=wrap_ddp, mode=mode)
-    results[WORLD + rank] = dp_step(model_like(), torch.zeros(0, 5), torch.zeros(0, 2), noise=1.0, mode=mode)
-    dist.destroy_process_group()
+def test_noise_is_drawn_once_on_rank_zero_for_ddp(result):
+    from dptorch.noise import NoiseGenerator
+
+    runs = [result("noise-ddp", rank)["draws"] for rank in range(WORLD)]
+    expected = workers.reference_noise(NoiseGenerator(seed=workers.NOISE_SEED))  # rank 0's generator alone
+    for step, reference in enumerate(expected):
+        torch.testing.assert_close(runs[0][step]["full"], runs[1][step]["full"], rtol=0, atol=0)
+        torch.testing.assert_close(runs[0][step]["full"], reference, rtol=1e-6, atol=1e-7)
+    noise = torch.cat([step["full"] for step in runs[0]])
+    assert noise.std().item() == pytest.approx(workers.SIGMA * workers.CLIP / workers.BIG_BATCH, rel=0.04)
 
 
-@pytest.mark.parametrize("wrap_ddp,mode", [(False, "hooks"), (True, "hooks"), (False, "bk")], ids=["hooks", "ddp-hooks", "bk"])
-def test_ranks_agree_and_equal_one_process_on_the_whole_batch(wrap_ddp, mode):
-    results = mp.Manager().dict()
-    mp.spawn(worker, args=(free_port(), results, wrap_ddp, mode), nprocs=WORLD, join=True)
-    x, y = data()
-    single = dp_step(model_like(), x, y, noise=0.0)
-    torch.testing.assert_close(results[0], results[1])
-    torch.testing.assert_close(results[0], single, rtol=1e-5, atol=1e-6)
-    # Noise drawn once across ranks: both ranks got the same noise, which is rank 0's draw alone.
-    torch.testing.assert_close(results[WORLD], results[WORLD + 1])
-    start = torch.cat([p.detach().flatten() for p in model_like().parameters()])
-    alone = dp_step(model_like(), torch.zeros(0, 5), torch.zeros(0, 2), noise=1.0)
-    torch.testing.assert_close(results[WORLD] - start, alone - start, rtol=1e-5, atol=1e-6)
+def test_unseen_path_is_refused_under_ddp(result):
+    for rank in range(WORLD):
+        message = result("unseen-ddp", rank)
+        assert "lin.weight" in message and "path outside" in message
+
+
+def test_ddp_sync_is_off_only_inside_a_private_forward(result):
+    for rank in range(WORLD):
+        seen = result("ddp-sync", rank)
+        assert seen["inside"] == [False, True]  # the private forward; then plain DDP after cleanup
+        assert seen["after"] is True and seen["plain_grad"] and seen["hooks_left"] == 0

@@ -58,7 +58,7 @@ def test_checkpoints_carry_the_plan_and_refuse_another_sampling(tmp_path):
         step(model, opt, dl)
     path = tmp_path / "ckpt.pt"
     engine.save_checkpoint(path, module=model, optimizer=opt, data_loader=dl)
-    assert torch.load(path, weights_only=True)["plan"]["steps"] == 3
+    assert torch.load(path, weights_only=True)["dptorch"]["plan"]["steps"] == 3
     resumed, rmodel, ropt, rdl = make(seed=1)
     resumed.load_checkpoint(path, module=rmodel, optimizer=ropt, data_loader=rdl)
     assert resumed.plan.steps == 3 and resumed.get_epsilon(1e-5) == engine.get_epsilon(1e-5)

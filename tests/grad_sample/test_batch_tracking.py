@@ -17,7 +17,7 @@ from torch import nn
 
 from dptorch import DPLoss, ModuleValidator
 from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
-from dptorch.grad_sample.batch_tracking import WEAK, BatchTracker, Lost
+from dptorch.grad_sample.batch_tracking import INNER, WEAK, BatchTracker, Lost
 from dptorch.layers import DPMultiheadAttention
 from tests.helpers import call, projection_loss, snapshot
 
@@ -158,6 +158,15 @@ def test_t5_family_is_exact(family, mode, n, t):
     assert_exact(model, {"input_ids": ids}, {"input_ids": 0}, hidden_loss, mode, n)
 
 
+def test_t5_encoder_decoder_is_exact():
+    """The decoder's causal relative bias meets the batch in ``bias + causal_mask`` first."""
+    torch.manual_seed(0)
+    config = t5_config(transformers.T5Config, num_decoder_layers=2, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    inputs = {"input_ids": torch.randint(1, 40, (3, 3)), "decoder_input_ids": torch.randint(1, 40, (3, 3))}
+    assert_exact(model, inputs, {"input_ids": 0, "decoder_input_ids": 0}, lambda o: projection_loss(o.logits), "hooks", 3)
+
+
 def test_t5_step_leaves_no_trace():
     torch.manual_seed(0)
     model = tiny_t5()
@@ -217,6 +226,61 @@ def test_multihead_attention_either_layout_is_exact(sizes, batch_first):
     assert_exact(attention, (x, x, x), (d, d, d), lambda out: projection_loss(out, d), "hooks", n, batch_first=batch_first)
 
 
+class TokensFlattened(nn.Module):
+    """OPT's feed-forward: the (B, T, d) batch flattened to (B * T, d) rows, then viewed back."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.norm = nn.LayerNorm(8)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        shape = h.shape
+        flat = h.reshape(-1, h.size(-1))
+        return (flat + self.fc(self.norm(flat)).relu()).view(shape)
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+@FEW
+@given(sizes=SIZES)
+@example(sizes=(3, 3))
+def test_batch_merged_with_tokens_is_exact(mode, sizes):
+    n, t = sizes
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (n, t), generator=torch.Generator().manual_seed(n * 7 + t))
+    assert_exact(TokensFlattened(), (ids,), (0,), projection_loss, mode, n)
+
+
+class FramesFlattened(nn.Module):
+    """A video model's frame encoder: (B, T, C, H, W) clips as B * T images for a Conv2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, clips):
+        b, t = clips.shape[:2]
+        frames = self.conv(clips.flatten(0, 1)).relu()  # (B * T, 3, 2, 2)
+        return self.head(frames.flatten(1).view(b, t, -1))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+@pytest.mark.parametrize("n,t", [(3, 3), (2, 4), (1, 2)])
+def test_batch_merged_with_frames_into_a_conv_is_exact(mode, n, t):
+    torch.manual_seed(0)
+    assert_exact(FramesFlattened(), (torch.randn(n, t, 2, 4, 4),), (0,), projection_loss, mode, n)
+
+
+def test_merged_batch_is_refused_by_the_functorch_replay():
+    model = TokensFlattened()
+    with GradSampleHooks(model, grad_sample_mode="functorch"):
+        with pytest.raises(PerSampleGradientError, match=r"norm \(LayerNorm\).*\(6, 8\).*merged with another dimension"):
+            model(torch.randint(0, 11, (2, 3)))
+
+
 # ------------------------------------------------------------------------------------ refused
 
 
@@ -241,7 +305,7 @@ class BatchMean(nn.Module):
 def test_batch_statistics_fed_to_a_layer_are_refused(mode, centred, n):
     model = BatchMean(centred)
     with GradSampleHooks(model, grad_sample_mode=mode):
-        with pytest.raises(PerSampleGradientError, match=r"lin \(Linear\).*no longer has its batch dimension.*mean"):
+        with pytest.raises(PerSampleGradientError, match=r"lin \(Linear\).*mixes or merges its samples.*mean"):
             model(torch.randn(n, n, 4))
 
 
@@ -297,6 +361,10 @@ def follow(n, shape, dim, op):
     (lambda x: x[:, 0], (3, 3, 4), 0, 0),
     (lambda x: x[..., None, :], (3, 3, 4), 1, 1),
     (lambda x: x.softmax(-1).sum(1), (3, 3, 4), 0, 0),
+    (lambda x: x.reshape(9, 4), (3, 3, 4), 0, 0 + 3 * INNER),  # each sample's 3 rows, one after the other
+    (lambda x: x.reshape(3, 12), (3, 3, 4), 1, 1 + 4 * INNER),
+    (lambda x: x.reshape(9, 4).relu().view(3, 3, 4), (3, 3, 4), 0, 0),
+    (lambda x: (x.reshape(9, 4) @ torch.randn(4, 2)).unflatten(0, (3, 3)), (3, 3, 4), 0, 0),
 ])
 def test_rules_follow_the_batch_dim(op, shape, dim, want):
     assert follow(3, shape, dim, op) == want
@@ -305,8 +373,9 @@ def test_rules_follow_the_batch_dim(op, shape, dim, want):
 @pytest.mark.parametrize("op,shape,dim", [
     (lambda x: x.mean(0), (3, 3, 4), 0),
     (lambda x: x.softmax(0), (3, 3, 4), 0),
-    (lambda x: x.reshape(9, 4), (3, 3, 4), 0),
-    (lambda x: x.reshape(3, 12), (3, 3, 4), 1),
+    (lambda x: x.transpose(0, 1).reshape(9, 4), (3, 3, 4), 0),  # the samples' rows interleaved
+    (lambda x: x.reshape(3, 3, 2, 2).flatten(0, 2), (3, 3, 4), 1),
+    (lambda x: x.reshape(9, 4).sum(0), (3, 3, 4), 0),
     (lambda x: x.transpose(1, 2) @ x, (3, 3, 3), 1),
     (lambda x: x[0], (3, 3, 4), 0),
     (lambda x: x[:2], (3, 3, 4), 0),

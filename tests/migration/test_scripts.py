@@ -115,7 +115,6 @@ def test_text_classifier_tutorial_fine_tunes_a_tiny_bert_and_reports_the_rdp_eps
 # ------------------------------------------------------------------ waiting for the engine part
 
 
-@pytest.mark.xfail(strict=True, reason="needs engine part: make_private(criterion=) returning a 4-tuple")
 def test_ghost_clipping_recipe_with_criterion_trains_and_reports_the_rdp_epsilon():
     result = opacus_ghost_clipping.main(epochs=3)
     assert sum(result["losses"][-8:]) < sum(result["losses"][:8])
@@ -123,7 +122,6 @@ def test_ghost_clipping_recipe_with_criterion_trains_and_reports_the_rdp_epsilon
 
 
 @pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad")
-@pytest.mark.xfail(strict=True, reason="needs engine part: DPDataLoader.from_data_loader with a batch_sampler")
 def test_char_lstm_example_on_a_uniform_with_replacement_sampler_keeps_its_sample_rate():
     argv = ["--epochs", "1", "--n-names", "300", "--hidden-size", "16", "--embedding-size", "8", "-b", "30",
             "--uniform-sampler"]
@@ -152,7 +150,6 @@ def _quick_start_run(seed):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-@pytest.mark.xfail(strict=True, reason="needs engine part: noise_generator=torch.Generator")
 def test_quick_start_with_a_seeded_torch_generator_for_the_noise_is_reproducible():
     first, again, other = _quick_start_run(0), _quick_start_run(0), _quick_start_run(1)
     assert torch.equal(first, again) and not torch.equal(first, other)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES as _CONTROLLER_MODES
+from dptorch.optim.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.optim.clipping import CLIPPING_MODES
 
 #: Every controller mode; "ghost" is book-keeping under Opacus' name (one backward pass).
@@ -75,6 +76,34 @@ class PrivacyArguments:
         default=None,
         metadata={"help": "Seed of the noise generator; default: OS entropy. Never publish a seed you used."},
     )
+    clipping_gamma: Optional[float] = field(
+        default=None,
+        metadata={"help": "clipping='automatic': each unit's gradient is scaled by 1/(norm + gamma); default 0.01."},
+    )
+    target_unclipped_quantile: Optional[float] = field(
+        default=None,
+        metadata={"help": "clipping='adaptive': the fraction of units the bound should leave unclipped; default 0.5."},
+    )
+    clipbound_learning_rate: Optional[float] = field(
+        default=None,
+        metadata={"help": "clipping='adaptive': learning rate of the geometric bound update; default 0.2."},
+    )
+    max_clipbound: Optional[float] = field(
+        default=None, metadata={"help": "clipping='adaptive': largest bound; default no limit."}
+    )
+    min_clipbound: Optional[float] = field(
+        default=None, metadata={"help": "clipping='adaptive': smallest bound; default 0."}
+    )
+    unclipped_num_std: Optional[float] = field(
+        default=None,
+        metadata={"help": "Noise std of the released count of unclipped units (adaptive clipping, private "
+                  "clipping_stats); default expected batch size / 20. The gradient noise is raised to pay for it."},
+    )
+    clipping_stats: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Clipping statistics in the logs, one of {CLIPPING_STATS}: 'raw' (exact fraction "
+                  "clipped and norm quantiles, NOT covered by epsilon) or 'private' (noised fraction, accounted)."},
+    )
 
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
@@ -98,6 +127,7 @@ class PrivacyArguments:
             )
         if self.clipping not in CLIPPING_MODES:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {self.clipping!r}")
+        self.clipping_options()  # refuses options the clipping mode does not use
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {self.grad_sample_mode!r}")
         self.accountant = check_accountant_name(self.accountant)
@@ -116,6 +146,15 @@ class PrivacyArguments:
             raise ValueError(
                 "secure_mode draws the Poisson sampling from the OS CSPRNG and takes no sampling_seed; remove one of them"
             )
+
+    def clipping_options(self) -> Dict[str, Any]:
+        """The privacy plan's clipping fields (gamma, adaptive settings, count noise, statistics)."""
+        return clipping_plan_fields(
+            self.clipping, gamma=self.clipping_gamma, target_unclipped_quantile=self.target_unclipped_quantile,
+            clipbound_learning_rate=self.clipbound_learning_rate, max_clipbound=self.max_clipbound,
+            min_clipbound=self.min_clipbound, unclipped_num_std=self.unclipped_num_std,
+            clipping_stats=self.clipping_stats,
+        )
 
     @property
     def budget_cap(self) -> Optional[float]:

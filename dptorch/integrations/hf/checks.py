@@ -23,12 +23,27 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "train_dataset is required at construction: the sampling rate and the noise depend on its size"),
         (isinstance(dataset, IterableDataset) or (dataset is not None and not hasattr(dataset, "__getitem__")),
          "Poisson sampling needs a map-style train_dataset (random access and a length), not an iterable one"),
-        (args.world_size > 1 or args.n_gpu > 1,
-         "distributed or multi-GPU training is not supported yet (noise would be added per rank); use one device"),
-        (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
-         "DeepSpeed and FSDP are not supported: they shard or replace the gradients that clipping needs"),
+        (args.n_gpu > 1,
+         "torch.nn.DataParallel (several GPUs in one process) is not supported: its replicas run the forward without "
+         "the per-sample hooks; launch one process per GPU (torchrun / accelerate launch: DDP), which is supported"),
+        (getattr(trainer, "is_deepspeed_enabled", False),
+         "DeepSpeed is not supported: its engine owns backward and the optimizer step, and ZeRO-2/3 reduce-scatter "
+         "(ZeRO-3 also partitions) the gradients during backward, before a per-sample gradient can be clipped, so "
+         "each rank would only ever see summed, unclipped gradients; ZeRO-1 would need the clipped, noised gradient "
+         "handed to DeepSpeed's optimizer, which is not implemented. Use DDP (torchrun / accelerate launch without a "
+         "DeepSpeed config)"),
+        (getattr(trainer, "is_fsdp_enabled", False),
+         "FSDP is not supported by the private Trainer yet: FSDP all-gathers the parameters in every forward, so every "
+         "rank must run a forward on every micro-batch, but Poisson sampling leaves some micro-batches empty and a "
+         "transformers model cannot run on zero rows (the private trainer skips them), which would leave the other "
+         "ranks waiting. Use DDP with the Trainer, or FSDP2 (fully_shard) with dptorch's PrivacyEngine"),
+        (getattr(args, "parallelism_config", None) is not None,
+         "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
+         "activations or gradient across ranks, and the per-sample norms would then be partial"),
         (args.fp16,
-         "fp16 is not supported: its GradScaler scales the per-sample gradients before clipping; use bf16 or fp32"),
+         "fp16 is not supported: its GradScaler multiplies the loss, so the per-sample gradients would be clipped at "
+         "max_grad_norm times the loss scale, and a step skipped for an overflow would still have looked at its "
+         "Poisson batch (which the accountant must count); use bf16 (supported) or fp32"),
         (trainer.model_init is not None,
          "model_init is not supported: it builds a new model in train(), after the hooks attached; pass model="),
         (args.auto_find_batch_size,

@@ -12,6 +12,15 @@ pass: a unit split across two passes would be clipped twice and contribute up to
 An empty micro-batch reaches the Trainer as :class:`EmptyBatch` (an empty ``dict``), never as a
 call of the user's collator on ``[]``; the private trainer skips its forward and backward, and
 the optimizer step still adds the noise.
+
+Distributed (``torchrun`` / ``accelerate launch``, DDP): the logical batch is global. Its expected
+size is ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` units, so
+``q = that / num_units``; rank ``r`` owns units ``r::world_size`` and keeps its part of each draw
+(all ranks use the same secret seed, so the parts are disjoint pieces of one Poisson batch; in
+secure mode each rank draws its own units from the OS CSPRNG). Every rank then deals its part into
+the same ``gradient_accumulation_steps`` micro-batches, so all ranks take the same number of
+micro-batches and optimizer steps; no sample is dealt to two ranks, and none is repeated to even
+out the ranks (Accelerate's ``even_batches`` would re-yield used batches).
 """
 
 from __future__ import annotations
@@ -53,13 +62,14 @@ class PoissonMicroBatchSampler:
 
     def __init__(
         self, units: PrivacyUnits, sample_rate: float, *, steps: int, micro_batches: int, seed: Optional[int] = None,
-        secure: bool = False,
+        secure: bool = False, rank: int = 0, world_size: int = 1,
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.units = units
         self.micro_batches = int(micro_batches)
-        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed, secure=secure)
+        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed, secure=secure,
+                                           rank=rank, world_size=world_size)
 
     @property
     def sample_rate(self) -> float:
@@ -149,8 +159,9 @@ class PrivateCollate:
 class SamplingPlan:
     """Sampling rate and step counts of a run, as the Trainer will count them.
 
-    A logical batch holds ``per_device_train_batch_size * gradient_accumulation_steps`` units
-    on average: ``q = that / num_units``; an epoch is ``ceil(num_units / that)`` logical batches.
+    A logical batch holds ``per_device_train_batch_size * gradient_accumulation_steps *
+    world_size`` units on average (the Trainer's total train batch size): ``q = that / num_units``;
+    an epoch is ``ceil(num_units / that)`` logical batches.
     """
 
     num_units: int
@@ -173,10 +184,11 @@ class SamplingPlan:
         gradient_accumulation_steps: int,
         max_steps: int,
         num_train_epochs: float,
+        world_size: int = 1,
     ) -> "SamplingPlan":
         if num_units <= 0:
             raise ValueError("the training dataset is empty: there is nothing to sample")
-        logical = batch_size * gradient_accumulation_steps
+        logical = batch_size * gradient_accumulation_steps * max(1, int(world_size))
         steps_per_epoch = max(1, math.ceil(num_units / logical))
         total = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
         return cls(num_units, min(1.0, logical / num_units), steps_per_epoch, gradient_accumulation_steps, total)

@@ -19,6 +19,16 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
   privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
   checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``).
 
+Distributed (``torchrun`` / ``accelerate launch`` with DDP): the logical batch is global (``q`` from
+``per_device_train_batch_size * gradient_accumulation_steps * world_size``); each rank Poisson-samples
+its own units (``r::world_size``, one shared secret seed) into the same number of micro-batches,
+with Accelerate's batch dealing turned into a pass-through (no ``even_batches`` repetition). DDP's
+all-reduce of the raw gradients is switched off during the private forwards
+(:mod:`dptorch.distributed.ddp`); the DP optimizer all-reduces the clipped sums and rank 0 draws
+the noise, once per step. Every rank accounts the same steps, so epsilon is the same everywhere;
+the Trainer's loggers print it from rank 0. FSDP, DeepSpeed and fp16 are refused
+(:mod:`.checks` says why).
+
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
 calibrated for exactly those), the clipping bound and the accountant; the Poisson sampler, the
@@ -38,6 +48,7 @@ from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 
+from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
@@ -89,17 +100,19 @@ class PrivateTrainerMixin:
         self.privacy_budget: Optional[PrivacyBudget] = None
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
         self._dp_grad_norm: Optional[float] = None
+        self._dp_clipping_logs: Dict[str, float] = {}  # adaptive bound, clipping statistics when enabled
         super().__init__(*args, **kwargs)
         check_setup(self, privacy_args)
         self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
         self._dp_recipe.check(self)
-        self.privacy_units = PrivacyUnits.from_dataset(self.train_dataset, privacy_args.privacy_unit_column)
+        self.privacy_units = self._build_privacy_units(self.train_dataset)
         self.sampling_plan = SamplingPlan.for_training(
             num_units=self.privacy_units.num_units,
             batch_size=self._train_batch_size,
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             max_steps=self.args.max_steps,
             num_train_epochs=self.args.num_train_epochs,
+            world_size=self.args.world_size,
         )
         if privacy_args.target_delta >= 1 / self.privacy_units.num_units:
             raise ValueError(
@@ -111,11 +124,23 @@ class PrivateTrainerMixin:
                                             cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
         self._dp_sampling_seed = seed if seed is not None else secure_seed()  # secret unless given
+        if self.args.world_size > 1 and not privacy_args.secure_mode:
+            # One seed on every rank: the ranks' shards are disjoint parts of one Poisson draw, and
+            # the checkpoint (written by rank 0) holds the seed every rank resumes with.
+            self._dp_sampling_seed = _broadcast_from_rank_zero(self._dp_sampling_seed)
+        self._dp_ddp_switches: list = []
         # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
         self.dp_hooks = GradSampleHooks(
             self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode, keep_param_grads=False
         )
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
+
+    def _build_privacy_units(self, dataset: Any) -> PrivacyUnits:
+        """Which training rows form one privacy unit: ``privacy_unit_column``, else one unit per row.
+
+        Override to group rows another way (the dp-transformers ``author_mapping`` does).
+        """
+        return PrivacyUnits.from_dataset(dataset, self.privacy_args.privacy_unit_column)
 
     def _build_plan(self) -> PrivacyPlan:
         """The run's privacy plan: the sampling the Trainer will draw, the noise, clipping and accountant."""
@@ -123,7 +148,7 @@ class PrivateTrainerMixin:
         fields = dict(
             sample_rate=sampling.sample_rate, steps_per_epoch=sampling.steps_per_epoch, num_units=sampling.num_units,
             max_grad_norm=p.per_sample_max_grad_norm, clipping=p.clipping, accountant=p.accountant,
-            secure_mode=p.secure_mode,
+            secure_mode=p.secure_mode, **p.clipping_options(),
         )
         if p.target_epsilon is not None:
             return PrivacyPlan.calibrated(target_epsilon=p.target_epsilon, target_delta=p.target_delta,
@@ -175,8 +200,9 @@ class PrivateTrainerMixin:
             if saved[key] != getattr(plan, key):
                 raise ValueError(
                     f"the checkpoint was trained with {key}={saved[key]}, this run has {getattr(plan, key)}: the "
-                    "dataset, batch size or gradient accumulation changed, so the resumed sampling would not continue "
-                    "the original one. Resume with the same data and batch settings."
+                    "dataset, batch size, gradient accumulation or number of processes changed, so the resumed "
+                    "sampling would not continue the original one. Resume with the same data, batch settings and "
+                    "number of processes."
                 )
         seed = int(saved["seed"])
         if self.privacy_args.sampling_seed is not None and self.privacy_args.sampling_seed != seed:
@@ -206,7 +232,8 @@ class PrivateTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        tag_units = self.privacy_args.privacy_unit_column is not None
+        # Rows sharing a unit are clipped together: the batches must say which unit each row belongs to.
+        tag_units = self.privacy_args.privacy_unit_column is not None or not self.privacy_units.trivial
         if tag_units:
             dataset = IndexedDataset(dataset)
         plan, previous = self.privacy_plan, self._dp_sampler
@@ -214,7 +241,7 @@ class PrivateTrainerMixin:
         self._dp_sampler = PoissonMicroBatchSampler(
             self.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch,
             micro_batches=self.sampling_plan.micro_batches, seed=None if secure else self._dp_sampling_seed,
-            secure=secure,
+            secure=secure, rank=self.args.process_index, world_size=self.args.world_size,
         )
         if previous is not None:  # a later train() of this trainer: new draws, never the earlier ones again
             self._dp_sampler.start_at(previous.position)
@@ -231,7 +258,18 @@ class PrivateTrainerMixin:
             settings["in_order"] = args.dataloader_in_order
         collate = PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None)
         loader = DataLoader(dataset, batch_sampler=self._dp_sampler, collate_fn=collate, **settings)
-        return self.accelerator.prepare(loader)
+        prepared = self.accelerator.prepare(loader)
+        # The sampler is already rank-aware: Accelerate's BatchSamplerShard would deal its batches
+        # round-robin over the ranks and, with even_batches, re-yield used ones. Make it a pass-through.
+        dealt = getattr(prepared, "batch_sampler", None)
+        if dealt is not None and dealt is not self._dp_sampler:
+            if getattr(dealt, "batch_sampler", None) is not self._dp_sampler:
+                raise RuntimeError(
+                    f"Accelerate wrapped the Poisson sampler in {type(dealt).__name__}, which the private trainer "
+                    "does not know how to keep from re-dealing batches; avoid split_batches and dispatch_batches"
+                )
+            dealt.num_processes, dealt.process_index = 1, 0
+        return prepared
 
     # ------------------------------------------------------------------ optimizer
 
@@ -257,6 +295,10 @@ class PrivateTrainerMixin:
         """Keep the norm of the privatised gradient for the logs (the optimizer accounted the step in the plan)."""
         norms = [p.grad.detach().float().norm() for p in optimizer.params if p.grad is not None]
         self._dp_grad_norm = float(torch.stack(norms).norm()) if norms else None
+        self._dp_clipping_logs = {
+            ("per_sample_max_grad_norm" if key == "max_grad_norm" else key): value
+            for key, value in optimizer.clipping_logs().items()
+        }
 
     def _clip_grad_norm(self, model: Any) -> None:
         return None  # each unit is clipped by the DP optimizer; the Trainer's clipping would be on raw gradients
@@ -268,6 +310,10 @@ class PrivateTrainerMixin:
 
     def training_step(self, model: Any, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """Forward/backward of one micro-batch; returns its summed loss / expected batch size (for logs)."""
+        if not self._dp_ddp_switches:
+            # DDP (Accelerate wrapped the model after the hooks attached): its raw-gradient all-reduce goes
+            # off during the private forwards; the DP optimizer all-reduces the clipped sums instead.
+            self._dp_ddp_switches = [keep_out_of_gradient_sync(ddp) for ddp in ddp_wrappers(model)] or [None]
         if is_empty_batch(inputs):
             return torch.zeros((), device=self.args.device)
         example_units = inputs.pop(UNIT_IDS_KEY, None)
@@ -290,6 +336,10 @@ class PrivateTrainerMixin:
     def _track_num_input_tokens(self, inputs: Dict[str, Any]) -> None:
         if not is_empty_batch(inputs):
             super()._track_num_input_tokens(inputs)
+        elif self.args.include_num_input_tokens_seen != "no" and self.args.world_size > 1:
+            # the other ranks gather their counts now: take part with a count of 0
+            zero = torch.zeros((), dtype=torch.int64, device=self.args.device)
+            self.state.num_input_tokens_seen += self.accelerator.gather(zero).sum().item()
 
     # ------------------------------------------------------------------ logs and checkpoints
 
@@ -298,6 +348,8 @@ class PrivateTrainerMixin:
             logs["epsilon"] = self.privacy_budget.epsilon()
             if "loss" in logs and self._dp_grad_norm is not None:
                 logs["grad_norm"] = self._dp_grad_norm
+            if "loss" in logs:
+                logs.update(self._dp_clipping_logs)  # raw_* statistics are not covered by epsilon
         super().log(logs, start_time)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -350,6 +402,16 @@ def private(trainer_cls: type) -> type:
             name, (PrivateTrainerMixin, trainer_cls), {"__doc__": doc, "__module__": __name__, "__qualname__": name}
         )
     return _PRIVATE_CLASSES[trainer_cls]
+
+
+def _broadcast_from_rank_zero(value: int) -> int:
+    """Rank 0's ``value`` on every rank of the default process group (unchanged without one)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [int(value)]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 def _find_dp_optimizer(optimizer: Any) -> Optional[DPOptimizer]:

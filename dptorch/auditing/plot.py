@@ -1,0 +1,50 @@
+"""The audit's picture: claimed epsilon against the audited lower bound (matplotlib, ``dptorch[plot]``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from dptorch.auditing.canaries import AuditResult
+
+
+def plot_audit(results: Sequence[AuditResult], path: str, *, labels: Optional[Sequence[str]] = None) -> None:
+    """Draw each result as a point (claimed epsilon, audited lower bound) with the line where they are equal.
+
+    Points above the line refute the claim at the audit's confidence; a correct run lies below it.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    results = list(results)
+    if not results:
+        raise ValueError("plot_audit needs at least one AuditResult")
+    labels = list(labels) if labels is not None else [
+        f"sigma={r.settings.get('noise_multiplier', '?'):g}" if isinstance(r.settings.get("noise_multiplier"), (int, float))
+        else f"run {i + 1}" for i, r in enumerate(results)
+    ]
+    finite = [v for r in results for v in (r.claimed_epsilon, r.epsilon_lower_bound) if math.isfinite(v)]
+    top = max(finite + [1.0]) * 1.25
+    figure = Figure(figsize=(5.6, 4.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot([0, top], [0, top], color="0.4", linestyle="--", linewidth=1, label="audited = claimed")
+    axes.fill_between([0, top], [0, top], [top, top], color="tab:red", alpha=0.08, label="claim refuted")
+    for result, label in zip(results, labels):
+        bound = min(result.epsilon_lower_bound, top)
+        color = "tab:blue" if result.consistent else "tab:red"
+        axes.scatter([min(result.claimed_epsilon, top)], [bound], color=color, zorder=3)
+        axes.annotate(f"{label}: {result.num_correct}/{result.num_guesses} right", (min(result.claimed_epsilon, top), bound),
+                      textcoords="offset points", xytext=(-6, -14), ha="right", fontsize=8)
+    first = results[0]
+    axes.set_xlim(0, top)
+    axes.set_ylim(0, top)
+    axes.set_xlabel(f"claimed epsilon (delta = {first.delta:g})")
+    axes.set_ylabel(f"audited epsilon lower bound ({first.confidence:.0%} confidence)")
+    axes.set_title(f"one-run audit, {first.num_canaries} gradient canaries")
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc="upper left", fontsize=8)
+    figure.savefig(path, dpi=120)
+
+
+__all__ = ["plot_audit"]

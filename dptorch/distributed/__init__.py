@@ -1,0 +1,41 @@
+"""Private training on torch.distributed: DDP and FSDP2 (``fully_shard``).
+
+dptorch builds no transport of its own; it uses the process group torch.distributed (or
+``torchrun`` / ``accelerate launch``) set up. What this package owns:
+
+* ``ddp``: a DistributedDataParallel model keeps its gradient all-reduce out of the way. The DP
+  optimizer adds up the *clipped* sums of all ranks itself (one all-reduce per logical step) and
+  draws the noise once, on rank 0, so DDP's reduction of the raw gradients is switched off for
+  each forward of a private model (and the layers' own parameters stay out of autograd, as on one
+  process; a gradient by a path the controller does not see is refused there too).
+* ``fsdp``: parameters sharded by ``fully_shard`` (DTensors). Each sample's gradient is formed on
+  the rank that holds the sample, from the full (all-gathered) layer, so its norm is complete
+  there; the clipped sums are reduce-scattered after every backward pass and stay sharded; each
+  rank draws only its shard's slice of one global noise stream (``noise.ShardedNoise``).
+* ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
+  element), whatever the sharding or the number of processes.
+
+``DifferentiallyPrivateDistributedDataParallel`` (Opacus' name) is torch's DDP itself.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "DifferentiallyPrivateDistributedDataParallel": "dptorch.opacus_compat",
+    "ShardedNoise": "dptorch.distributed.noise",
+    "rank_and_world_size": "dptorch.distributed.ddp",
+    "is_ddp": "dptorch.distributed.ddp",
+    "keep_out_of_gradient_sync": "dptorch.distributed.ddp",
+    "is_sharded": "dptorch.distributed.fsdp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:  # lazy: dptorch.grad_sample imports this package
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dptorch.distributed' has no attribute {name!r}")

@@ -1,0 +1,228 @@
+"""Scenarios run in real processes (gloo on loopback) by the distributed tests, and their 1-process references.
+
+``spawn_all()`` starts ``WORLD`` processes once and runs every scenario in them; each scenario
+returns plain tensors and numbers, collected in a dict by name. The references (``reference_*``)
+run the same training in the test process, without torch.distributed, over the same logical
+(Poisson) batches and the same noise stream.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dptorch import BatchMemoryManager, PrivacyEngine
+from dptorch.data import DPDataLoader
+from dptorch.distributed import ShardedNoise
+from dptorch.grad_sample import GradSampleHooks
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.noise import NoiseGenerator
+from dptorch.optim import DPOptimizer
+
+WORLD = 2
+SAMPLES = 20
+SAMPLE_RATE = 0.3
+SAMPLING_SEED = 11
+NOISE_SEED = 5
+SIGMA, CLIP = 0.6, 0.4
+DELTA = 1e-5
+# noise-only steps: a parameter big enough to measure a standard deviation to ~1 %
+BIG_IN, BIG_OUT, BIG_STEPS, BIG_BATCH = 100, 101, 2, 8.0
+CHUNK = 997  # a small prime: ShardedNoise chunks cross the shard boundaries
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 5, generator=g) * torch.tensor([0.1, 1, 10, 1, 1])
+    return TensorDataset(x, torch.randn(SAMPLES, 2, generator=g))
+
+
+def model_like() -> nn.Module:
+    torch.manual_seed(0)  # 3 rows in the first layer: an uneven FSDP2 split over 2 ranks
+    return nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    values = []
+    for p in model.parameters():
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        values.append(p.detach().flatten())
+    return torch.cat(values)
+
+
+def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "") -> dict:
+    """One epoch of engine training (BatchMemoryManager, physical batches of 1); parameters, epsilon, batch counts."""
+    if ddp:
+        model = nn.parallel.DistributedDataParallel(model)
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        if shard == "per-layer":
+            for layer in (model[0], model[3]):
+                fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loader = DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED, distributed=distributed)
+    engine = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=CLIP,
+        loss_reduction="sum", grad_sample_mode=mode, wrap_model=False, noise_generator=ShardedNoise(seed=NOISE_SEED),
+    )
+    per_step, rows_per_step, physical, rows = [], [], 0, 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) as batches:
+        for x, y in batches:
+            physical, rows = physical + 1, rows + len(x)
+            ((model(x) - y) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if not optimizer._last_step_skipped:
+                per_step.append(physical)
+                rows_per_step.append(rows)
+                physical, rows = 0, 0
+    return {
+        "params": flat_params(model),
+        "epsilon": engine.get_epsilon(DELTA),
+        "steps": engine.plan.steps,
+        "physical_per_step": per_step,
+        "rows_per_step": rows_per_step,
+    }
+
+
+def noise_only(shard: bool, generator) -> dict:
+    """BIG_STEPS noise-only steps (empty batches) on a Linear(BIG_IN, BIG_OUT): the gradient is the noise / B."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(BIG_IN, BIG_OUT))
+    if shard:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+    else:
+        model = nn.parallel.DistributedDataParallel(model)
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=SIGMA,
+                            max_grad_norm=CLIP, expected_batch_size=BIG_BATCH, noise_generator=generator)
+    draws = []
+    for _ in range(BIG_STEPS):
+        model(torch.zeros(0, BIG_IN)).sum().backward()
+        optimizer.step()
+        grads = []
+        for p in optimizer.params:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads.append(g.flatten())
+        local = [p.grad.to_local().flatten() for p in optimizer.params] if shard else []
+        draws.append({"full": torch.cat(grads), "local": torch.cat(local) if local else None})
+        optimizer.zero_grad()
+    hooks.cleanup()
+    return {"draws": draws}
+
+
+class ReadsWeight(nn.Module):
+    """Reads its first layer's weight outside that layer's call: a path the controller cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.lin.weight.T
+
+
+def unseen_path_under_ddp() -> str:
+    model = nn.parallel.DistributedDataParallel(ReadsWeight())
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0,
+                expected_batch_size=4)
+    try:
+        model(torch.randn(3, 4)).sum().backward()
+    except PerSampleGradientError as err:
+        return str(err)
+    finally:
+        hooks.cleanup()
+    return ""
+
+
+def ddp_sync_restored() -> dict:
+    """After a private forward the DDP module's own sync flag is as before; after cleanup no hook is left."""
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
+    hooks = GradSampleHooks(model, loss_reduction="sum", keep_param_grads=False)
+    seen = []
+    probe = model.register_forward_hook(lambda m, a, o: seen.append(m.require_backward_grad_sync), prepend=True)
+    model(torch.randn(2, 3)).sum().backward()
+    hooks.clear()
+    after_forward = model.require_backward_grad_sync
+    hooks.cleanup()
+    model(torch.randn(2, 3)).sum().backward()  # plain DDP again: its all-reduce runs
+    probe.remove()
+    return {"inside": seen, "after": after_forward, "plain_grad": model.module.weight.grad is not None,
+            "hooks_left": len(model._forward_pre_hooks) + len(model._forward_hooks)}
+
+
+def scenarios(rank: int):
+    yield "allreduce-hooks", lambda: train(model_like(), "hooks", distributed=True)  # no DDP wrapper at all
+    yield "ddp-hooks", lambda: train(model_like(), "hooks", distributed=True, ddp=True)
+    yield "ddp-bk", lambda: train(model_like(), "bk", distributed=True, ddp=True)
+    yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer")
+    yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole")
+    yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer")
+    torch.manual_seed(100 + rank)  # the ranks' own generators differ: the stream must still be rank 0's
+    yield "noise-fsdp", lambda: noise_only(True, ShardedNoise(NoiseGenerator(seed=NOISE_SEED + rank), chunk_size=CHUNK))
+    yield "noise-ddp", lambda: noise_only(False, NoiseGenerator(seed=NOISE_SEED + rank))
+    yield "unseen-ddp", unseen_path_under_ddp
+    yield "ddp-sync", ddp_sync_restored
+
+
+def worker(rank: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        for name, run in scenarios(rank):
+            try:
+                results[(name, rank)] = run()
+            except Exception:  # reported by the test that reads it
+                results[(name, rank)] = {"error": traceback.format_exc()}
+                raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_all() -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(free_port(), results), nprocs=WORLD, join=True)
+        return dict(results)
+
+
+def reference(mode: str = "hooks") -> dict:
+    """The same epoch in one process, no torch.distributed: the whole logical batches, the same noise."""
+    return train(model_like(), mode, distributed=False)
+
+
+def reference_noise(generator) -> list:
+    """The noise-only gradients of ``noise_only`` drawn in one process from ``generator`` (rank 0's)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(BIG_IN, BIG_OUT))
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=SIGMA,
+                            max_grad_norm=CLIP, expected_batch_size=BIG_BATCH, noise_generator=generator)
+    draws = []
+    for _ in range(BIG_STEPS):
+        model(torch.zeros(0, BIG_IN)).sum().backward()
+        optimizer.step()
+        draws.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
+        optimizer.zero_grad()
+    hooks.cleanup()
+    return draws
