@@ -10,11 +10,15 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test install clean bench
 
 $(STAMP): pyproject.toml
+	@echo "== Setting up $(VENV) (first run only: about 3 minutes; later runs reuse it)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e '.[hf,dev,plot,examples]'
+	@echo "== 1/2 torch 2.13.0, CPU build, first (an open range could pull a multi-GB CUDA build)"
+	$(BIN)/python -m pip install --progress-bar on $(TORCH)
+	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, dp-accounting, plotting and test tools"
+	$(BIN)/python -m pip install --progress-bar on -e '.[hf,dev,plot,examples]'
 	touch $(STAMP)
+	@echo "== Ready. Use the environment with: source $(VENV)/bin/activate  (or prefix commands with $(BIN)/)"
 
 install: $(STAMP)
 

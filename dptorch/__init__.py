@@ -23,6 +23,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__() -> list:
+    """The public names (for tab completion), not the helpers this file imports."""
+    return sorted({*_EXPORTS, "__version__"} | {n for n in globals() if n.startswith("__")})
+
+
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)

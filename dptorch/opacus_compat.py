@@ -200,8 +200,11 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: Opti
         raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
     if clipping == "adaptive":
         raise OpacusCompatibilityError(f"clipping='adaptive': {_ADAPTIVE_REPLACEMENT}")
-    if clipping not in CLIPPING_MODES:
-        raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
+    if clipping not in ("flat", "per_layer"):  # Opacus' modes; a class alone would not carry dptorch's others
+        raise ValueError(
+            f"clipping must be 'flat', 'per_layer' or 'adaptive' (Opacus' modes), got {clipping!r}"
+            + (f"; dptorch's clipping={clipping!r} is make_private(clipping={clipping!r})" if clipping in CLIPPING_MODES else "")
+        )
     return DPPerLayerOptimizer if clipping == "per_layer" else DPOptimizer
 
 
