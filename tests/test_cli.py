@@ -121,7 +121,8 @@ def test_help_exits_zero(capsys):
 
 
 def test_commands_are_a_list_to_extend():
-    assert [command.__name__ for command in COMMANDS] == ["add_epsilon_command", "add_noise_command", "add_example_command"]
+    assert [command.__name__ for command in COMMANDS] == [
+        "add_epsilon_command", "add_noise_command", "add_example_command", "add_audit_command"]
 
 
 def _dptorch_executable():

@@ -33,9 +33,12 @@ def plot_audit(results: Sequence[AuditResult], path: str, *, labels: Optional[Se
     for result, label in zip(results, labels):
         bound = min(result.epsilon_lower_bound, top)
         color = "tab:blue" if result.consistent else "tab:red"
-        axes.scatter([min(result.claimed_epsilon, top)], [bound], color=color, zorder=3)
-        axes.annotate(f"{label}: {result.num_correct}/{result.num_guesses} right", (min(result.claimed_epsilon, top), bound),
-                      textcoords="offset points", xytext=(-6, -14), ha="right", fontsize=8)
+        claimed = min(result.claimed_epsilon, top)
+        axes.scatter([claimed], [bound], color=color, zorder=3)
+        right = claimed > 0.6 * top  # keep the label inside the axes
+        axes.annotate(f"{label}: {result.num_correct}/{result.num_guesses} right", (claimed, bound),
+                      textcoords="offset points", xytext=(-6 if right else 6, 6), ha="right" if right else "left",
+                      fontsize=8)
     first = results[0]
     axes.set_xlim(0, top)
     axes.set_ylim(0, top)

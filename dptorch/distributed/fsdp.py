@@ -216,12 +216,12 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
             device = p.device
             local = held.to(device) if held is not None else torch.zeros(p.shape, dtype=torch.float32, device=device)
             start, end = 0, p.numel()
-            draws = rank == 0
+            draws = True
             replicated.append(index)
         local = local.float() if local.dtype not in (torch.float32, torch.float64) else local.clone()
         if std > 0 and draws:
             numel = layouts[p].numel if is_sharded(p) else p.numel()
-            local.view(-1).add_(noise.slice(key, index, numel, start, end, std, dtype=local.dtype, device=device))
+            local.view(-1).add_(noise.slice(key, index, numel, 0, end - start, std, dtype=local.dtype, device=device))
         locals_.append(local)
     if world > 1 and replicated:
         flat = torch.cat([locals_[i].flatten() for i in replicated])

@@ -495,10 +495,12 @@ class GradSampleHooks:
         """The parameter tensors this call of ``layer`` uses, by name: the registered ones, or the
         ones a sharding wrapper swapped in for the call (FSDP2's all-gathered parameters), which
         are then remembered as aliases of the registered ones (``_canonical``)."""
+        if self.grad_sample_mode == "ew":  # expanded weights stand in for the parameters: not aliases
+            return dict(layer.params)
         live = {}
         for name, param in layer.params.items():
             current = module._parameters.get(name)
-            if current is not None and current is not param:
+            if isinstance(current, nn.Parameter) and current is not param:
                 self._canonical[current] = param
                 live[name] = current
             else:

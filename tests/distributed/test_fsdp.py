@@ -28,6 +28,16 @@ def test_sharded_runs_end_where_one_process_ends(result, references, name):
     assert runs[0]["epsilon"] == pytest.approx(references[mode]["epsilon"], rel=1e-12)
 
 
+def test_activation_checkpointing_and_bf16_parameters(result):
+    """Checkpointed blocks (non-reentrant), fp32: exact; with bf16 gathered parameters: close to fp32."""
+    reference = workers.reference("bk", workers.blocks_like)  # no checkpointing, no sharding, fp32
+    moved = (reference["params"] - workers.flat_params(workers.blocks_like())).abs().max()
+    for name, tolerance in (("fsdp-checkpointed-bk", 1e-6), ("fsdp-bf16-checkpointed-hooks", 2e-2 * moved)):
+        runs = [result(name, rank) for rank in range(WORLD)]
+        torch.testing.assert_close(runs[0]["params"], runs[1]["params"], rtol=0, atol=0)
+        torch.testing.assert_close(runs[0]["params"], reference["params"], rtol=0, atol=float(tolerance))
+
+
 def test_one_noise_draw_per_element_across_the_shards(result):
     runs = [result("noise-fsdp", rank)["draws"] for rank in range(WORLD)]
     # the ranks' generators were seeded differently: the stream is rank 0's, as in one process

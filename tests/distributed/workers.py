@@ -55,6 +55,36 @@ def model_like() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 3), nn.LayerNorm(3), nn.Tanh(), nn.Linear(3, 2))
 
 
+class Block(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(d_in, 3), nn.LayerNorm(3), nn.Linear(3, d_out)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.norm(self.a(x))))
+
+
+class Blocks(nn.Module):
+    """Two blocks, each run under non-reentrant activation checkpointing when ``checkpointed``."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(5, 4), Block(4, 2)])
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return x
+
+
+def blocks_like(checkpointed: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    return Blocks(checkpointed)
+
+
 def flat_params(model: nn.Module) -> torch.Tensor:
     values = []
     for p in model.parameters():
@@ -70,10 +100,18 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
     if shard:
         from torch.distributed.fsdp import fully_shard
 
+        kwargs = {}
+        if shard.startswith("bf16"):  # parameters gathered in bf16 for the forward and backward
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if shard == "per-layer":
             for layer in (model[0], model[3]):
                 fully_shard(layer)
-        fully_shard(model)
+        elif shard in ("blocks", "bf16-blocks"):
+            for block in model.blocks:
+                fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED, distributed=distributed)
     engine = PrivacyEngine(accountant="rdp")
@@ -177,6 +215,9 @@ def scenarios(rank: int):
     yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer")
     yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole")
     yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer")
+    yield "fsdp-checkpointed-bk", lambda: train(blocks_like(True), "bk", distributed=True, shard="blocks")
+    yield "fsdp-bf16-checkpointed-hooks", lambda: train(blocks_like(True), "hooks", distributed=True,
+                                                        shard="bf16-blocks")
     torch.manual_seed(100 + rank)  # the ranks' own generators differ: the stream must still be rank 0's
     yield "noise-fsdp", lambda: noise_only(True, ShardedNoise(NoiseGenerator(seed=NOISE_SEED + rank), chunk_size=CHUNK))
     yield "noise-ddp", lambda: noise_only(False, NoiseGenerator(seed=NOISE_SEED + rank))
@@ -206,9 +247,9 @@ def spawn_all() -> dict:
         return dict(results)
 
 
-def reference(mode: str = "hooks") -> dict:
+def reference(mode: str = "hooks", model=model_like) -> dict:
     """The same epoch in one process, no torch.distributed: the whole logical batches, the same noise."""
-    return train(model_like(), mode, distributed=False)
+    return train(model(), mode, distributed=False)
 
 
 def reference_noise(generator) -> list:

@@ -9,7 +9,8 @@ backward, Gaussian noise once per optimizer step, accounting in a
 losses (labels are taken from the model call and each row's loss is computed from the outputs, as
 DPTrainer's default recipe does). At ``on_train_end`` all of it is removed again.
 
-What a callback cannot do, and how each gap is handled (``docs/hf.md`` has the same list):
+What a callback cannot do, and how each gap is handled (the same list is in
+``docs/migrating-from-opacus.md``, section dp-transformers):
 
 1. **Sampling.** The Trainer has built its loader (shuffled, fixed-size batches) before any
    callback runs, and its training step cannot take the empty batches Poisson sampling draws. The
@@ -23,7 +24,8 @@ What a callback cannot do, and how each gap is handled (``docs/hf.md`` has the s
 2. **Loss.** It sees the loss only through the model call. A ``compute_loss_func`` and label
    smoothing take the labels away from the model: refused (the first training forward without
    labels raises). A Trainer subclass whose ``compute_loss`` recomputes the loss from the outputs
-   (TRL's trainers) cannot be detected: use ``private(cls)`` for those.
+   (TRL's trainers) cannot be detected: use ``private(cls)`` for those. The logged ``loss`` is the
+   sum over a micro-batch's rows.
 3. **Privacy units.** One row is one unit; ``privacy_unit_column`` is refused.
 4. **Resuming.** The Trainer restores callback state only into a new object and only with
    ``restore_callback_states_from_checkpoint``; resuming (``global_step > 0`` at the start) is
