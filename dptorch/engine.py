@@ -269,7 +269,8 @@ class PrivacyEngine:
                 hooks=hooks,
                 plan=plan,
                 loss_reduction=loss_reduction,
-                noise_generator=noise_generator or _default_noise_generator(self.secure_mode),
+                noise_generator=noise_generator
+                or _default_noise_generator(self.secure_mode, _parameter_device(optimizer)),
                 secure_mode=self.secure_mode,
             )
         except Exception:
@@ -431,7 +432,9 @@ class PrivacyEngine:
         history, unprotected = [], 0
         for index, entry in enumerate(state["history"]):
             if len(entry) != 3:
-                raise ValueError(f"accountant history[{index}] must be (noise_multiplier, sample_rate, steps), got {entry!r}")
+                raise ValueError(
+                    f"accountant history[{index}] must be (noise_multiplier, sample_rate, steps), got {entry!r}"
+                )
             sigma, q, count = float(entry[0]), float(entry[1]), int(entry[2])
             if sigma == 0:
                 unprotected += count
@@ -564,11 +567,21 @@ def _warn_if_opacus_hooks_idiom(frame: Any) -> None:
     )
 
 
-def _default_noise_generator(secure_mode: bool) -> Optional[NoiseGenerator]:
-    """Seeded from torch's global RNG, so ``torch.manual_seed`` makes a run reproducible."""
+def _default_noise_generator(secure_mode: bool, device: Any = "cpu") -> Optional[NoiseGenerator]:
+    """Seeded from torch's global RNG, so ``torch.manual_seed`` makes a run reproducible; on the
+    parameters' device, so the noise is drawn where it is added."""
     if secure_mode:
         return None  # the optimizer builds the secure generator
-    return NoiseGenerator(seed=int(torch.randint(0, 2**62, (1,)).item()))
+    return NoiseGenerator(seed=int(torch.randint(0, 2**62, (1,)).item()), device=device)
+
+
+def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:
+    """The device of the optimizer's first trainable parameter (CPU when it has none)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.requires_grad:
+                return param.device
+    return torch.device("cpu")
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

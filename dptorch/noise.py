@@ -164,7 +164,13 @@ class NoiseGenerator:
         return self.generator.device
 
     def noise_like(self, reference: torch.Tensor, std: float) -> torch.Tensor:
-        return gaussian_noise(reference, std, generator=self.generator)
+        if reference.device.type == self.generator.device.type:
+            return gaussian_noise(reference, std, generator=self.generator)
+        # A generator on another device (Opacus code passes a CPU torch.Generator for a CUDA model):
+        # draw where the generator lives, so the stream stays the generator's, then move the noise.
+        noise = torch.randn(reference.shape, generator=self.generator, device=self.generator.device,
+                            dtype=noise_dtype(reference.dtype))
+        return noise.mul_(_check_std(std)).to(reference.device)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"rng_state": self.generator.get_state()}

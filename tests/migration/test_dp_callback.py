@@ -26,7 +26,13 @@ from dptorch.integrations.hf import (  # noqa: E402
 )
 from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
-from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, without_dropout, word_tokenizer  # noqa: E402
+from tests.integrations.tiny import (  # noqa: E402
+    cpu_training_args,
+    lm_dataset,
+    tiny_gpt2,
+    without_dropout,
+    word_tokenizer,
+)
 
 TOKENIZER = word_tokenizer()
 COLLATE = DataCollatorForPrivateCausalLanguageModeling(TOKENIZER)

@@ -21,7 +21,13 @@ from dptorch.accounting import create_accountant, get_noise_multiplier  # noqa: 
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, PrivacyArguments  # noqa: E402
 from dptorch.integrations.hf.dp_transformers_compat import units_from_author_mapping  # noqa: E402
 from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
-from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, without_dropout, word_tokenizer  # noqa: E402
+from tests.integrations.tiny import (  # noqa: E402
+    cpu_training_args,
+    lm_dataset,
+    tiny_gpt2,
+    without_dropout,
+    word_tokenizer,
+)
 
 from . import dp_transformers_fine_tune_dp as script  # noqa: E402
 

@@ -173,6 +173,17 @@ def test_a_torch_generator_for_the_noise_is_adopted_and_checkpointed():
     assert torch.equal(optimizer.state_dict()["dp"]["noise_generator"]["rng_state"], generator.get_state())
 
 
+def test_noise_from_a_generator_on_another_device_is_drawn_from_its_stream_and_moved():
+    from dptorch.noise import NoiseGenerator
+
+    adopted = NoiseGenerator(generator=torch.Generator().manual_seed(0))
+    noise = adopted.noise_like(torch.empty(5, device="meta"), 2.0)  # stands for a CUDA model's gradient
+    assert noise.device.type == "meta" and noise.shape == (5,)
+    replay = torch.Generator().manual_seed(0)
+    torch.randn(5, generator=replay)
+    assert torch.equal(adopted.generator.get_state(), replay.get_state())
+
+
 def test_secure_mode_refuses_a_seedable_noise_generator():
     engine, model, optimizer, loader = _setup()
     engine = PrivacyEngine(accountant="rdp", secure_mode=True)

@@ -200,7 +200,8 @@ class DPCallback(TrainerCallback):
         p = self.privacy_args
         if p.target_delta >= 1 / num_units:
             raise ValueError(
-                f"target_delta={p.target_delta:g} is not below 1/N for N={num_units} training rows; choose a smaller one"
+                f"target_delta={p.target_delta:g} is not below 1/N for N={num_units} training rows; "
+                "choose a smaller one"
             )
         options = p.clipping_options() if hasattr(p, "clipping_options") else {}
         fields = dict(sample_rate=sample_rate, steps_per_epoch=steps_per_epoch, num_units=num_units,
@@ -230,7 +231,8 @@ class DPCallback(TrainerCallback):
         loss = self.per_sample_loss_func or default_per_sample_loss(
             causal, getattr(getattr(model, "config", None), "problem_type", None)
         )
-        hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=p.grad_sample_mode, keep_param_grads=False)
+        hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=p.grad_sample_mode,
+                                keep_param_grads=False)
         try:
             dp_optimizer = DPOptimizer(
                 holder.optimizer, hooks=hooks, plan=self.plan, loss_reduction="mean",
@@ -302,7 +304,8 @@ def _refuse_setups(args: Any, state: Any) -> None:
     ]
     problems = [message for refused, message in refusals if refused]
     if problems:
-        raise ValueError("DPCallback cannot train privately with this set-up:\n" + "\n".join(f"  - {p}" for p in problems))
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(f"DPCallback cannot train privately with this set-up:\n{listed}")
 
 
 def _poisson_sampler(loader: Any) -> Optional[Any]:
