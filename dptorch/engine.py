@@ -34,6 +34,8 @@ from dptorch.optim.optimizer import DPOptimizer
 from dptorch.optim.adaptive import clipping_plan_fields
 from dptorch.optim.clipping import CLIPPING_MODES
 from dptorch.plan import PrivacyPlan, check_clipping
+from dptorch.plan import planned_steps as planned_steps_of
+from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, cyclic_data_loader
 from dptorch.validate import ModuleValidator
 
 
@@ -96,8 +98,17 @@ class PrivacyEngine:
         min_clipbound: Optional[float] = None,
         unclipped_num_std: Optional[float] = None,
         clipping_stats: Optional[str] = None,
+        noise_mechanism: str = "independent",
+        bands: Optional[int] = None,
+        planned_steps: Optional[int] = None,
     ):
         """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
+
+        ``noise_mechanism="bandmf"`` with ``bands=b`` adds banded matrix-factorisation noise
+        (correlated across steps, docs/correlated-noise.md) instead of independent noise: the data
+        loader is rebuilt as b-min-separated cyclic Poisson sampling with the same expected batch
+        size, the strategy is optimised for ``planned_steps`` steps (default: one epoch), and the
+        accountant records the amplified banded MF reduction (ceil(steps / b) sampled Gaussians).
 
         ``clipping`` is "flat", "per_layer", "automatic" (``gamma``, default 0.01; sensitivity 1,
         ``max_grad_norm`` unused) or "adaptive" (``max_grad_norm`` is the starting bound;
@@ -119,7 +130,9 @@ class PrivacyEngine:
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound, min_clipbound=min_clipbound,
             unclipped_num_std=unclipped_num_std, clipping_stats=clipping_stats,
         ) if clipping in CLIPPING_MODES else {}
-        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
+        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
+                                            bands=_check_mechanism(noise_mechanism, bands))
+        options.update(_mechanism_fields(noise_mechanism, bands, planned_steps or dp_loader.batch_sampler.steps))
         plan = PrivacyPlan.for_sampler(dp_loader.batch_sampler, noise_multiplier=noise_multiplier,
                                        **self._plan_fields(max_grad_norm, clipping, options))
         return self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
@@ -156,7 +169,11 @@ class PrivacyEngine:
                         "min_clipbound", "unclipped_num_std", "clipping_stats")
         given = {name: kwargs.pop(name) for name in option_names if name in kwargs}
         options = clipping_plan_fields(clipping, **given) if clipping in CLIPPING_MODES else {}
-        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm)
+        noise_mechanism, bands = kwargs.pop("noise_mechanism", "independent"), kwargs.pop("bands", None)
+        dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
+                                            bands=_check_mechanism(noise_mechanism, bands))
+        horizon = planned_steps_of(dp_loader.batch_sampler.steps, epochs, steps)
+        options.update(_mechanism_fields(noise_mechanism, bands, horizon))
         plan = PrivacyPlan.calibrated(
             target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
             sample_rate=dp_loader.batch_sampler.sample_rate, steps_per_epoch=dp_loader.batch_sampler.steps,
@@ -216,7 +233,8 @@ class PrivacyEngine:
                 problems.append(problem)
         return problems
 
-    def _check_and_prepare(self, module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm) -> DPDataLoader:
+    def _check_and_prepare(self, module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
+                           bands: Optional[int] = None) -> DPDataLoader:
         """Every check that needs no plan, then the Poisson loader; nothing is attached yet."""
         if self.hooks is not None and self.hooks.attached:
             raise RuntimeError("this PrivacyEngine already made a model private; call engine.detach() first")
@@ -232,6 +250,8 @@ class PrivacyEngine:
         names = {p: n for n, p in module.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
+        if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
+            return cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         return _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
 
     def _plan_fields(self, max_grad_norm, clipping, options=None) -> Dict[str, Any]:

@@ -30,6 +30,13 @@ another number of samples than the draw holds (``SamplingMismatchError``), befor
 parameter changes. A draw that fed no backward pass is accounted as a step of its own, so every
 draw handed to the loop is accounted.
 
+With ``mechanism="bandmf"`` (banded matrix-factorisation noise, ``strategy`` a normalised
+``BandedToeplitz`` of b bands, sampled by a b-min-separated cyclic Poisson loader at the partition
+rate ``sample_rate``) the accountant records ``ceil(steps / b)`` Poisson-subsampled Gaussian steps
+(the amplified banded MF theorem, :mod:`dptorch.noise_mechanisms.accounting`); ``noise_step_index``
+tells the banded noise which step it privatises and ``check_partition`` refuses a draw whose
+partition is not the step's.
+
 ``noise_multiplier == 0`` is allowed (clipping-only ablation): such steps are counted, nothing is
 private and ``epsilon`` is infinite.
 """
@@ -42,8 +49,10 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
 
-#: Noise mechanisms a plan can describe. "gaussian": independent Gaussian noise per step (DP-SGD).
-MECHANISMS = ("gaussian",)
+#: Noise mechanisms a plan can describe. "gaussian": independent Gaussian noise per step (DP-SGD);
+#: "bandmf": banded matrix-factorisation noise (correlated across steps, ``dptorch.noise_mechanisms``),
+#: accounted by the amplified banded MF theorem under b-min-separated cyclic Poisson sampling.
+MECHANISMS = ("gaussian", "bandmf")
 
 MaxGradNorm = Union[float, Sequence[float]]
 
@@ -212,6 +221,20 @@ def _count_message(rows: int, size: int, batch_first: Optional[bool]) -> str:
     return message + " If one sample spans several rows on purpose, group them with hooks.set_privacy_units(unit_ids)."
 
 
+def _check_strategy(mechanism: str, strategy: Any) -> Any:
+    """The banded strategy of a "bandmf" plan (normalised columns), None for independent noise."""
+    if mechanism != "bandmf":
+        if strategy is not None:
+            raise ValueError(f"a strategy was given with mechanism={mechanism!r}; it is for mechanism='bandmf'")
+        return None
+    from dptorch.noise_mechanisms.banded import BandedToeplitz
+
+    if not isinstance(strategy, BandedToeplitz):
+        raise ValueError("mechanism='bandmf' needs strategy=BandedToeplitz(...) (see dptorch.noise_mechanisms)")
+    strategy.check_normalised()  # the reduction assumes column norms <= 1
+    return strategy
+
+
 class PrivacyPlan:
     """Sample rate, steps, mechanism, clipping bound and accountant of one private run.
 
@@ -249,9 +272,16 @@ class PrivacyPlan:
         adaptive: Optional[Any] = None,
         clipping_stats: Optional[str] = None,
         unclipped_num_std: Optional[float] = None,
+        strategy: Optional[Any] = None,
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+        #: mechanism "bandmf": the banded strategy C (``dptorch.noise_mechanisms.BandedToeplitz``); else None.
+        self.strategy = _check_strategy(mechanism, strategy)
+        #: Bands b of the strategy (1 for independent noise): the reduction accounts ceil(steps / b) steps.
+        self.bands = self.strategy.bands if self.strategy is not None else 1
+        self._closing = 1  # draws accounted by the step being privatised (set by close_step)
+        self._warned_horizon = False
         if sample_rate is not None and not (_is_number(sample_rate) and 0 < sample_rate <= 1):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if max_grad_norm is not None:
@@ -276,6 +306,12 @@ class PrivacyPlan:
         self.unprotected_steps = 0  # steps taken with noise_multiplier 0
         self.draws: Optional[DrawLedger] = DrawLedger() if track_draws else None
         self._set_clipping_options(gamma, adaptive, clipping_stats, unclipped_num_std)
+        if self.strategy is not None and self.counts_unclipped:
+            raise ValueError(
+                "bandmf noise with a released count of unclipped units (clipping='adaptive' or clipping_stats="
+                "'private') is not covered by the amplified banded MF accounting; use clipping='flat' (or "
+                "'per_layer', 'automatic') with bandmf"
+            )
 
     # ------------------------------------------------------------------ construction
 
@@ -283,6 +319,8 @@ class PrivacyPlan:
     def for_sampler(cls, batch_sampler: Any, **fields: Any) -> "PrivacyPlan":
         """A plan whose sampling is that of ``batch_sampler`` (a ``PoissonBatchSampler``): its q,
         its draws per epoch and the (global) number of samples it draws from."""
+        if "expected_batch_size" not in fields and hasattr(batch_sampler, "global_expected_batch_size"):
+            fields["expected_batch_size"] = batch_sampler.global_expected_batch_size  # cyclic: q_p * N / b
         return cls(
             sample_rate=batch_sampler.sample_rate,
             steps_per_epoch=batch_sampler.steps,
@@ -305,13 +343,15 @@ class PrivacyPlan:
         ``planned_steps`` (``steps``, or ``epochs`` passes of ``steps_per_epoch`` draws), with the
         plan's accountant. The GDP approximation is refused (see ``get_noise_multiplier``)."""
         total = planned_steps(fields.get("steps_per_epoch"), epochs, steps)
+        strategy = _check_strategy(fields.get("mechanism", "gaussian"), fields.get("strategy"))
+        accounted = total if strategy is None else -(-total // strategy.bands)  # bandmf: ceil(n / b)
         sample_rate = fields.get("sample_rate")
         if sample_rate is None:
             raise ValueError("calibrating the noise needs the plan's sample_rate")
         accountant = fields.get("accountant", "pld")
         name = accountant.mechanism if isinstance(accountant, Accountant) else accountant
         sigma = get_noise_multiplier(
-            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=total,
+            target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=accounted,
             accountant=name,
         )
         return cls(noise_multiplier=sigma, planned_steps=total, target_epsilon=target_epsilon,
@@ -459,8 +499,38 @@ class PrivacyPlan:
     def close_step(self, batch_first: Optional[bool] = None) -> int:
         """Check the step about to be privatised; return how many steps to account (see ``DrawLedger``)."""
         if self.draws is None:
+            self._closing = 1
             return 1
-        return self.draws.close_step(sample_rate=self.sample_rate, batch_first=batch_first)
+        self._closing = self.draws.close_step(sample_rate=self.sample_rate, batch_first=batch_first)
+        return self._closing
+
+    @property
+    def noise_step_index(self) -> int:
+        """The step index (from 0) of the noise added by the step being privatised: the last draw it accounts."""
+        return self.steps + self._closing - 1
+
+    def check_partition(self, partition: int, bands: int) -> None:
+        """bandmf: a cyclic Poisson draw of ``partition`` (of ``bands``) reaches the training loop.
+
+        Refuses it unless it is the partition of the step it will feed (step index mod b), so that
+        every unit's participations stay b-min-separated in the noise steps.
+        """
+        if self.mechanism != "bandmf":
+            return
+        if bands != self.bands:
+            raise SamplingMismatchError(
+                f"the cyclic Poisson loader has {bands} partitions but the banded strategy {self.bands} bands: the "
+                "sampling must be b-min-separated with b = bands"
+            )
+        pending = len(self.draws.sizes) if self.draws is not None else 0
+        expected = (self.steps + pending) % self.bands
+        if partition != expected:
+            raise SamplingMismatchError(
+                f"this draw is of partition {partition}, but step {self.steps + pending} of a {self.bands}-banded "
+                f"mechanism must take partition {expected}: the loader skipped draws (set_epoch in mid-epoch, an "
+                "abandoned iterator) that no step accounted, which would break the b-min-separation the banded MF "
+                "accounting relies on. Iterate the loader without skipping batches"
+            )
 
     def record_steps(self, count: int = 1) -> None:
         """Account ``count`` steps at the current noise multiplier and the plan's sample rate."""
@@ -471,8 +541,25 @@ class PrivacyPlan:
         elif self.accountant is not None:
             if self.sample_rate is None:
                 raise ValueError("this plan has an accountant but no sample_rate to account the step with")
-            self.accountant.step(noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate, num_steps=count)
+            # bandmf: after T steps the accountant holds ceil(T / b) steps (the theorem's reduction).
+            accounted = self._accounted(self.steps + count) - self._accounted(self.steps)
+            if accounted:
+                self.accountant.step(noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate,
+                                     num_steps=accounted)
         self.steps += count
+        horizon = self.strategy.horizon if self.strategy is not None else None
+        if horizon is not None and self.steps > horizon and not self._warned_horizon:
+            self._warned_horizon = True
+            warnings.warn(
+                f"step {self.steps} is past the {horizon} steps the banded strategy was optimised for: the privacy "
+                "guarantee still holds (a Toeplitz band defines C for any number of steps, column norms <= 1, and "
+                "the accountant records ceil(steps / bands) steps), but the noise is no longer optimal for the run",
+                UserWarning, stacklevel=3,
+            )
+
+    def _accounted(self, steps: int) -> int:
+        """Accountant steps for ``steps`` mechanism steps: ``steps``, or ``ceil(steps / b)`` for bandmf."""
+        return -(-steps // self.bands)
 
     # ------------------------------------------------------------------ privacy spent
 
@@ -492,8 +579,11 @@ class PrivacyPlan:
             return math.inf
         if self.accountant is None or self.sample_rate is None:
             raise ValueError("projecting epsilon needs the plan's accountant and sample_rate")
+        more_accounted = self._accounted(self.steps + more_steps) - self._accounted(self.steps)
+        if more_accounted <= 0:
+            return self.epsilon(delta)
         return self.accountant.epsilons_after(
-            noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate, steps=[more_steps], delta=delta
+            noise_multiplier=self._noise_multiplier, sample_rate=self.sample_rate, steps=[more_accounted], delta=delta
         )[0]
 
     def report(self, delta: float) -> Dict[str, Any]:
@@ -503,6 +593,7 @@ class PrivacyPlan:
             "delta": delta,
             "private": self.private,
             "mechanism": self.mechanism,
+            "noise_mechanism": "bandmf" if self.strategy is not None else "independent",
             "noise_multiplier": self._noise_multiplier,
             "max_grad_norm": self.max_grad_norm,
             "clipping": self.clipping,
@@ -517,6 +608,11 @@ class PrivacyPlan:
         if self.target_epsilon is not None:
             report.update(target_epsilon=self.target_epsilon, target_delta=self.target_delta,
                           planned_steps=self.planned_steps)
+        if self.strategy is not None:
+            report.update(bands=self.bands, strategy=self.strategy.as_dict(),
+                          accounted_steps=self._accounted(self.steps),
+                          accounting=("amplified banded MF (Choquette-Choo et al. 2023): Poisson-subsampled Gaussian "
+                                      "at the partition rate over ceil(steps / bands) steps"))
         if self.gamma is not None:
             report["gamma"] = self.gamma
         if self.adaptive is not None:
@@ -541,6 +637,7 @@ class PrivacyPlan:
         return {
             "version": _STATE_VERSION,
             "mechanism": self.mechanism,
+            "bands": self.bands,
             "sample_rate": self.sample_rate,
             "steps_per_epoch": self.steps_per_epoch,
             "num_units": self.num_units,
@@ -559,7 +656,7 @@ class PrivacyPlan:
         differs from this plan's: the resumed run would not be the one the history describes. The
         noise multiplier stays this plan's (each recorded step keeps its own in the history).
         """
-        for key in ("mechanism", "sample_rate", "steps_per_epoch", "num_units"):
+        for key in ("mechanism", "bands", "sample_rate", "steps_per_epoch", "num_units"):
             saved, mine = state.get(key), getattr(self, key)
             if saved is not None and mine is not None and saved != mine:
                 raise ValueError(

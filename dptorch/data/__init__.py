@@ -2,9 +2,12 @@
 
 from dptorch.data.memory_manager import BatchMemoryManager, PhysicalBatchLoader
 from dptorch.data.poisson import DPDataLoader, EmptyBatchCollate, PoissonBatchSampler, empty_batch_like
+from dptorch.data.cyclic_poisson import CyclicPoissonBatchSampler, CyclicPoissonDataLoader
 
 __all__ = [
     "BatchMemoryManager",
+    "CyclicPoissonBatchSampler",
+    "CyclicPoissonDataLoader",
     "DPDataLoader",
     "EmptyBatchCollate",
     "PhysicalBatchLoader",

@@ -149,7 +149,7 @@ class PhysicalBatchLoader:
             logical = [batch for _, batch in drawn]
             counts = [len(split_logical_batch(batch, self.max_physical_batch_size)) for batch in logical]
             if self.distributed:
-                pass
+                counts = agreed_counts(counts)
             self._plan = pad_physical_plan(logical, counts, self.max_physical_batch_size)
             self._opens = []
             for (position, batch), chunks in zip(drawn, counts):

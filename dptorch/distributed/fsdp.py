@@ -52,6 +52,15 @@ def is_sharded(param: Any) -> bool:
     return dtensor is not None and isinstance(param, dtensor)
 
 
+def is_fully_sharded_module(module: Any) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` (an ``FSDPModule``)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def any_sharded(params: Sequence[Any]) -> bool:
     return any(is_sharded(p) for p in params)
 
@@ -216,12 +225,12 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
             device = p.device
             local = held.to(device) if held is not None else torch.zeros(p.shape, dtype=torch.float32, device=device)
             start, end = 0, p.numel()
-            draws = True
+            draws = rank == 0
             replicated.append(index)
         local = local.float() if local.dtype not in (torch.float32, torch.float64) else local.clone()
         if std > 0 and draws:
             numel = layouts[p].numel if is_sharded(p) else p.numel()
-            local.view(-1).add_(noise.slice(key, index, numel, 0, end - start, std, dtype=local.dtype, device=device))
+            local.view(-1).add_(noise.slice(key, index, numel, start, end, std, dtype=local.dtype, device=device))
         locals_.append(local)
     if world > 1 and replicated:
         flat = torch.cat([locals_[i].flatten() for i in replicated])
@@ -242,6 +251,7 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
 
 __all__ = [
     "ShardLayout",
+    "is_fully_sharded_module",
     "accumulate_sharded",
     "add_noise_per_parameter",
     "any_sharded",

@@ -144,6 +144,7 @@ class GradSampleHooks:
         self._unit_ids: Optional[torch.Tensor] = None
         # Parameter a sharding wrapper (FSDP2's fully_shard) swaps in for the call -> registered one
         self._canonical: Dict[torch.Tensor, nn.Parameter] = {}
+        self._wrapper_inputs: Dict[nn.Module, List[Any]] = {}  # FSDP2 modules: inputs (and tags) before its pre-hook
         self.uncaptured: List[str] = []  # parameters the last backward gave gradients but no capture
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
@@ -207,6 +208,7 @@ class GradSampleHooks:
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
             self._watch(param)
+        self._attach_wrapper_input_tags()
         if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
             from dptorch.distributed.ddp import keep_out_of_gradient_sync
 
@@ -490,6 +492,37 @@ class GradSampleHooks:
         for p in params.values():
             p.requires_grad_(False)
         self._suppressed[module] = params
+
+    def _attach_wrapper_input_tags(self) -> None:
+        """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
+        (its post-backward Function), which the batch tracker never saw being made: hooks around
+        it hand each input's batch tag to its replacement."""
+        from dptorch.distributed.fsdp import is_fully_sharded_module
+
+        for sub in self.module.modules():
+            if is_fully_sharded_module(sub):
+                self._handles.append(sub.register_forward_pre_hook(self._note_wrapper_inputs, prepend=True, with_kwargs=True))
+                self._handles.append(sub.register_forward_pre_hook(self._tag_wrapper_inputs, with_kwargs=True))
+
+    def _note_wrapper_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        tracker = self._tracker
+        if tracker is None:
+            return
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self._wrapper_inputs.setdefault(module, []).append([(t, tracker.get(t)) for t in leaves])
+
+    def _tag_wrapper_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pending = self._wrapper_inputs.get(module)
+        noted = pending.pop() if pending else None
+        tracker = self._tracker
+        if noted is None or tracker is None:
+            return
+        leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if len(leaves) != len(noted):
+            return
+        for t, (before, tag) in zip(leaves, noted):
+            if t is not before and tag is not None and tracker.get(t) is None and t.shape == before.shape:
+                tracker.put(t, tag)
 
     def _live_params(self, module: nn.Module, layer: _Layer) -> Dict[str, torch.Tensor]:
         """The parameter tensors this call of ``layer`` uses, by name: the registered ones, or the

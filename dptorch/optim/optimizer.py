@@ -127,6 +127,10 @@ class DPOptimizer(torch.optim.Optimizer):
             setattr(self, name, OrderedDict())
         self._rank, self._world_size = _distributed_rank_and_size()
         self._sharded = any_sharded(self.params)  # FSDP2 (fully_shard): see dptorch.distributed.fsdp
+        if getattr(plan, "strategy", None) is not None:  # bandmf: the noise is C^{-1} z, streamed (dptorch.noise_mechanisms)
+            from dptorch.noise_mechanisms.wiring import attach_banded_noise
+
+            attach_banded_noise(self, plan)
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation

@@ -59,6 +59,15 @@ def test_one_noise_draw_per_element_across_the_shards(result):
     assert abs(torch.corrcoef(torch.stack([runs[0][0]["full"], runs[0][1]["full"]]))[0, 1].item()) < 0.06
 
 
+def test_a_plain_noise_generator_is_drawn_per_element_under_fsdp(result):
+    """The engine's default NoiseGenerator is used as ShardedNoise's base: rank 0's stream, sliced."""
+    expected = workers.reference_noise(ShardedNoise(NoiseGenerator(seed=workers.NOISE_SEED)))
+    for rank in range(WORLD):
+        for step, reference in enumerate(expected):
+            full = result("noise-fsdp-plain-generator", rank)["draws"][step]["full"]
+            torch.testing.assert_close(full, reference, rtol=1e-6, atol=1e-7)
+
+
 def test_sharded_noise_does_not_depend_on_the_cut():
     noise = ShardedNoise(seed=3, chunk_size=7)
     key = noise.step_key()

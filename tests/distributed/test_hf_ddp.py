@@ -6,7 +6,6 @@ in a second trainer; each rank reports what it saw and where it ended.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,18 +23,13 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf-ddp")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}",
-               f"--master-port={free_port()}", str(SCRIPT), str(out)]
+    # --standalone: torchrun binds a free port itself (no race with another run picking the same one)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+               str(SCRIPT), str(out)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         pytest.fail(f"torchrun failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")

@@ -8,8 +8,10 @@ run the same training in the test process, without torch.distributed, over the s
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
+import tempfile
+import time
 import traceback
 
 import torch
@@ -36,12 +38,8 @@ DELTA = 1e-5
 # noise-only steps: a parameter big enough to measure a standard deviation to ~1 %
 BIG_IN, BIG_OUT, BIG_STEPS, BIG_BATCH = 100, 101, 2, 8.0
 CHUNK = 997  # a small prime: ShardedNoise chunks cross the shard boundaries
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+COLLECTIVE_TIMEOUT_S = 60  # a rank left waiting in a collective fails instead of hanging the suite
+SPAWN_TIMEOUT_S = 240
 
 
 def dataset() -> TensorDataset:
@@ -93,8 +91,9 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat(values)
 
 
-def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "") -> dict:
-    """One epoch of engine training (BatchMemoryManager, physical batches of 1); parameters, epsilon, batch counts."""
+def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "", physical: int = 1) -> dict:
+    """One epoch of engine training (BatchMemoryManager, physical batches of at most ``physical``);
+    parameters, epsilon, batch counts."""
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     if shard:
@@ -119,17 +118,17 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=CLIP,
         loss_reduction="sum", grad_sample_mode=mode, wrap_model=False, noise_generator=ShardedNoise(seed=NOISE_SEED),
     )
-    per_step, rows_per_step, physical, rows = [], [], 0, 0
-    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) as batches:
+    per_step, rows_per_step, count, rows = [], [], 0, 0
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
-            physical, rows = physical + 1, rows + len(x)
+            count, rows = count + 1, rows + len(x)
             ((model(x) - y) ** 2).sum().backward()
             optimizer.step()
             optimizer.zero_grad()
             if not optimizer._last_step_skipped:
-                per_step.append(physical)
+                per_step.append(count)
                 rows_per_step.append(rows)
-                physical, rows = 0, 0
+                count, rows = 0, 0
     return {
         "params": flat_params(model),
         "epsilon": engine.get_epsilon(DELTA),
@@ -212,22 +211,24 @@ def scenarios(rank: int):
     yield "allreduce-hooks", lambda: train(model_like(), "hooks", distributed=True)  # no DDP wrapper at all
     yield "ddp-hooks", lambda: train(model_like(), "hooks", distributed=True, ddp=True)
     yield "ddp-bk", lambda: train(model_like(), "bk", distributed=True, ddp=True)
-    yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer")
-    yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole")
-    yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer")
-    yield "fsdp-checkpointed-bk", lambda: train(blocks_like(True), "bk", distributed=True, shard="blocks")
+    yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer", physical=3)
+    yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole", physical=3)
+    yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer", physical=3)
+    yield "fsdp-checkpointed-bk", lambda: train(blocks_like(True), "bk", distributed=True, shard="blocks", physical=3)
     yield "fsdp-bf16-checkpointed-hooks", lambda: train(blocks_like(True), "hooks", distributed=True,
-                                                        shard="bf16-blocks")
+                                                        shard="bf16-blocks", physical=3)
     torch.manual_seed(100 + rank)  # the ranks' own generators differ: the stream must still be rank 0's
     yield "noise-fsdp", lambda: noise_only(True, ShardedNoise(NoiseGenerator(seed=NOISE_SEED + rank), chunk_size=CHUNK))
+    yield "noise-fsdp-plain-generator", lambda: noise_only(True, NoiseGenerator(seed=NOISE_SEED + rank))
     yield "noise-ddp", lambda: noise_only(False, NoiseGenerator(seed=NOISE_SEED + rank))
     yield "unseen-ddp", unseen_path_under_ddp
     yield "ddp-sync", ddp_sync_restored
 
 
-def worker(rank: int, port: int, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def worker(rank: int, store: str, results) -> None:
+    # A file store: no TCP port to pick, so concurrent test runs cannot meet in one rendezvous.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.set_num_threads(1)
     try:
         for name, run in scenarios(rank):
@@ -241,9 +242,16 @@ def worker(rank: int, port: int, results) -> None:
 
 
 def spawn_all() -> dict:
-    with mp.Manager() as manager:
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         results = manager.dict()
-        mp.spawn(worker, args=(free_port(), results), nprocs=WORLD, join=True)
+        context = mp.spawn(worker, args=(os.path.join(folder, "store"), results), nprocs=WORLD, join=False)
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.terminate()
+                raise TimeoutError(f"the {WORLD} processes did not finish within {SPAWN_TIMEOUT_S} s; "
+                                   f"finished scenarios: {sorted(dict(results))}")
         return dict(results)
 
 

@@ -1,0 +1,278 @@
+"""Step time and peak memory per rank: 1 against 2 processes, non-private against private.
+
+    python benchmarks/distributed.py [--width 256] [--layers 4] [--seq 32] [--batch 32] [--steps 7]
+                                     [--modes bk hooks] [--device cpu|cuda]
+
+A small transformer-shaped model (token embedding, ``--layers`` blocks of LayerNorm + two-layer MLP
+of width ``4 * --width``, LM head; no attention, which has no parameters to clip) trained on random
+tokens. The *global* batch is ``--batch`` sequences of ``--seq`` tokens: one process takes all of
+it, two processes take half each (DDP, or FSDP2 with ``fully_shard`` on every block and the
+root). Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
+intra-op thread each); the step is forward, backward and optimizer step (plus clipping and noise
+when private), median of ``--steps`` steps after two warm-up steps.
+
+Peak memory per rank: on CPU the growth of the process's peak RSS over the step loop (the model
+and optimizer state are built before, so what shows is activations, gradients and what DP adds);
+on CUDA ``torch.cuda.max_memory_allocated`` over the loop. The largest rank is reported. Prints a
+table and writes ``benchmarks/results/distributed.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CONFIGS = [
+    # (name, processes, parallel, private)
+    ("plain", 1, "none", False),
+    ("plain DDP", 2, "ddp", False),
+    ("plain FSDP2", 2, "fsdp", False),
+    ("private", 1, "none", True),
+    ("private DDP", 2, "ddp", True),
+    ("private FSDP2", 2, "fsdp", True),
+]
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList([MLPBlock(width) for _ in range(layers)])
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bool, mode: str, results) -> None:
+    device = torch.device(opts["device"], rank) if opts["device"] == "cuda" else torch.device("cpu")
+    if opts["device"] == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(opts["threads"])
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("nccl" if opts["device"] == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=300))
+    torch.manual_seed(0)
+    vocab, width, layers, seq = opts["vocab"], opts["width"], opts["layers"], opts["seq"]
+    model = TinyLM(vocab, width, layers).to(device)
+    if parallel == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    local_batch = opts["batch"] // world
+    if private:
+        from dptorch.grad_sample import GradSampleHooks
+        from dptorch.optim import DPOptimizer
+
+        hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
+        optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0,
+                                expected_batch_size=float(opts["batch"]))
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, vocab, (local_batch, seq + 1), generator=generator).to(device)
+               for _ in range(opts["steps"] + 2)]
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    if opts["device"] == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = peak_rss_mib()
+    times = []
+    for ids in batches:
+        start = time.perf_counter()
+        logits = model(ids[:, :-1])
+        loss_fn(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if opts["device"] == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    if opts["device"] == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak = peak_rss_mib() - before
+    results[rank] = {"step_ms": 1000 * statistics.median(times[2:]), "peak_mib": peak}
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(name: str, world: int, parallel: str, private: bool, mode: str, opts: dict) -> dict:
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(run, args=(world, free_port(), opts, parallel, private, mode, results), nprocs=world, join=True)
+        per_rank = [results[r] for r in range(world)]
+    return {
+        "config": name, "processes": world, "mode": mode if private else "-",
+        "step_ms": max(r["step_ms"] for r in per_rank), "peak_mib_per_rank": max(r["peak_mib"] for r in per_rank),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Computed (not measured) memory per rank for Llama-shaped 7B / 70B models in "bk" mode.
+
+MODELS = {
+    # name: (layers, width, mlp width, key/value width (GQA), vocab)
+    "7B": (32, 4096, 11008, 4096, 32000),
+    "70B": (80, 8192, 28672, 1024, 32000),
+}
+GiB = 2**30
+
+
+def model_sizes(layers, d, d_ff, d_kv, vocab):
+    """(parameters in total, parameters of one decoder layer, largest single parameter)."""
+    per_layer = 2 * d * d + 2 * d * d_kv + 3 * d * d_ff + 2 * d
+    return layers * per_layer + 2 * vocab * d + d, per_layer, max(vocab * d, d * d_ff)
+
+
+def kept_values_per_token(layers, d, d_ff, d_kv, vocab, lora_rank=None):
+    """Values bk keeps per token until the end of backward: each hooked call's input (A) and output gradient (B).
+
+    Full fine-tuning: every Linear (q, k, v, o, gate, up, down), both RMSNorms, the embedding's B
+    and the LM head (B is a whole vocabulary row per token). Calls that share their input tensor
+    (q/k/v, gate/up) keep it once. LoRA (rank r on q and v): lora_A keeps x (shared) and its
+    r-wide B, lora_B keeps its r-wide A and a d- or d_kv-wide B.
+    """
+    if lora_rank is not None:
+        r = lora_rank
+        return layers * (d + 2 * r + 2 * r + d + d_kv)
+    a = 3 * d + d_ff + 2 * d  # inputs of q/k/v, o, gate/up, down; the two norms
+    b = d + 2 * d_kv + d + 2 * d_ff + d + 2 * d
+    return layers * (a + b) + d + (d + vocab) + 2 * d  # embedding B, LM head A and B, final norm
+
+
+def memory_rows(tokens_per_rank: int = 4 * 2048, lora_rank: int = 16):
+    """One row per (model, method, parallelism, processes, tokens per physical batch): GiB per rank."""
+    rows = []
+    small = max(tokens_per_rank // 8, 1)  # the physical batch full 70B fine-tuning can afford
+    plans = [("7B", "LoRA", "DDP", 8, tokens_per_rank), ("7B", "LoRA", "FSDP2", 8, tokens_per_rank),
+             ("7B", "full", "FSDP2", 8, tokens_per_rank), ("70B", "LoRA", "FSDP2", 8, tokens_per_rank),
+             ("70B", "full", "FSDP2", 8, small), ("70B", "full", "FSDP2", 32, small)]
+    for name, method, parallel, ranks, tokens_per_rank in plans:
+        layers, d, d_ff, d_kv, vocab = MODELS[name]
+        total, per_layer, largest = model_sizes(layers, d, d_ff, d_kv, vocab)
+        shards = ranks if parallel == "FSDP2" else 1
+        if method == "full":
+            # fp32 master parameters 4 + Adam m, v 8 + DP accumulator 4 + p.grad at the step 4, all sharded
+            state = 20 * total / shards
+            kept = kept_values_per_token(layers, d, d_ff, d_kv, vocab)
+            transient = 4 * largest  # one parameter's full-size fp32 clipped sum before its reduce-scatter
+        else:
+            lora = layers * 2 * lora_rank * (d + (d + d_kv) / 2)
+            state = 2 * total / shards + 20 * lora  # bf16 frozen base (sharded or not) + adapter training state
+            kept = kept_values_per_token(layers, d, d_ff, d_kv, vocab, lora_rank)
+            transient = 0
+        gathered = 2 * 2 * per_layer if parallel == "FSDP2" else 0  # bf16 layer in use + the prefetched one
+        activations = tokens_per_rank * (2 * layers * d + 2 * 12 * d + 2 * 4 * vocab)  # checkpoints, 1 layer, fp32 logits + grad
+        dp_kept = 2 * tokens_per_rank * kept  # bf16
+        rows.append({
+            "model": name, "method": method, "parallel": parallel, "ranks": ranks, "tokens": tokens_per_rank,
+            "kept_mib_per_1k_tokens": 2 * 1024 * kept / 2**20,
+            "params_B": total / 1e9, "state": state / GiB, "gathered": (gathered + transient) / GiB,
+            "activations": activations / GiB, "bk_kept": dp_kept / GiB,
+            "total": (state + gathered + transient + activations + dp_kept) / GiB,
+        })
+    return rows
+
+
+def print_memory_table(tokens_per_rank: int, lora_rank: int) -> None:
+    print(f"Computed, not measured: bf16 weights and activations, activation checkpointing per layer, AdamW "
+          f"(fp32 states), LoRA rank {lora_rank} on q and v; tokens = tokens per rank per physical batch.")
+    print("| model | method | parallel | ranks | tokens | training state | gathered + clipped-sum buffers "
+          "| activations | bk: kept A and B (per 1k tokens) | total per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in memory_rows(tokens_per_rank, lora_rank):
+        print(f"| {r['model']} ({r['params_B']:.2f} B) | {r['method']} | {r['parallel']} | {r['ranks']} | "
+              f"{r['tokens']} | {r['state']:.1f} GiB | {r['gathered']:.1f} GiB | {r['activations']:.1f} GiB | "
+              f"{r['bk_kept']:.1f} GiB ({r['kept_mib_per_1k_tokens']:.0f} MiB) | **{r['total']:.1f} GiB** |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--memory-table", action="store_true", help="print the computed 7B/70B table and exit")
+    parser.add_argument("--tokens-per-rank", type=int, default=4 * 2048)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32, help="global batch (sequences)")
+    parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    parser.add_argument("--modes", nargs="+", default=["bk"], help="private modes (hooks, bk, ghost)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--configs", nargs="+", default=None, help="subset of: " + ", ".join(c[0] for c in CONFIGS))
+    args = parser.parse_args()
+    if args.memory_table:
+        print_memory_table(args.tokens_per_rank, args.lora_rank)
+        return
+    opts = {k: getattr(args, k) for k in ("width", "layers", "vocab", "seq", "batch", "steps", "threads", "device")}
+    if args.device == "cuda":
+        opts["threads"] = max(opts["threads"], 1)
+    rows = []
+    for name, world, parallel, private in CONFIGS:
+        if args.configs and name not in args.configs:
+            continue
+        if args.device == "cuda" and world > torch.cuda.device_count():
+            print(f"skipping {name}: needs {world} GPUs")
+            continue
+        for mode in (args.modes if private else ["-"]):
+            rows.append(measure(name, world, parallel, private, mode, opts))
+            r = rows[-1]
+            print(f"{r['config']:<14} {r['processes']:>2} proc  {r['mode']:<5} {r['step_ms']:9.1f} ms/step  "
+                  f"{r['peak_mib_per_rank']:8.1f} MiB/rank", flush=True)
+    params = sum(p.numel() for p in TinyLM(args.vocab, args.width, args.layers).parameters())
+    print(f"\nmodel: {params / 1e6:.2f} M parameters; global batch {args.batch} x {args.seq} tokens; device {args.device}")
+    print(f"| config | processes | mode | step (ms) | peak memory per rank (MiB) |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {r['processes']} | {r['mode']} | {r['step_ms']:.1f} | {r['peak_mib_per_rank']:.1f} |")
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    (out / "distributed.json").write_text(json.dumps({"options": opts, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

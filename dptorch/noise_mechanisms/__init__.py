@@ -1,0 +1,30 @@
+"""Noise mechanisms beside DP-SGD's independent Gaussian: banded matrix factorisation (DP-BandMF).
+
+* :mod:`~dptorch.noise_mechanisms.banded`: the b-banded Toeplitz strategy C (``BandedToeplitz``).
+* :mod:`~dptorch.noise_mechanisms.optimize`: the band minimising the prefix-sum error, cached by (n, b).
+* :mod:`~dptorch.noise_mechanisms.streaming`: ``BandedNoise``, ``C^{-1} z`` step by step, O(b) state.
+* :mod:`~dptorch.noise_mechanisms.accounting`: the amplification theorem's reduction to DP-SGD.
+
+The sampling the theorem needs is :class:`dptorch.data.cyclic_poisson.CyclicPoissonBatchSampler`.
+"""
+
+from dptorch.noise_mechanisms.accounting import accounted_steps, partition_rate_for_batch, reduction_event
+from dptorch.noise_mechanisms.banded import BandedToeplitz, series_inverse
+from dptorch.noise_mechanisms.optimize import optimal_banded_strategy, prefix_sum_error
+from dptorch.noise_mechanisms.streaming import BandedNoise, banded_noise_matrix
+
+#: Names ``make_private(noise_mechanism=...)`` accepts.
+NOISE_MECHANISMS = ("independent", "bandmf")
+
+__all__ = [
+    "NOISE_MECHANISMS",
+    "BandedNoise",
+    "BandedToeplitz",
+    "accounted_steps",
+    "banded_noise_matrix",
+    "optimal_banded_strategy",
+    "partition_rate_for_batch",
+    "prefix_sum_error",
+    "reduction_event",
+    "series_inverse",
+]
