@@ -424,6 +424,13 @@ class PrivacyPlan:
             from dptorch.optim.adaptive import gradient_noise_multiplier
 
             gradient_noise_multiplier(value, self.count_noise_std)  # refuses a sigma the count cannot share
+        held = getattr(self, "_noise_multiplier", None)
+        if getattr(self, "strategy", None) is not None and getattr(self, "steps", 0) and held != value:
+            raise ValueError(
+                f"noise_multiplier cannot change from {held} to {value} during a bandmf run: the correlated noise of "
+                "the steps in one band window is accounted as one Gaussian of a single noise multiplier. Keep it "
+                "constant (or start a new run with its own budget)"
+            )
         self._noise_multiplier = value
 
     @property

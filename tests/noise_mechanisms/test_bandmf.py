@@ -319,3 +319,9 @@ def test_a_bare_optimizer_with_a_bandmf_plan_adds_banded_noise():
     assert optimizer.noise_generator.index == 4 == plan.steps
     assert "bandmf" == optimizer.state_dict()["dp"]["noise_generator"]["mechanism"]
     hooks.cleanup()
+
+
+def test_noise_multiplier_cannot_change_during_a_bandmf_run():
+    engine, model, optimizer, loader = _train("bandmf", bands=2, steps=4)
+    with pytest.raises(ValueError, match="cannot change"):
+        engine.plan.noise_multiplier = engine.plan.noise_multiplier * 2
