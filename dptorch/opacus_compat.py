@@ -42,7 +42,7 @@ from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
 from dptorch.loss import DPLoss
-from dptorch.optim import DPOptimizer
+from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
 from dptorch.optim.clipping import CLIPPING_MODES
 from dptorch.validate import ModuleValidator, register_module_fixer
 
@@ -178,12 +178,7 @@ _FSDP_REPLACEMENT = (
     "dptorch has no FSDP ghost clipping; use grad_sample_mode='bk' or 'ghost' (one backward pass or two, "
     "no per-sample gradients kept), with DistributedDataParallel for several processes"
 )
-_ADAPTIVE_REPLACEMENT = (
-    "dptorch has no adaptive (AdaClip) clipping; use clipping='flat' or 'per_layer' with a fixed "
-    "max_grad_norm (docs/choosing-hyperparameters.md)"
-)
 OPTIMIZERS_UNMAPPED = {
-    "AdaClipDPOptimizer": _ADAPTIVE_REPLACEMENT,
     "FSDPOptimizerFastGradientClipping": _FSDP_REPLACEMENT,
 }
 
@@ -192,14 +187,14 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: Opti
     """``opacus.optimizers.get_optimizer_class``: the DP optimizer class for a clipping mode.
 
     ``distributed`` and every dptorch ``grad_sample_mode`` give the same class (the optimizer
-    handles both); adaptive clipping and FSDP ghost clipping raise :class:`OpacusCompatibilityError`.
+    handles both); FSDP ghost clipping raises :class:`OpacusCompatibilityError`.
     """
     if grad_sample_mode in ("ghost_fsdp", "ghost_tp"):
         raise OpacusCompatibilityError(f"grad_sample_mode={grad_sample_mode!r}: {_FSDP_REPLACEMENT}")
     if grad_sample_mode is not None and grad_sample_mode not in GRAD_SAMPLE_MODES:
         raise ValueError(f"grad_sample_mode must be one of {GRAD_SAMPLE_MODES}, got {grad_sample_mode!r}")
     if clipping == "adaptive":
-        raise OpacusCompatibilityError(f"clipping='adaptive': {_ADAPTIVE_REPLACEMENT}")
+        return AdaClipDPOptimizer
     if clipping not in ("flat", "per_layer"):  # Opacus' modes; a class alone would not carry dptorch's others
         raise ValueError(
             f"clipping must be 'flat', 'per_layer' or 'adaptive' (Opacus' modes), got {clipping!r}"

@@ -126,10 +126,9 @@ class _SelfComposition:
         self.discretization = float(dense._discretization)
         self.pessimistic = bool(dense._pessimistic_estimate)
         size = len(self.probs)
-        # The orders and log-MGFs of dp_accounting's common.compute_self_convolve_bounds.
+        # The orders of dp_accounting's common.compute_self_convolve_bounds; their log-MGFs when first needed.
         self.orders = np.concatenate((np.arange(-20, 0), np.arange(1, 21))) / size
-        with np.errstate(divide="ignore"):
-            self.log_mgfs = special.logsumexp(np.outer(self.orders, np.arange(size)), b=self.probs, axis=1)
+        self.log_mgfs: Optional[np.ndarray] = None
         self.length = 0
         self.squares: List[np.ndarray] = []  # rfft(probs) ** (2 ** j), j >= 0, on a grid of self.length points
         self.small: List[np.ndarray] = []  # rfft(probs) ** r, r < _SMALL_POWERS, by successive products
@@ -150,6 +149,9 @@ class _SelfComposition:
         return found
 
     def _compute_bounds(self, count: int) -> Tuple[int, int]:
+        if self.log_mgfs is None:
+            indices = np.arange(len(self.probs))
+            self.log_mgfs = np.array([special.logsumexp(indices * order, b=self.probs) for order in self.orders])
         with np.errstate(over="ignore", invalid="ignore"):
             bounds = (count * self.log_mgfs + math.log(2 / _TAIL_MASS_TRUNCATION)) / self.orders
         finite = np.isfinite(bounds)
@@ -245,9 +247,9 @@ class _SelfComposition:
         """
         if self._log_mgf_grid is None:
             losses = (np.arange(len(self.probs)) + self.lower_loss) * self.discretization
-            t = np.geomspace(0.05, 500.0, 96)
+            t = np.geomspace(0.05, 500.0, 40)
             with np.errstate(over="ignore", divide="ignore"):
-                log_mgf = special.logsumexp(np.outer(t, losses), b=self.probs, axis=1)
+                log_mgf = np.array([special.logsumexp(order * losses, b=self.probs) for order in t])
             self._log_mgf_grid = (t, t * np.log(t) - (1 + t) * np.log1p(t), log_mgf)
         t, log_c, log_mgf = self._log_mgf_grid
         with np.errstate(over="ignore", invalid="ignore"):

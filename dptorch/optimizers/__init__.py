@@ -2,6 +2,7 @@
 
 from dptorch.opacus_compat import (
     OPTIMIZERS_UNMAPPED,
+    AdaClipDPOptimizer,
     DistributedDPOptimizer,
     DistributedDPOptimizerFastGradientClipping,
     DistributedPerLayerOptimizer,
@@ -14,6 +15,7 @@ from dptorch.opacus_compat import (
 )
 
 __all__ = [
+    "AdaClipDPOptimizer",
     "DPOptimizer",
     "DPOptimizerFastGradientClipping",
     "DPPerLayerOptimizer",

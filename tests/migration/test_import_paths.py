@@ -62,7 +62,7 @@ NOT_PROVIDED = ["opacus.schedulers", "opacus.scripts.compute_dp_sgd_privacy", "o
 
 # Opacus names, inside provided paths, that raise OpacusCompatibilityError naming the replacement.
 UNMAPPED_NAMES = {
-    "opacus.optimizers": {"AdaClipDPOptimizer": "clipping='flat'", "FSDPOptimizerFastGradientClipping": "'bk'"},
+    "opacus.optimizers": {"FSDPOptimizerFastGradientClipping": "'bk'"},
     "opacus.layers.dp_rnn": {"DPLSTMCell": "DPLSTM", "DPGRUCell": "DPGRU", "DPRNNCell": "DPRNN"},
     "opacus.grad_sample.utils": {"GradSampleModuleFastGradientClipping": "grad_sample_mode='ghost'"},
     "opacus.validators": {"register_module_validator": "register_module_check"},
@@ -201,8 +201,10 @@ def test_get_optimizer_class_maps_clipping_modes_and_refuses_opacus_only_ones():
     assert get_optimizer_class("flat", distributed=False) is DPOptimizer
     assert get_optimizer_class("flat", distributed=True, grad_sample_mode="ghost") is DPOptimizer
     assert get_optimizer_class("per_layer", distributed=True, grad_sample_mode="hooks") is DPPerLayerOptimizer
-    with pytest.raises(OpacusCompatibilityError, match="adaptive"):
-        get_optimizer_class("adaptive", distributed=False)
+    from dptorch.optim import AdaClipDPOptimizer
+    from dptorch.optimizers import AdaClipDPOptimizer as opacus_name
+
+    assert get_optimizer_class("adaptive", distributed=False) is AdaClipDPOptimizer is opacus_name
     with pytest.raises(OpacusCompatibilityError, match="FSDP"):
         get_optimizer_class("flat", distributed=True, grad_sample_mode="ghost_fsdp")
     with pytest.raises(ValueError, match="clipping"):
