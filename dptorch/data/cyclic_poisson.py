@@ -24,11 +24,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from dptorch.data.poisson import (
     DPDataLoader,
-    EmptyBatchCollate,
     PoissonBatchSampler,
     check_map_style,
     default_steps,
-    distributed_rank_and_world_size,
     draw_seed,
     worker_settings,
 )
@@ -146,25 +144,14 @@ class CyclicPoissonDataLoader(DPDataLoader):
         secure_mode: bool = False,
         **dataloader_kwargs: Any,
     ):
-        check_map_style(dataset)
-        conflicting = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs)
-        if conflicting:
-            raise TypeError(f"CyclicPoissonDataLoader chooses its own batches; remove {sorted(conflicting)}")
-        rank, world_size = distributed_rank_and_world_size() if distributed else (0, 1)
-        batch_sampler = CyclicPoissonBatchSampler(
-            len(dataset), sample_rate, bands=bands, steps=steps, generator=generator, seed=seed, rank=rank,
-            world_size=world_size, secure=secure_mode,
+        self._bands = bands
+        super().__init__(
+            dataset, sample_rate=sample_rate, collate_fn=collate_fn, generator=generator, steps=steps, seed=seed,
+            distributed=distributed, secure_mode=secure_mode, **dataloader_kwargs,
         )
-        DataLoader.__init__(  # DPDataLoader.__init__ would build a plain Poisson sampler
-            self, dataset, batch_sampler=batch_sampler,
-            collate_fn=EmptyBatchCollate.for_dataset(dataset, collate_fn), **dataloader_kwargs,
-        )
-        self.sample_rate = batch_sampler.sample_rate
-        self.world_size = world_size
-        self.rank = rank
-        self.distributed = distributed
-        self.secure_mode = bool(secure_mode)
-        self.privacy_plan: Optional[Any] = None
+
+    def _batch_sampler(self, num_samples: int, sample_rate: float, **options: Any) -> CyclicPoissonBatchSampler:
+        return CyclicPoissonBatchSampler(num_samples, sample_rate, bands=self._bands, **options)
 
     @property
     def bands(self) -> int:

@@ -394,17 +394,11 @@ class DPDataLoader(DataLoader):
         check_map_style(dataset)
         conflicting = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs)
         if conflicting:
-            raise TypeError(f"DPDataLoader chooses its own batches; remove {sorted(conflicting)}")
+            raise TypeError(f"{type(self).__name__} chooses its own batches; remove {sorted(conflicting)}")
         rank, world_size = distributed_rank_and_world_size() if distributed else (0, 1)
-        batch_sampler = PoissonBatchSampler(
-            len(dataset),
-            sample_rate,
-            steps=steps,
-            generator=generator,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            secure=secure_mode,
+        batch_sampler = self._batch_sampler(
+            len(dataset), sample_rate, steps=steps, generator=generator, seed=seed, rank=rank,
+            world_size=world_size, secure=secure_mode,
         )
         super().__init__(
             dataset,
@@ -419,6 +413,10 @@ class DPDataLoader(DataLoader):
         self.secure_mode = bool(secure_mode)
         #: The privacy plan told of every batch handed out (set by ``PrivacyEngine.make_private``).
         self.privacy_plan: Optional[Any] = None
+
+    def _batch_sampler(self, num_samples: int, sample_rate: float, **options: Any) -> "PoissonBatchSampler":
+        """The sampler that draws this loader's batches (a subclass may draw otherwise)."""
+        return PoissonBatchSampler(num_samples, sample_rate, **options)
 
     @property
     def steps(self) -> int:
