@@ -14,8 +14,11 @@ step, from the profiler's allocation events. Writes benchmarks/results/layers.js
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, Tuple
@@ -74,8 +77,23 @@ def make_step(module: nn.Module, inputs: tuple, mode: str) -> Callable[[], None]
     return step
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2 for the block: the profiler's C++ side prints start/stop lines and
+    allocator warnings there, which would interleave with the table."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_bytes(step: Callable[[], None]) -> int:
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
@@ -103,10 +121,15 @@ def measure(name: str, mode: str, batch: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", nargs="+", default=list(layer_configs(1)))
-    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk", "ew"])
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
+    layers = list(layer_configs(1))
+    parser.add_argument("--layers", nargs="+", default=layers, choices=layers, metavar="LAYER",
+                        help=f"layers to measure, any of: {', '.join(layers)} (default: all)")
+    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk", "ew"], metavar="MODE",
+                        choices=["nonprivate", "hooks", "bk", "ghost", "ew", "functorch"],
+                        help="nonprivate and per-sample modes: hooks, bk, ghost, ew, functorch (default: nonprivate "
+                        "hooks bk ew); ratios are against the first one given")
+    parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer and mode; the median is shown (default 20)")
     args = parser.parse_args()
     rows = []
     print(f"{'layer':13s} {'mode':11s} {'time ms':>9s} {'x':>6s} {'peak MiB':>9s} {'x':>6s}   (batch {args.batch}, {torch.get_num_threads()} threads)")

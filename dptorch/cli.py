@@ -1,7 +1,8 @@
 """The ``dptorch`` command line.
 
     dptorch epsilon --noise-multiplier S --sample-rate Q --steps N --delta D [--accountant pld]
-    dptorch noise --target-epsilon E --delta D --sample-rate Q (--epochs E | --steps N)
+    dptorch noise --target-epsilon E --delta D --sample-rate Q (--epochs E | --steps N) [--plot FILE.png]
+    dptorch --version
     dptorch audit [--canaries M] [--noise-multiplier S] [--steps N] [--delta D] [--plot FILE.png] [--json]
 
 Adding a subcommand: write ``add_<name>_command(subparsers)`` that creates its parser with
@@ -226,8 +227,12 @@ def add_noise_command(subparsers: Any) -> None:
         "--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME", help=f"one of {', '.join(ACCOUNTANTS)}"
     )
     parser.add_argument(
-        "--tolerance", type=float, default=0.01, metavar="T", help="relative epsilon tolerance (default 0.01)"
+        "--tolerance", type=float, default=0.01, metavar="T",
+        help="how far below the target the epsilon may land, as a fraction of it, in (0, 1) (default 0.01: "
+        "the noise multiplier's epsilon is within 1%% below the target, never above)",
     )
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw the noise multiplier against epsilon (same q, steps, delta) to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run_noise)
 
@@ -244,6 +249,10 @@ def run_noise(args: argparse.Namespace) -> int:
         raise ValueError("--steps must be >= 1, got 0")
     name = check_accountant_name(args.accountant, "--accountant")
     tolerance = check_positive(args.tolerance, "--tolerance")
+    if tolerance >= 1:
+        raise ValueError(f"--tolerance must be in (0, 1), got {args.tolerance!r}")
+    if args.plot:
+        _check_plot_target(args.plot)
 
     sigma = get_noise_multiplier(
         target_epsilon=target,
@@ -274,8 +283,45 @@ def run_noise(args: argparse.Namespace) -> int:
     }
     if args.epochs is not None:
         payload["epochs"] = args.epochs
+    if args.plot:
+        _plot_noise_curve(args.plot, name, shown=shown, epsilon=epsilon, target=target, q=q, steps=steps, delta=delta)
+        lines.append(f"plot written to {args.plot}")
+        payload["plot"] = args.plot
     _emit(payload, lines, args.json)
     return 0
+
+
+def _plot_noise_curve(path: str, name: str, *, shown: float, epsilon: float, target: float, q: float, steps: int,
+                      delta: float) -> None:
+    """The noise multiplier against the epsilon it gives (sigma from half to four times the answer)."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise CommandError("--plot needs matplotlib: pip install 'dptorch[plot]'") from None
+    sigmas = [shown * 2 ** (k / 4) for k in range(-4, 9)]
+    epsilons = []
+    for sigma in sigmas:
+        accountant = create_accountant(name)
+        accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+        epsilons.append(accountant.get_epsilon(delta))
+    figure = Figure(figsize=(6.4, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    finite = [(e, s) for e, s in zip(epsilons, sigmas) if math.isfinite(e)]
+    axes.plot([e for e, _ in finite], [s for _, s in finite], marker=".", label=_accountant_label(name))
+    axes.plot([epsilon], [shown], marker="o", color="C3", linestyle="none",
+              label=f"target {target:g}: sigma {shown:g} (epsilon {_number(epsilon)})")
+    axes.set_xscale("log")
+    axes.set_xlabel(f"epsilon (delta = {delta:g})")
+    axes.set_ylabel("noise multiplier sigma")
+    axes.set_title(f"{steps} steps, q = {q:g}")
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    try:
+        figure.savefig(path, dpi=120)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot write the plot to {path!r}: {error}") from None
 
 
 # -- dptorch example ------------------------------------------------------------------------
@@ -395,7 +441,10 @@ COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command,
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dptorch import __version__
+
     parser = _Parser(prog=PROG, description="Differentially private training tools.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_command in COMMANDS:
         add_command(subparsers)

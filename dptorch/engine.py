@@ -15,6 +15,7 @@ also reads checkpoint files written by Opacus 1.6 and by earlier dptorch version
 from __future__ import annotations
 
 import dis
+import logging
 import os
 import sys
 import warnings
@@ -25,18 +26,23 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
-from dptorch.data.poisson import DPDataLoader, check_map_style, poisson_sampler_of
+from dptorch.data.poisson import DPDataLoader, check_map_style, check_sampler_replaceable, poisson_sampler_of
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
-from dptorch.grad_sample.hooks import is_attached
+from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
+from dptorch.grad_sample.hooks import _name_list, is_attached
 from dptorch.loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.optim.adaptive import clipping_plan_fields
 from dptorch.optim.clipping import CLIPPING_MODES
-from dptorch.plan import PrivacyPlan, check_clipping
+from dptorch.plan import PrivacyPlan, check_clipping, check_delta_for_units
+from dptorch.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
 from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, cyclic_data_loader
 from dptorch.validate import ModuleValidator
+
+
+logger = logging.getLogger(__name__)
 
 
 class PrivacyEngine:
@@ -58,6 +64,8 @@ class PrivacyEngine:
         self.hooks: Optional[GradSampleHooks] = None
         self.optimizer: Optional[DPOptimizer] = None
         self.plan: Optional[PrivacyPlan] = None
+        #: The per-sample gradient mode that runs (``"auto"`` resolved), None before make_private.
+        self.grad_sample_mode: Optional[str] = None
 
     @property
     def sample_rate(self) -> Optional[float]:
@@ -86,7 +94,7 @@ class PrivacyEngine:
         loss_reduction: str = "mean",
         poisson_sampling: bool = True,
         clipping: str = "flat",
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = "auto",
         wrap_model: bool = True,
         noise_generator: Optional[Any] = None,
         strict: bool = True,
@@ -172,6 +180,7 @@ class PrivacyEngine:
         noise_mechanism, bands = kwargs.pop("noise_mechanism", "independent"), kwargs.pop("bands", None)
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
+        check_delta_for_units(target_delta, dp_loader.batch_sampler.num_samples, "target_delta")
         horizon = planned_steps_of(dp_loader.batch_sampler.steps, epochs, steps)
         options.update(_mechanism_fields(noise_mechanism, bands, horizon))
         plan = PrivacyPlan.calibrated(
@@ -250,6 +259,7 @@ class PrivacyEngine:
         names = {p: n for n, p in module.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
+        _check_source_loader(data_loader)
         if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
             return cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         return _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
@@ -259,7 +269,11 @@ class PrivacyEngine:
                     secure_mode=self.secure_mode, track_draws=True, **(options or {}))
 
     def _attach(self, module, optimizer, dp_loader, plan, *, batch_first=True, loss_reduction="mean",
-                grad_sample_mode="hooks", wrap_model=True, noise_generator=None, strict=True, criterion=None):
+                grad_sample_mode="auto", wrap_model=True, noise_generator=None, strict=True, criterion=None):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ran = resolve_grad_sample_mode(grad_sample_mode, module, params)
+        logger.info(describe_mode(grad_sample_mode, ran))
+        grad_sample_mode = ran
         if noise_generator is not None and self.secure_mode and not isinstance(noise_generator, SecureNoiseGenerator):
             raise ValueError(
                 "secure_mode=True draws the noise from the OS CSPRNG, and a noise_generator (a seedable, replayable "
@@ -297,6 +311,7 @@ class PrivacyEngine:
             hooks.cleanup()
             raise
         self.hooks, self.optimizer, self.plan = hooks, dp_optimizer, plan
+        self.grad_sample_mode = grad_sample_mode
         dp_loader.privacy_plan = plan  # the loader reports every draw it hands out to the plan
         if criterion is not None:  # Opacus' shape: the caller asked for the wrapped criterion
             return returned, dp_optimizer, DPLoss(criterion, hooks), dp_loader
@@ -312,17 +327,25 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ accounting
 
     def get_epsilon(self, delta: float) -> float:
-        """The epsilon spent so far at ``delta`` (infinite once a step ran with noise_multiplier=0)."""
+        """The epsilon spent so far at ``delta`` (infinite once a step ran with noise_multiplier=0).
+
+        ``delta`` must be in (0, 1) and below 1/N for the N samples (privacy units) the data loader
+        draws from, as for ``make_private_with_epsilon``'s ``target_delta`` and the private Trainer's:
+        a delta of 1/N or more allows publishing a sample outright, so an epsilon at it is refused
+        (``ValueError``) rather than reported (it would often be 0).
+        """
         if self.plan is None:
             return self.accountant.get_epsilon(delta)
         return self.plan.epsilon(delta)
 
     def privacy_report(self, delta: float) -> Dict[str, Any]:
-        """What a model card needs: epsilon, delta, noise, sampling, steps, accountant, clipping."""
+        """What a model card needs, in the private Trainer's vocabulary (``dptorch.report``): epsilon,
+        delta, accountant, noise multiplier, clipping bound (``max_grad_norm``), sample rate, steps,
+        privacy unit and number of units, the per-sample gradient mode that ran, dptorch's version."""
         if self.plan is None:
             return {"epsilon": self.get_epsilon(delta), "delta": delta, "steps": len(self.accountant),
                     "accountant": self.accountant.mechanism, "secure_mode": self.secure_mode}
-        return self.plan.report(delta)
+        return privacy_report(self.plan, delta, grad_sample_mode=self.grad_sample_mode, privacy_unit="row")
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -533,7 +556,8 @@ def _normalised_checkpoint(state: Dict[str, Any]) -> Dict[str, Any]:
         checkpoint[_OURS] = ours
         return checkpoint
     raise ValueError(
-        f"not a checkpoint of dptorch or Opacus (keys: {sorted(state)[:8]}); expected module_state_dict and "
+        f"not a checkpoint of dptorch or Opacus (keys: {_name_list(sorted(map(str, state)), 8)}); expected "
+        "module_state_dict and "
         "privacy_accountant_state_dict"
     )
 
@@ -615,10 +639,32 @@ def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.O
     ]
     if foreign:
         raise ValueError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model (shapes {foreign[:3]}); "
+            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model (shapes "
+            f"{_name_list([str(shape) for shape in foreign])}); "
             "ModuleValidator.fix and get_peft_model return a new model, so build the optimizer from "
             "model.parameters() of the model you pass, after them"
         )
+
+
+def _check_source_loader(data_loader: DataLoader) -> None:
+    """Refuse, with the reason, a plain loader over an empty dataset or with a sampler Poisson
+    sampling would silently replace (``check_sampler_replaceable``)."""
+    if isinstance(data_loader, DPDataLoader):
+        return
+    try:
+        size = len(data_loader.dataset)
+    except TypeError:  # an iterable dataset: the map-style check says why it is refused
+        return
+    if size == 0:
+        raise ValueError(
+            "the data loader's dataset is empty (0 samples): there is nothing to train on, and no sample rate "
+            "(batch size / N) or delta below 1/N exists for N = 0"
+        )
+    try:
+        len(data_loader)
+    except TypeError:  # no length: DPDataLoader.from_data_loader says why that is refused
+        return
+    check_sampler_replaceable(data_loader)
 
 
 def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional[str]:
@@ -627,6 +673,10 @@ def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional
         if secure_mode and not data_loader.batch_sampler.secure:
             return "secure_mode=True needs a DPDataLoader built with secure_mode=True (its sampling is seeded)"
         return None
+    try:
+        _check_source_loader(data_loader)
+    except ValueError as err:
+        return str(err)
     try:
         check_map_style(data_loader.dataset)
         if data_loader.batch_size is None and poisson_sampler_of(data_loader) is not None:

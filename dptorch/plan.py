@@ -74,6 +74,24 @@ def check_noise_multiplier(value: Any) -> float:
     return float(value)
 
 
+def check_delta_for_units(delta: Any, num_units: Optional[int], name: str = "delta") -> float:
+    """A delta in (0, 1) and, when the number of privacy units N is known, below 1/N.
+
+    An (epsilon, delta) guarantee with delta >= 1/N says nothing: the mechanism that publishes one
+    unit chosen at random meets it. The engine and the private Trainer refuse such a delta for
+    calibration (``target_delta``) and for reporting (``get_epsilon``) alike.
+    """
+    if not _is_number(delta) or not 0 < delta < 1:
+        raise ValueError(f"{name} must be a number in (0, 1), got {delta!r}")
+    if num_units is not None and num_units > 0 and delta >= 1 / num_units:
+        raise ValueError(
+            f"{name}={delta:g} is not below 1/N for N={num_units} privacy units: such a delta allows releasing a "
+            f"unit outright, so no epsilon at it means anything. Choose {name} < 1/N = {1 / num_units:.3g}"
+            + (" (1e-5 or smaller is usual)" if num_units <= 10**5 else "")
+        )
+    return float(delta)
+
+
 def check_clipping(
     clipping: str,
     max_grad_norm: MaxGradNorm,
@@ -571,7 +589,10 @@ class PrivacyPlan:
     # ------------------------------------------------------------------ privacy spent
 
     def epsilon(self, delta: float) -> float:
-        """Epsilon spent so far at ``delta``: 0 before any step, infinite after a step without noise."""
+        """Epsilon spent so far at ``delta``: 0 before any step, infinite after a step without noise.
+
+        ``delta`` must be in (0, 1) and below 1/N (see :func:`check_delta_for_units`)."""
+        delta = check_delta_for_units(delta, self.num_units)
         if self.unprotected_steps:
             return math.inf
         if self.accountant is None or len(self.accountant) == 0:
@@ -695,6 +716,7 @@ __all__ = [
     "PrivacyPlan",
     "SamplingMismatchError",
     "check_clipping",
+    "check_delta_for_units",
     "check_noise_multiplier",
     "planned_steps",
 ]

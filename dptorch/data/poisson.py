@@ -339,6 +339,46 @@ def check_map_style(dataset: Any) -> None:
         raise ValueError(_ITERABLE_DATASET_ERROR)
 
 
+def check_sampler_replaceable(data_loader: DataLoader) -> None:
+    """Refuse a loader whose element sampler Poisson sampling would silently drop.
+
+    The DP loader draws every sample of ``data_loader.dataset`` independently with the same
+    probability q: that uniform draw is what the privacy analysis assumes. It may replace torch's
+    default samplers (``SequentialSampler``, ``RandomSampler`` over the whole dataset without
+    replacement) and a ``DistributedSampler`` (the DP loader shards the draw itself). Any other
+    sampler chose *which* samples to draw or how often (``WeightedRandomSampler``'s weights,
+    ``SubsetRandomSampler``'s subset, a custom order): dropping it without a word would train on
+    rows the user excluded or ignore the weights, so it is refused with the fix.
+    """
+    from torch.utils.data import RandomSampler, SequentialSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    samplers = [data_loader.sampler]
+    inner = getattr(data_loader.batch_sampler, "sampler", None)
+    if inner is not None and inner is not data_loader.sampler:
+        samplers.append(inner)
+    for sampler in samplers:
+        if isinstance(sampler, (SequentialSampler, DistributedSampler)):
+            continue
+        if isinstance(sampler, RandomSampler):
+            size = len(data_loader.dataset)
+            if not sampler.replacement and sampler.num_samples == size:
+                continue
+            what = (f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler.num_samples}) over "
+                    f"{size} samples")
+        else:
+            what = type(sampler).__name__
+        raise ValueError(
+            f"the data loader draws its samples with {what}, but DP-SGD replaces the sampler by Poisson sampling: "
+            "every sample of data_loader.dataset is drawn independently with the same probability, as the privacy "
+            "analysis requires. Your sampler's choice (which rows, their weights, their number per epoch) would be "
+            "dropped without a word: a SubsetRandomSampler's excluded rows would be trained on, a "
+            "WeightedRandomSampler's weights ignored. To train on a subset, pass torch.utils.data.Subset(dataset, "
+            "indices) as the dataset (N is then the subset's size); to weigh samples, weigh their losses (each "
+            "sample's gradient is still clipped); otherwise build the DataLoader with batch_size and shuffle only"
+        )
+
+
 def worker_settings(data_loader: DataLoader) -> Dict[str, Any]:
     """The worker/pinning settings of ``data_loader`` as DataLoader keyword arguments."""
     settings = {name: getattr(data_loader, name) for name in _WORKER_SETTINGS if hasattr(data_loader, name)}
@@ -495,6 +535,7 @@ class DPDataLoader(DataLoader):
                 "sample rate 1/len(data_loader) is unknown; build DPDataLoader(dataset, "
                 "sample_rate=...) directly"
             ) from error
+        check_sampler_replaceable(data_loader)
         if num_batches == 0:
             raise ValueError("the source DataLoader yields no batches")
         return cls(

@@ -16,9 +16,9 @@ later state (a user's ``no_sync()`` included) is as before. With it the controll
 hooked layer's own parameters out of autograd under DDP as on one process, so a gradient that
 still reaches a parameter came by a path it does not see, and is refused, on every rank.
 
-No collective runs per forward or backward (DDP's buffer broadcast aside, which needs
-``broadcast_buffers`` and runs only when DDP would also sync gradients), so ranks may even run
-different numbers of micro-batches per step; the one collective is the optimizer's per step.
+No collective runs per forward or backward (DDP's broadcast of the buffers is skipped as well),
+so ranks may even run different numbers of micro-batches per step (the private Trainer skips
+empty ones); the one collective is the optimizer's per step.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class _SyncSwitch:
     """The pre/post forward hooks of one DDP module, shared by everyone who asked for them."""
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel) -> None:
-        self.saved: List[bool] = []
+        self.saved: List[Tuple[bool, bool]] = []
         self.users: Dict[int, Callable[[], bool]] = {}  # handle id -> whether it wants the sync off now
         self.handles = [
             ddp.register_forward_pre_hook(self._before),
@@ -55,13 +55,19 @@ class _SyncSwitch:
         ]
 
     def _before(self, module: nn.Module, args: Any) -> None:
-        self.saved.append(module.require_backward_grad_sync)
+        self.saved.append((module.require_backward_grad_sync, module.require_forward_param_sync))
         if any(wants() for wants in self.users.values()):
+            # No gradient reduction, and no buffer broadcast either: DDP would broadcast the buffers
+            # in the first forward, a collective that a rank whose first micro-batch was empty (and
+            # skipped) would meet with another one (the step's all-reduce). The buffers of a model
+            # that can be trained privately do not change in training (BatchNorm is refused), and
+            # DDP broadcast them when it was built.
             module.require_backward_grad_sync = False
+            module.require_forward_param_sync = False
 
     def _after(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.saved:
-            module.require_backward_grad_sync = self.saved.pop()
+            module.require_backward_grad_sync, module.require_forward_param_sync = self.saved.pop()
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -973,6 +973,8 @@ def _summed_in_groups(sampler: Any, group: int) -> Any:
 
     def summed(module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor):
         grads = sampler(module, activations, backprops)
+        if not isinstance(grads, dict):  # the strategy says what a grad sampler must return
+            return grads
         return {p: g.unflatten(0, (g.shape[0] // group, group)).sum(1) for p, g in grads.items()}
 
     return summed

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -30,7 +31,14 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.ghost import form_inner_products
+from dptorch.grad_sample.ghost import (
+    AffineUse,
+    affine_layout,
+    form_inner_products,
+    shared_affine_clipped_sums,
+    shared_affine_norms_sq,
+)
+from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.registry import GradSampler, NormSampler
 
 NameOf = Callable[[nn.Parameter], str]
@@ -59,11 +67,55 @@ class Instantiate:
     def __init__(self, name_of: NameOf) -> None:
         self.name_of = name_of
         self.grads: Dict[nn.Parameter, torch.Tensor] = {}
+        # Embedding calls kept as rows (flat ids, values, batch) until the round ends: a tied
+        # weight's rows are then added to the other use's dense per-sample gradient, with no
+        # (B, V, d) tensor of zeros instantiated and summed for the lookup.
+        self._rows: Dict[nn.Parameter, List[Tuple[torch.Tensor, torch.Tensor, int]]] = {}
 
     def on_call(self, call: LayerCall) -> None:
+        if _plain_embedding(call):
+            weight = call.module.weight
+            rows = embedding_rows(call.module, call.activations, call.scaled_backprops())
+            held = self._rows.setdefault(weight, [])
+            if held and held[0][2] != rows[2]:
+                raise PerSampleGradientError(
+                    f"parameter {self.name_of(weight)} was used by calls with different batch sizes "
+                    f"({held[0][2]} and {rows[2]}) in one backward pass; per-sample gradients need one "
+                    "row per sample in every call"
+                )
+            held.append(rows)
+            return
         self.add(call, call.sampler(call.module, call.activations, call.scaled_backprops()))
 
+    def _place_rows(self) -> None:
+        """Add the kept embedding rows into each weight's per-sample gradient (dense from here on)."""
+        for weight, uses in self._rows.items():
+            batch = uses[0][2]
+            ids = torch.cat([u[0] for u in uses]) if len(uses) > 1 else uses[0][0]
+            held = self.grads.get(weight)
+            if held is not None and held.shape[0] != batch:
+                raise PerSampleGradientError(
+                    f"parameter {self.name_of(weight)} was used by calls with different batch sizes "
+                    f"({held.shape[0]} and {batch}) in one backward pass; per-sample gradients need one "
+                    "row per sample in every call"
+                )
+            dtype = weight.dtype if held is None else held.dtype
+            values = torch.cat([u[1].to(dtype) for u in uses]) if len(uses) > 1 else uses[0][1].to(dtype)
+            flat_shape = (batch * weight.shape[0], weight.shape[1])
+            if held is None:
+                summed = values.new_zeros(flat_shape).index_add_(0, ids, values)
+            else:  # out of place: the held tensor may be referenced elsewhere
+                summed = held.reshape(flat_shape).index_add(0, ids, values)
+            self.grads[weight] = summed.view(batch, *weight.shape)
+        self._rows = {}
+
     def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
+        if not isinstance(grads, Mapping):
+            raise PerSampleGradientError(
+                f"the grad sampler of {call.name} ({type(call.module).__name__}) returned {type(grads).__name__}: a "
+                "grad sampler must return a dict {parameter: per-sample gradient of shape (batch, *parameter.shape)} "
+                "with an entry for each trainable parameter of the module (register_grad_sampler's contract)"
+            )
         for name, param in call.params.items():
             grad = grads.get(param)
             if grad is None:
@@ -84,11 +136,12 @@ class Instantiate:
                 self.grads[param] = held + grad
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
+        self._place_rows()
         if unit_ids is not None:
             self.grads = {p: sum_rows_by_unit(g, unit_ids, self.name_of(p)) for p, g in self.grads.items()}
 
     def covers(self) -> set:
-        return set(self.grads)
+        return set(self.grads) | set(self._rows)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad():
@@ -105,7 +158,7 @@ class Instantiate:
             }
 
     def batch_size(self) -> int:
-        return next((g.shape[0] for g in self.grads.values()), 0)
+        return next((g.shape[0] for g in self.grads.values()), next((r[0][2] for r in self._rows.values()), 0))
 
 
 class BookKeeping:
@@ -137,7 +190,7 @@ class BookKeeping:
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
         uses = Counter(p for call in self.calls for p in call.params.values())
-        uses.update(self.dense.grads.keys())
+        uses.update(self.dense.covers())
         factored = self._factored_shared_params(uses, unit_ids)
         kept = []
         for call in self.calls:
@@ -161,7 +214,8 @@ class BookKeeping:
 
     def _factored_shared_params(self, uses: Counter, unit_ids: Optional[torch.Tensor]) -> set:
         """Shared parameters whose every use has a linear form: their norm comes from the factors."""
-        candidates = {p for p, count in uses.items() if count > 1 and p not in self.dense.grads}
+        dense = self.dense.covers()
+        candidates = {p for p, count in uses.items() if count > 1 and p not in dense}
         for call in self.calls:
             if call.norm_sampler.linear_form is None or (unit_ids is not None and not call.norm_sampler.token_wise):
                 candidates -= set(call.params.values())
@@ -181,9 +235,14 @@ class BookKeeping:
     def _compute_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         norms = self.dense.per_sample_norms()
         forms: Dict[nn.Parameter, list] = {}
+        affine_calls, affine_uses = [], []
         for call in self.calls:
             own = [p for p in call.params.values() if p not in self._shared]
-            if own:
+            use = _affine_use(call, own)
+            if use is not None:  # Linear / Conv1D: one Gram per shared input (ghost.shared_affine_norms_sq)
+                affine_calls.append(call)
+                affine_uses.append(use)
+            elif own:
                 squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
                 for param in own:
                     norms[param] = squared[param].float().clamp(min=0).sqrt() * call.scale
@@ -191,6 +250,9 @@ class BookKeeping:
                 for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
                     if param in self._shared:
                         forms.setdefault(param, []).append((call.scale, form))
+        for call, squared in zip(affine_calls, shared_affine_norms_sq(affine_uses)):
+            for param, value in squared.items():
+                norms[param] = value.float().clamp(min=0).sqrt() * call.scale
         for param, uses in forms.items():
             norms[param] = shared_norm(uses)
         return norms
@@ -198,7 +260,25 @@ class BookKeeping:
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         sums = self.dense.clipped_sums(factors)
         with torch.no_grad(), float32_matmuls_at_full_precision():
+            affine_uses, affine_factors = [], []
+            scaled_factors: Dict[Tuple[int, float], torch.Tensor] = {}
+
+            def scaled_factor(param: nn.Parameter, scale: float) -> torch.Tensor:
+                # One tensor per (factor, scale): the uses sharing an input then share its scaled copy.
+                key = (id(factors[param]), scale)
+                if key not in scaled_factors:
+                    scaled_factors[key] = at_least_float32(factors[param]) * scale
+                return scaled_factors[key]
+
             for call in self.calls:
+                use = _affine_use(call, [p for p in call.params.values() if p in factors])
+                if use is not None:  # Linear / Conv1D: the shared input scaled once per factor
+                    # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
+                    affine_uses.append(use)
+                    affine_factors.append(tuple(
+                        None if p is None else scaled_factor(p, call.scale) for p in (use.weight, use.bias)
+                    ))
+                    continue
                 backprops = at_least_float32(call.backprops)
                 for factor, params in _group_by_factor(call.params.values(), factors):
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
@@ -207,12 +287,49 @@ class BookKeeping:
                     for param in params:
                         summed = computed[param].float()
                         sums[param] = summed + sums[param] if param in sums else summed
+            for computed in shared_affine_clipped_sums(affine_uses, affine_factors):
+                for param, summed in computed.items():
+                    sums[param] = summed + sums[param] if param in sums else summed
         return sums
 
     def batch_size(self) -> int:
         if self.calls:
             return self.calls[0].backprops.shape[0]
         return self.dense.batch_size()
+
+
+def _plain_embedding(call: LayerCall) -> bool:
+    """An ``nn.Embedding`` call (built-in sampler, no ``scale_grad_by_freq``) of a trainable weight."""
+    module = call.module
+    return (
+        call.sampler is embedding_grad_sampler
+        and not getattr(module, "scale_grad_by_freq", True)
+        and len(call.activations) == 1
+        and not call.activations[0].is_floating_point()
+        and getattr(module, "weight", None) is not None
+        and module.weight.dim() == 2
+        and list(call.params.values()) == [module.weight]
+        and all(p is module.weight for p in call.params.values())
+    )
+
+
+def _affine_use(call: LayerCall, wanted) -> Optional[AffineUse]:
+    """The call as an ``AffineUse`` of its wanted params, if its layer is a built-in Linear / Conv1D."""
+    if not wanted:
+        return None
+    in_by_out = affine_layout(call.norm_sampler)
+    if in_by_out is None or len(call.activations) != 1:
+        return None
+    module = call.module
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if any(p is not weight and p is not bias for p in wanted):
+        return None
+    return AffineUse(
+        call.activations[0], call.backprops,
+        weight if any(p is weight for p in wanted) else None,
+        bias if bias is not None and any(p is bias for p in wanted) else None,
+        in_by_out,
+    )
 
 
 def at_least_float32(t: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
 from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.hooks import GradSampleHooks
+from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.adaptive import clipping_plan_fields, unclipped_fraction
 from dptorch.optim.clipping import _wide, automatic_factors, clip_factors, flat_norms, per_layer_thresholds
@@ -211,7 +211,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def _clip_and_accumulate(self, hooks: GradSampleHooks) -> None:
         if hooks.uncaptured:
             raise PerSampleGradientError(
-                f"the backward pass gave gradients to {', '.join(hooks.uncaptured[:3])} but captured no per-sample "
+                f"the backward pass gave gradients to {_name_list(hooks.uncaptured)} but captured no per-sample "
                 "gradients: the model ran in eval mode (call model.train() before training) or under a forward "
                 "the hooks did not see; a private step cannot be built from it"
             )

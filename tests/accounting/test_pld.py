@@ -76,3 +76,105 @@ def test_get_delta_inverts_get_epsilon():
     epsilon = accountant.get_epsilon(1e-6)
     assert accountant.get_delta(epsilon) == pytest.approx(1e-6, rel=1e-3)
     assert accountant.get_delta(epsilon * 1.1) < 1e-6
+
+
+# -- per-step queries ------------------------------------------------------------------------------
+
+
+def _step_by_step(sigma, q, steps, delta=1e-5):
+    accountant, values = PLDAccountant(), []
+    for _ in range(steps):
+        accountant.step(noise_multiplier=sigma, sample_rate=q)
+        values.append(accountant.get_epsilon(delta))
+    return values
+
+
+@pytest.mark.parametrize("sigma,q", [(1.0, 0.05), (0.7, 0.2)])
+def test_epsilon_after_every_step_equals_one_query_after_the_same_steps(sigma, q):
+    values = _step_by_step(sigma, q, 70)
+    for count in (1, 2, 15, 16, 17, 33, 69, 70):  # around the batched and power-of-two boundaries
+        once = _pld([(sigma, q, count)])
+        assert once.get_epsilon(1e-5) == values[count - 1], count
+    assert values == sorted(values)
+
+
+@pytest.mark.parametrize("sigma,q,count", [(1.0, 0.05, 70), (2.02, 1 / 12, 240), (0.8, 0.004, 400), (4.0, 0.5, 100)])
+def test_one_run_agrees_with_dp_accountings_composition_from_scratch(sigma, q, count):
+    from dptorch.accounting.pld import composed_pld
+
+    runs = ((sigma, q, count),)
+    reference = composed_pld(runs, automatic_discretization_interval(runs)).get_epsilon_for_delta(1e-5)
+    assert _pld([runs[0]]).get_epsilon(1e-5) == pytest.approx(reference, rel=1e-7)
+
+
+def test_step_by_step_queries_never_recompose_from_scratch(monkeypatch):
+    from dp_accounting.pld import privacy_loss_distribution
+
+    accountant = PLDAccountant()
+    accountant.step(noise_multiplier=1.0, sample_rate=0.05)
+    accountant.get_epsilon(1e-5)
+    calls = []
+    original = privacy_loss_distribution.PrivacyLossDistribution.self_compose
+    monkeypatch.setattr(privacy_loss_distribution.PrivacyLossDistribution, "self_compose",
+                        lambda self, *a, **k: calls.append(a) or original(self, *a, **k))
+    for _ in range(40):
+        accountant.step(noise_multiplier=1.0, sample_rate=0.05)
+        accountant.get_epsilon(1e-5)
+    assert calls == []
+
+
+def test_a_step_by_step_query_costs_a_fraction_of_a_composition_from_scratch():
+    import time
+
+    from dptorch.accounting.pld import composed_pld
+
+    _step_by_step(2.02, 1 / 12, 20)  # the one-step PLD is built (and cached) once
+    start = time.perf_counter()
+    _step_by_step(2.02, 1 / 12, 160)
+    per_query = (time.perf_counter() - start) / 160
+    start = time.perf_counter()
+    for count in (150, 155, 160):
+        runs = ((2.02, 1 / 12, count),)
+        composed_pld(runs, automatic_discretization_interval(runs)).get_epsilon_for_delta(1e-5)
+    from_scratch = (time.perf_counter() - start) / 3
+    assert per_query < from_scratch / 4  # measured: about 1/30
+
+
+def test_truncation_bounds_are_dp_accountings():
+    from dp_accounting.pld import common
+
+    from dptorch.accounting.pld import _SelfComposition, sampled_gaussian_pld
+
+    for sigma, q in [(2.02, 1 / 12), (0.8, 0.004), (4.0, 0.5)]:
+        pld = sampled_gaussian_pld(sigma, q, automatic_discretization_interval(((sigma, q, 1),)))
+        for pmf in (pld._pmf_remove, pld._pmf_add):
+            ours, probs = _SelfComposition(pmf), pmf.to_dense_pmf()._probs
+            for count in (1, 7, 240, 10_000):
+                assert ours.bounds(count) == common.compute_self_convolve_bounds(probs, count, 1e-15)
+
+
+def test_vectorised_epsilon_search_matches_dp_accountings_loop():
+    import numpy as np
+    from dp_accounting.pld import pld_pmf
+
+    from dptorch.accounting.pld import epsilon_for_delta
+
+    rng = np.random.default_rng(0)
+    for size, lower, infinity in [(500, -100, 0.0), (3000, -2000, 1e-9), (40, 0, 1e-15)]:
+        probs = rng.random(size) ** 8
+        probs /= probs.sum() * (1 + 1e-3)
+        pmf = pld_pmf.DensePLDPmf(1e-3, lower, probs, infinity, True)
+        for delta in (1e-2, 1e-5, 1e-8):
+            expected = pmf.get_epsilon_for_delta(delta)
+            assert epsilon_for_delta(pmf, delta) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+            assert epsilon_for_delta(pmf, delta, start_near=expected * 0.9) == epsilon_for_delta(pmf, delta)
+
+
+@pytest.mark.parametrize("sigma,q,count", [(2.02, 1 / 12, 240), (1.1, 0.01, 600), (4.0, 0.5, 100)])
+def test_the_bound_that_skips_the_add_direction_is_an_upper_bound(sigma, q, count):
+    from dptorch.accounting.pld import _SelfComposition, sampled_gaussian_pld
+
+    pld = sampled_gaussian_pld(sigma, q, automatic_discretization_interval(((sigma, q, count),)))
+    add = _SelfComposition(pld._pmf_add)
+    for epsilon in (0.5, 1.0, 3.0, 6.0):
+        assert add.delta(count, epsilon) <= add.delta_bound(count, epsilon)

@@ -70,3 +70,8 @@ def test_ddp_sync_is_off_only_inside_a_private_forward(result):
         seen = result("ddp-sync", rank)
         assert seen["inside"] == [False, True]  # the private forward; then plain DDP after cleanup
         assert seen["after"] is True and seen["plain_grad"] and seen["hooks_left"] == 0
+
+
+def test_ranks_may_skip_different_forwards(result):
+    """No collective in a private DDP forward (no gradient all-reduce, no buffer broadcast)."""
+    torch.testing.assert_close(result("ddp-uneven-forwards", 0), result("ddp-uneven-forwards", 1), rtol=0, atol=0)

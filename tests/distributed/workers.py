@@ -207,6 +207,36 @@ def ddp_sync_restored() -> dict:
             "hooks_left": len(model._forward_pre_hooks) + len(model._forward_hooks)}
 
 
+class Scaled(nn.Module):
+    """A linear layer whose output is scaled by a buffer (DDP broadcasts buffers in forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def ddp_ranks_skip_different_forwards() -> torch.Tensor:
+    """Rank 1 skips its first forward (an empty micro-batch, as the private Trainer does): the only
+    collective left is the step's all-reduce, so the ranks neither hang nor pair different collectives."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(Scaled())
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=1.0, expected_batch_size=4)
+    for step in range(3):
+        if not (rank == 1 and step == 0):
+            model(torch.full((2, 3), float(rank + step))).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    hooks.cleanup()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
 def scenarios(rank: int):
     yield "allreduce-hooks", lambda: train(model_like(), "hooks", distributed=True)  # no DDP wrapper at all
     yield "ddp-hooks", lambda: train(model_like(), "hooks", distributed=True, ddp=True)
@@ -223,6 +253,7 @@ def scenarios(rank: int):
     yield "noise-ddp", lambda: noise_only(False, NoiseGenerator(seed=NOISE_SEED + rank))
     yield "unseen-ddp", unseen_path_under_ddp
     yield "ddp-sync", ddp_sync_restored
+    yield "ddp-uneven-forwards", ddp_ranks_skip_different_forwards
 
 
 def worker(rank: int, store: str, results) -> None:

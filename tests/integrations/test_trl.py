@@ -82,7 +82,8 @@ def test_dpo_units_are_pairs_and_users(tmp_path):
     users = ["ann", "bob", "ann", "cid"]
     data = preference_dataset(4).add_column("user", users)
     config = LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False, task_type="CAUSAL_LM")
-    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, privacy_unit_column="user")
+    # hooks mode: the test reads the per-sample gradients of every parameter (bk keeps only norms and sums)
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, privacy_unit_column="user", grad_sample_mode="hooks")
     trainer = dpo(tmp_path, without_dropout(tiny_gpt2(TOKENIZER)), dataset=data, privacy=privacy, peft_config=config,
                   per_device_train_batch_size=3, gradient_checkpointing=False)
     assert trainer.sampling_plan.sample_rate == 1.0  # 3 units, 3 per batch: every unit every step

@@ -1,4 +1,4 @@
-"""Per-sample gradients of ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` via unfold (im2col).
+"""Per-sample gradients of ``nn.Conv1d`` / ``nn.Conv2d`` / ``nn.Conv3d`` via im2col (strided patch views).
 
 The input is padded exactly as the module pads it, cut into patches of shape
 ``(B, C_in * prod(kernel), L)`` (``L`` output positions), and the weight grad of each group is the
@@ -51,14 +51,12 @@ def unfold_strided(
 def unfold_patches(
     inputs: torch.Tensor, kernel_size: Sequence[int], dilation: Sequence[int], stride: Sequence[int]
 ) -> torch.Tensor:
-    """im2col of an already padded ``(B, C, *S)`` input: ``F.unfold`` for 1d (as 2d) and 2d, strided views for 3d."""
-    n_spatial = inputs.dim() - 2
-    if n_spatial == 1:
-        return F.unfold(
-            inputs.unsqueeze(2), (1, *kernel_size), dilation=(1, *dilation), stride=(1, *stride)
-        )
-    if n_spatial == 2:
-        return F.unfold(inputs, tuple(kernel_size), dilation=tuple(dilation), stride=tuple(stride))
+    """im2col of an already padded ``(B, C, *S)`` input, from strided views for any number of spatial dims.
+
+    ``F.unfold`` gives the same patches but ran 2-3x slower at its minimum on CPU, with a heavy
+    tail under load (SampleConvNet's first conv, batch 64, 2 threads: 1.3 ms min, 480 ms median
+    against 0.5 / 0.6 ms with the strided views), so it is not used.
+    """
     return unfold_strided(inputs, kernel_size, dilation, stride)
 
 

@@ -50,6 +50,26 @@ def index_probe(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Te
     return (ids,)
 
 
+def embedding_rows(
+    module: nn.Embedding, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """The per-sample gradient of an ``nn.Embedding`` call as rows: ``(flat_ids, values, batch)``.
+
+    Row ``values[j]`` (``(n, D)``) adds to row ``flat_ids[j]`` of the gradient viewed as
+    ``(batch * num_embeddings, D)``. Lookups of ``padding_idx`` get zero values (torch gives that
+    row no gradient). Not for ``scale_grad_by_freq`` (the rows then depend on each other).
+    """
+    indices = activations[0]
+    batch = indices.shape[0]
+    per_sample = math.prod(indices.shape[1:])
+    ids = indices.reshape(-1)
+    sample_ids = torch.arange(batch, device=indices.device).repeat_interleave(per_sample)
+    values = backprops.reshape(batch * per_sample, backprops.shape[-1])
+    if module.padding_idx is not None:
+        values = values * (ids != module.padding_idx).unsqueeze(1).to(values.dtype)
+    return sample_ids * module.num_embeddings + ids, values, batch
+
+
 @register_grad_sampler(nn.Embedding, probe=index_probe)
 def embedding_grad_sampler(
     module: nn.Embedding, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor

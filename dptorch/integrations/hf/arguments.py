@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
-from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES as _CONTROLLER_MODES
+from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
 from dptorch.optim.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.optim.clipping import CLIPPING_MODES
 
-#: Every controller mode; "ghost" is book-keeping under Opacus' name (one backward pass).
-GRAD_SAMPLE_MODES = _CONTROLLER_MODES
+#: "auto" (the default: the fastest exact mode for the model) and every controller mode; "ghost" is
+#: book-keeping under Opacus' name (one backward pass).
+GRAD_SAMPLE_MODES = _ACCEPTED_MODES
 
 
 @dataclass
@@ -62,8 +63,10 @@ class PrivacyArguments:
         metadata={"help": "Dataset column with each row's privacy unit (a user id...); rows sharing it are one unit."},
     )
     grad_sample_mode: str = field(
-        default="hooks",
-        metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES} ('bk': book-keeping, one backward pass)."},
+        default="auto",
+        metadata={"help": f"Per-sample gradients: {GRAD_SAMPLE_MODES}. 'auto' runs 'bk' (book-keeping: norms and "
+                  "clipped sums without per-sample gradients, one backward pass) when a trainable layer has a norm "
+                  "sampler (Linear, Conv1D, Embedding), else 'hooks'; the mode that ran is logged and reported."},
     )
     secure_mode: bool = field(
         default=False, metadata={"help": "Draw the noise and the Poisson sampling from the OS CSPRNG (not replayable)."}

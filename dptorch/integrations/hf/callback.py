@@ -49,6 +49,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.grad_sample import GradSampleHooks
+from dptorch.grad_sample.auto import resolve_grad_sample_mode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
@@ -58,6 +59,7 @@ from dptorch.integrations.hf.sampling import PoissonMicroBatchSampler
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan
+from dptorch.report import privacy_report
 
 #: Log key of the epsilon reported for shuffled batches (a Poisson assumption, not a guarantee).
 EPSILON_IF_POISSON = "epsilon_if_poisson"
@@ -95,6 +97,7 @@ class DPCallback(TrainerCallback):
         self.hooks: Optional[GradSampleHooks] = None
         self.optimizer: Optional[DPOptimizer] = None
         self.poisson: Optional[bool] = None
+        self.grad_sample_mode: Optional[str] = None  # the mode that runs ("auto" resolved at train begin)
         self._budget_callback: Optional[PrivacyBudgetCallback] = None
         self._holder: Any = None
         self._model: Any = None
@@ -118,9 +121,8 @@ class DPCallback(TrainerCallback):
         """The plan's report, saying how the batches were really sampled."""
         if self.plan is None:
             raise RuntimeError("nothing to report before training started")
-        report = self.plan.report(self.privacy_args.target_delta)
-        report.update(per_sample_max_grad_norm=self.privacy_args.per_sample_max_grad_norm, privacy_unit="row",
-                      num_units=self.plan.num_units)
+        report = privacy_report(self.plan, self.privacy_args.target_delta,
+                                grad_sample_mode=self.grad_sample_mode, privacy_unit="row")
         if not self.poisson:
             report[EPSILON_IF_POISSON] = report.pop("epsilon")
             report["sampling"] = "shuffled fixed-size batches (the Trainer's)"
@@ -231,7 +233,8 @@ class DPCallback(TrainerCallback):
         loss = self.per_sample_loss_func or default_per_sample_loss(
             causal, getattr(getattr(model, "config", None), "problem_type", None)
         )
-        hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=p.grad_sample_mode,
+        self.grad_sample_mode = resolve_grad_sample_mode(p.grad_sample_mode, model)
+        hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=self.grad_sample_mode,
                                 keep_param_grads=False)
         try:
             dp_optimizer = DPOptimizer(

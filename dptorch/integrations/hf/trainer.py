@@ -47,9 +47,12 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
+from transformers.utils import logging
 
 from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
 from dptorch.grad_sample import GradSampleHooks
+from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
+from dptorch.grad_sample.hooks import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
@@ -66,7 +69,13 @@ from dptorch.integrations.hf.sampling import (
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.optim.optimizer import DPOptimizer
-from dptorch.plan import PrivacyPlan
+from dptorch.plan import PrivacyPlan, check_delta_for_units
+from dptorch.report import privacy_report, write_model_card
+
+logger = logging.get_logger(__name__)
+
+#: Key of the log-history entry that holds the final privacy report.
+PRIVACY_REPORT_KEY = "privacy_report"
 
 #: File written into every Trainer checkpoint folder: the privacy plan's state and the sampling seed.
 PRIVACY_STATE_NAME = "dp_privacy_state.pt"
@@ -114,11 +123,7 @@ class PrivateTrainerMixin:
             num_train_epochs=self.args.num_train_epochs,
             world_size=self.args.world_size,
         )
-        if privacy_args.target_delta >= 1 / self.privacy_units.num_units:
-            raise ValueError(
-                f"target_delta={privacy_args.target_delta:g} is not below 1/N for N={self.privacy_units.num_units} "
-                "privacy units: such a delta allows releasing a unit outright. Choose target_delta < 1/N."
-            )
+        check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
         self.privacy_plan = self._build_plan()
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
@@ -130,8 +135,11 @@ class PrivateTrainerMixin:
             self._dp_sampling_seed = _broadcast_from_rank_zero(self._dp_sampling_seed)
         self._dp_ddp_switches: list = []
         # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
+        #: The per-sample gradient mode that runs (``privacy_args.grad_sample_mode``, "auto" resolved).
+        self.grad_sample_mode = resolve_grad_sample_mode(privacy_args.grad_sample_mode, self.model)
+        logger.info(describe_mode(privacy_args.grad_sample_mode, self.grad_sample_mode))
         self.dp_hooks = GradSampleHooks(
-            self.model, loss_reduction="sum", grad_sample_mode=privacy_args.grad_sample_mode, keep_param_grads=False
+            self.model, loss_reduction="sum", grad_sample_mode=self.grad_sample_mode, keep_param_grads=False
         )
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
@@ -168,15 +176,13 @@ class PrivateTrainerMixin:
         return self.privacy_plan.epsilon(self.privacy_budget.delta if delta is None else delta)
 
     def privacy_report(self) -> Dict[str, Any]:
-        """The numbers a model card needs to state the guarantee (the plan's report, plus the units)."""
-        p = self.privacy_args
-        report = self.privacy_plan.report(self.privacy_budget.delta)
-        report.update(
-            per_sample_max_grad_norm=p.per_sample_max_grad_norm,
-            privacy_unit=p.privacy_unit_column or "row",
-            num_units=self.privacy_plan.num_units,
-        )
-        return report
+        """The numbers a model card needs to state the guarantee, in ``PrivacyEngine.privacy_report``'s
+        vocabulary (:mod:`dptorch.report`; the clipping bound ``per_sample_max_grad_norm`` is the
+        report's ``max_grad_norm``): epsilon at ``target_delta``, accountant, noise, sampling, steps,
+        privacy unit and number of units, the per-sample gradient mode that ran, dptorch's version."""
+        unit = self.privacy_args.privacy_unit_column
+        return privacy_report(self.privacy_plan, self.privacy_budget.delta, grad_sample_mode=self.grad_sample_mode,
+                              privacy_unit=f"rows sharing {unit!r}" if unit else "row")
 
     def privacy_state_dict(self) -> Dict[str, Any]:
         """The privacy plan's state and the sampling seed (plain values, weights_only-loadable)."""
@@ -352,6 +358,40 @@ class PrivateTrainerMixin:
                 logs.update(self._dp_clipping_logs)  # raw_* statistics are not covered by epsilon
         super().log(logs, start_time)
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, then the privacy report into the logs: under ``"privacy_report"`` in the
+        last entry of ``state.log_history`` (the final training metrics; hence in
+        ``trainer_state.json`` when the state is saved) and one line in the log. ``epsilon`` is
+        already in every log entry, the final metrics included."""
+        output = super().train(*args, **kwargs)
+        if self.privacy_plan is not None:
+            report = self.privacy_report()
+            history = self.state.log_history
+            if history and "train_runtime" in history[-1]:  # the entry of the final training metrics
+                history[-1][PRIVACY_REPORT_KEY] = report
+            else:
+                history.append({"step": self.state.global_step, PRIVACY_REPORT_KEY: report})
+            logger.info(
+                "privacy report: epsilon %s at delta %g (%s accountant), noise multiplier %.4g, %d steps of sample "
+                "rate %.4g, clipping bound %s, per-sample gradients %s", report["epsilon"], report["delta"],
+                report["accountant"], report["noise_multiplier"], report["steps"], report["sample_rate"],
+                report["max_grad_norm"], report["grad_sample_mode"],
+            )
+        return output
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:
+        """Save the model as the Trainer does, then write the privacy report into the model card
+        (``README.md`` of the folder: PEFT's adapter card, or a new one)."""
+        super()._save(output_dir, state_dict)
+        if self.privacy_plan is not None and self.args.should_save:
+            write_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's model card, with the privacy report added."""
+        super().create_model_card(*args, **kwargs)
+        if self.privacy_plan is not None and self.args.should_save:
+            write_model_card(self.args.output_dir, self.privacy_report())
+
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.args.should_save and self.privacy_budget is not None:
             name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -430,7 +470,8 @@ def _check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optim
     foreign = [tuple(p.shape) for p in params if id(p) not in in_model]
     if foreign:
         raise ValueError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not in trainer.model (shapes {foreign[:3]}), "
+            f"the optimizer holds {len(foreign)} parameter(s) that are not in trainer.model (shapes "
+            f"{_name_list([str(shape) for shape in foreign])}), "
             "e.g. because it was built before PEFT replaced or added layers; build it from trainer.model's "
             "parameters, or let the trainer create it"
         )

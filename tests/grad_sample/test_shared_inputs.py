@@ -1,0 +1,55 @@
+"""Linear layers reading one input tensor (q/k/v, gate/up) share its Gram and its scaled copy in bk."""
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch.grad_sample.ghost import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
+from tests.grad_sample.test_fast_clipping import assert_modes_agree
+from tests.helpers import projection_loss
+
+
+class SharedInputs(nn.Module):
+    """q/k/v and gate/up read the same tensors; some with bias."""
+
+    def __init__(self, d, p, wide):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, p), nn.Linear(d, p, bias=False), nn.Linear(d, p)
+        self.gate, self.up = nn.Linear(p, wide, bias=False), nn.Linear(p, wide)
+        self.down = nn.Linear(wide, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.q(x) + self.k(x) * self.v(x))
+        return self.down(torch.tanh(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("t,d,p,wide", [(3, 16, 16, 40), (20, 6, 5, 7), (1, 8, 8, 4)], ids=["ghost", "instantiated", "one-token"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_shared_inputs_equal_hooks(t, d, p, wide, clipping):
+    torch.manual_seed(0)
+    model = SharedInputs(d, p, wide)
+    assert_modes_agree(model, (torch.randn(4, t, d),), projection_loss, modes=("bk", "ghost"), clipping=clipping)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharing_is_by_memory_not_by_value(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 12, dtype=dtype)
+    layers = [nn.Linear(12, 12, dtype=dtype) for _ in range(3)]
+    backprops = [torch.randn(3, 5, 12, dtype=dtype) for _ in layers]
+    shared = [AffineUse(x, b, l.weight, l.bias) for l, b in zip(layers, backprops)]
+    copies = [AffineUse(x.clone(), b, l.weight, l.bias) for l, b in zip(layers, backprops)]
+    assert group_by_input(shared) == [[0, 1, 2]]
+    assert group_by_input(copies) == [[0], [1], [2]]
+    assert group_by_input([AffineUse(x.view(3, 60).view(3, 5, 12), backprops[0], None, None), shared[0]]) == [[0, 1]]
+    assert group_by_input([AffineUse(x[:, 1:], backprops[0][:, 1:], None, None), shared[0]]) == [[0], [1]]
+    factor = torch.rand(3)
+    factors = [(factor, factor)] * 3
+    for got, want in zip(shared_affine_norms_sq(shared), shared_affine_norms_sq(copies)):
+        for p in want:
+            torch.testing.assert_close(got[p], want[p], rtol=1e-5, atol=1e-6)
+    for got, want, l, b in zip(shared_affine_clipped_sums(shared, factors), shared_affine_clipped_sums(copies, factors), layers, backprops):
+        exact = torch.einsum("i,itp,itd->pd", factor.double(), b.double(), x.double())
+        torch.testing.assert_close(got[l.weight].double(), exact, rtol=1e-5, atol=1e-5)
+        assert got[l.weight].dtype == torch.float32
+        torch.testing.assert_close(got[l.weight], want[l.weight], rtol=1e-5, atol=1e-6)
