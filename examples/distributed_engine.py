@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/distributed_engine.py            # DDP
     torchrun --nproc-per-node 2 examples/distributed_engine.py --fsdp     # FSDP2, per layer and root
-    accelerate launch --config_file examples/accelerate_ddp_cpu.yaml examples/distributed_engine.py
+    accelerate launch --config_file examples/accelerate_ddp.yaml examples/distributed_engine.py
 
 A small classifier on synthetic data (two Gaussian classes). What changes against one process:
 the model is wrapped (DDP) or sharded (FSDP2) *before* ``make_private``, the optimizer is built

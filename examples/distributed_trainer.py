@@ -5,7 +5,7 @@ processes are added up and the noise is drawn once per step (on rank 0). Epsilon
 every rank and is logged by rank 0.
 
     torchrun --nproc-per-node 2 examples/distributed_trainer.py
-    accelerate launch --config_file examples/accelerate_ddp_cpu.yaml examples/distributed_trainer.py
+    accelerate launch --config_file examples/accelerate_ddp.yaml examples/distributed_trainer.py
 
 On GPUs drop ``use_cpu`` below (one process per GPU). Several machines: run the same command on
 each, e.g. ``torchrun --nnodes 2 --node-rank 0 --master-addr HOST --master-port 29500

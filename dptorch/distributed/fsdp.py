@@ -177,7 +177,7 @@ def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, t
             full = sums.pop(p, None)
             if full is None:
                 full = torch.zeros(layout.shape, dtype=torch.float32, device=p.to_local().device)
-            shard = reduce_to_shard(full.float(), layout)
+            shard = reduce_to_shard(full if full.dtype == torch.float64 else full.float(), layout)
             held = optimizer._summed.get(p)
             optimizer._summed[p] = shard if held is None else held + shard
 

@@ -53,3 +53,41 @@ def test_sharing_is_by_memory_not_by_value(dtype):
         torch.testing.assert_close(got[l.weight].double(), exact, rtol=1e-5, atol=1e-5)
         assert got[l.weight].dtype == torch.float32
         torch.testing.assert_close(got[l.weight], want[l.weight], rtol=1e-5, atol=1e-6)
+
+
+class TiedLM(nn.Module):
+    """An embedding looked up twice, its weight reused as the output head."""
+
+    def __init__(self, vocab, d, padding_idx):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d, padding_idx=padding_idx)
+        self.mix = nn.Linear(d, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids) + self.emb(ids.flip(1))))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_hooks_mode_tied_embedding_rows_equal_functorch(padding_idx, dtype):
+    from dptorch.grad_sample import GradSampleHooks
+
+    torch.manual_seed(0)
+    model = TiedLM(11, 6, padding_idx).to(dtype)
+    ids = torch.randint(0, 11, (3, 5))
+    ids[0, :2] = 0
+    grads = {}
+    for mode in ("hooks", "functorch"):
+        with GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum") as hooks:
+            model.zero_grad()
+            projection_loss(model(ids)).sum().backward()
+            grads[mode] = {p: g.clone() for p, g in hooks.grad_samples.items()}
+    assert set(grads["hooks"]) == set(grads["functorch"])
+    for p, want in grads["functorch"].items():
+        got = grads["hooks"][p]
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["hooks"][model.emb.weight].sum(0), model.emb.weight.grad, rtol=1e-5, atol=1e-6)

@@ -37,6 +37,10 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "rank must run a forward on every micro-batch, but Poisson sampling leaves some micro-batches empty and a "
          "transformers model cannot run on zero rows (the private trainer skips them), which would leave the other "
          "ranks waiting. Use DDP with the Trainer, or FSDP2 (fully_shard) with dptorch's PrivacyEngine"),
+        (args.world_size > 1 and any(c.__module__.startswith("trl.") for c in type(trainer).__mro__),
+         "TRL trainers are not supported on several processes yet: their compute_loss gathers metrics across the "
+         "ranks for every micro-batch, and a micro-batch that Poisson sampling left empty is skipped on its rank "
+         "only, so the gathers of the ranks would not pair up (a hang). Use one process, or DPTrainer with DDP"),
         (getattr(args, "parallelism_config", None) is not None,
          "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
          "activations or gradient across ranks, and the per-sample norms would then be partial"),
