@@ -312,33 +312,36 @@ def shared_affine_clipped_sums(uses, factors) -> list:
     """
     results = [dict() for _ in uses]
     for group in group_by_input(uses):
-        a = at_least_float32_(flatten_middle_dims(uses[group[0]].inputs))
+        a = flatten_middle_dims(uses[group[0]].inputs)  # upcast only where a factor is not applied to it
         d = a.shape[-1]
-        rows = a.reshape(-1, d)
         # Output widths per weight factor in the group: scale a when that is the narrower side.
         widths: Dict[int, int] = {}
         for i in group:
             if uses[i].weight is not None and factors[i][0] is not None:
                 key = id(factors[i][0])
                 widths[key] = widths.get(key, 0) + uses[i].backprops.shape[-1]
-        scaled_inputs: Dict[int, torch.Tensor] = {}
+        scaled_inputs: Dict[tuple, torch.Tensor] = {}
         for i in group:
             use = uses[i]
             weight_factor, bias_factor = factors[i]
             b = flatten_middle_dims(use.backprops)
-            dtype = torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype))
+            dtype = at_least_float32_dtype(torch.promote_types(a.dtype, b.dtype))
             if use.weight is not None and weight_factor is not None:
                 key = id(weight_factor)
+                # A bf16 operand times the float32 factor is upcast and scaled in one pass (the
+                # product is formed in float32: the same numbers as upcasting first).
+                factor = weight_factor.to(dtype).view(-1, 1, 1)
                 if d <= widths[key]:
                     b_rows = b.reshape(-1, b.shape[-1]).to(dtype)
-                    scaled = scaled_inputs.get(key)
+                    scaled = scaled_inputs.get((key, dtype))
                     if scaled is None:
-                        scaled = (a.to(dtype) * weight_factor.to(dtype).view(-1, 1, 1)).reshape(-1, d)
-                        scaled_inputs[key] = scaled
+                        scaled = torch.mul(a, factor).reshape(-1, d)
+                        scaled_inputs[(key, dtype)] = scaled
                     summed = scaled.t() @ b_rows if use.in_by_out else b_rows.t() @ scaled
                 else:
-                    scaled_b = (b.to(dtype) * weight_factor.to(dtype).view(-1, 1, 1)).reshape(-1, b.shape[-1])
-                    summed = rows.to(dtype).t() @ scaled_b if use.in_by_out else scaled_b.t() @ rows.to(dtype)
+                    scaled_b = torch.mul(b, factor).reshape(-1, b.shape[-1])
+                    rows = a.reshape(-1, d).to(dtype)
+                    summed = rows.t() @ scaled_b if use.in_by_out else scaled_b.t() @ rows
                 results[i][use.weight] = summed.float()
             if use.bias is not None and bias_factor is not None:
                 per_sample = b.sum(1, dtype=dtype)
