@@ -1,6 +1,8 @@
-# Two entry points: `make demo` runs the default private training end to end,
-# `make test` runs the test suite. Both create .venv on first use and install
-# the pinned CPU build of torch before anything else.
+# Two entry points: `make demo` runs the default private training end to end
+# (pictures into $(PLOTS); BASELINE=no skips the non-private run), `make test`
+# runs the test suite. Both create .venv on first use (`make install` does only
+# that) and install the pinned CPU build of torch before anything else. Then:
+# `source .venv/bin/activate`, or prefix commands with .venv/bin/.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,8 +24,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# make demo PLOTS=dir (where the pictures go), BASELINE=no (skip the non-private run, about half the time)
+PLOTS ?= demo-pictures
+BASELINE ?= yes
+
 demo: $(STAMP)
-	$(BIN)/python -m dptorch.examples.minilm
+	$(BIN)/python -m dptorch.examples.minilm --plots $(PLOTS) $(if $(filter no 0 false off,$(BASELINE)),--no-baseline)
+	@echo "== Pictures in $(PLOTS)/. Use the environment in a new shell with: source $(VENV)/bin/activate"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

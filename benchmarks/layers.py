@@ -8,7 +8,8 @@ linear, ``(batch, in_channels, *input_shape)`` for conv, ``(batch, *input_shape)
 for groupnorm. A private step here is forward, backward and the per-sample norms with the clipped
 sum (what the DP optimizer asks of the controller), without noise or the optimizer update.
 Time is the median over ``--repeats``; peak memory is the peak of live tensor bytes during one
-step, from the profiler's allocation events. Writes benchmarks/results/layers.json.
+step, from the profiler's allocation events (the profiler's own messages are silenced). Writes
+benchmarks/results/layers.json (``--out``).
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ def main() -> None:
                         "hooks bk ew); ratios are against the first one given")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer and mode; the median is shown (default 20)")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "layers.json"), metavar="FILE",
+                        help="where the rows are written as JSON (default benchmarks/results/layers.json)")
     args = parser.parse_args()
+    out = Path(args.out)
     rows = []
     print(f"{'layer':13s} {'mode':11s} {'time ms':>9s} {'x':>6s} {'peak MiB':>9s} {'x':>6s}   (batch {args.batch}, {torch.get_num_threads()} threads)")
     for name in args.layers:
@@ -146,9 +150,8 @@ def main() -> None:
             row["memory_ratio"] = row["peak_mib"] / max(base["peak_mib"], 1e-9)
             rows.append(row)
             print(f"{name:13s} {mode:11s} {row['median_ms']:9.2f} {row['time_ratio']:6.2f} {row['peak_mib']:9.1f} {row['memory_ratio']:6.2f}", flush=True)
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "layers.json").write_text(json.dumps(rows, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

@@ -20,16 +20,18 @@ import time
 from pathlib import Path
 
 SHAPES = {
-    # name: (family, layers, width, seq, batch, vocab, tied)
+    # name: (family, layers, width, seq, batch, vocab, tied[, key-value heads (Llama GQA), default: all heads])
     "narrow-gpt2-tied": ("gpt2", 4, 256, 128, 16, 5000, True),
     "narrow-gpt2-untied": ("gpt2", 4, 256, 128, 16, 5000, False),
     "narrow-llama": ("llama", 4, 256, 128, 16, 5000, False),
     "wide-gpt2": ("gpt2", 2, 768, 128, 16, 5000, True),
+    "wide-llama": ("llama", 2, 768, 128, 16, 5000, False, 4),
+    "long-gpt2": ("gpt2", 4, 256, 2048, 4, 5000, True),
 }
 MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 
-def build(family, layers, width, vocab, tied):
+def build(family, layers, width, vocab, tied, kv_heads=None):
     import transformers
 
     if family == "gpt2":
@@ -37,7 +39,7 @@ def build(family, layers, width, vocab, tied):
                                       n_positions=2048, tie_word_embeddings=tied, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
         return transformers.GPT2LMHeadModel(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
-                                   num_attention_heads=max(width // 64, 1), num_key_value_heads=max(width // 64, 1),
+                                   num_attention_heads=max(width // 64, 1), num_key_value_heads=kv_heads or max(width // 64, 1),
                                    vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=tied)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -50,10 +52,10 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     from dptorch.loss import DPLoss
     from dptorch.optim import DPOptimizer
 
-    family, layers, width, default_seq, default_batch, vocab, tied = SHAPES[shape]
+    family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
     seq, batch = seq or default_seq, batch or default_batch
     torch.manual_seed(0)
-    model = build(family, layers, width, vocab, tied).train()
+    model = build(family, layers, width, vocab, tied, *kv_heads).train()
     ids = torch.randint(0, vocab, (batch, seq))
     # Explicit (B, T) position ids: Opacus cannot take GPT-2's default broadcast (1, T) ones.
     inputs = {"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, seq)}
@@ -84,7 +86,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "median_s": statistics.median(times),
-            "min_s": min(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_before) / 1024,
+            "min_s": min(times), "max_s": max(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_before) / 1024,
             "threads": torch.get_num_threads()}
 
 

@@ -127,7 +127,12 @@ class PrivacyEngine:
         With ``criterion=`` (Opacus' argument) it returns ``(module, optimizer, criterion,
         data_loader)``, the criterion wrapped in :class:`~dptorch.loss.DPLoss` (one loss per sample,
         ``loss.backward()`` is one backward pass), in every ``grad_sample_mode``; the mode alone
-        never changes the shape. ``noise_generator`` is a ``torch.Generator`` (as in Opacus) or a
+        never changes the shape. ``grad_sample_mode="auto"`` (the default) runs the fastest exact
+        mode for the optimizer's parameters: ``"bk"`` when one of them is in a layer with a norm
+        sampler, else ``"hooks"`` (:mod:`dptorch.grad_sample.auto`); the mode that ran is logged
+        (logger ``dptorch.engine``, info), is ``engine.grad_sample_mode`` and is in ``privacy_report``.
+        A data loader whose sampler Poisson sampling would replace without a word (weights, a subset,
+        a custom order) is refused, and so is an empty dataset. ``noise_generator`` is a ``torch.Generator`` (as in Opacus) or a
         :class:`~dptorch.noise.NoiseGenerator`. ``noise_multiplier=0`` is accepted with a warning:
         clipping only, no privacy, and ``get_epsilon`` returns infinity.
         """

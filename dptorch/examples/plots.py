@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any, List, Mapping, Optional, Sequence
 
@@ -109,14 +110,28 @@ def plot_epsilon(history: RunHistory, path: str, *, delta: float, target_epsilon
     _save(figure, path)
 
 
+#: Under the loss picture: why the private curve wanders (it is not divergence).
+LOSS_NOTE = (
+    "Private loss: the loss of each step's Poisson batch before its update, summed per sample and divided by "
+    "the expected batch size (the batch size itself varies). The noise added at every step moves the weights "
+    "at random too, so the curve wanders by tenths; it is not diverging. The test accuracy is the measure."
+)
+
+
 def plot_loss(private: RunHistory, non_private: RunHistory, path: str) -> None:
-    """Training loss per step, private against non-private: raw steps faint, moving average bold."""
-    figure, axes = _figure()
+    """Training loss per step, private against non-private (when it ran): raw steps faint, moving
+    average bold, and a note on why the private curve wanders."""
+    figure, axes = _figure(height=4.6)
     for history, color in ((non_private, NON_PRIVATE_COLOR), (private, PRIVATE_COLOR)):
+        if not history.steps:
+            continue
         steps = list(range(1, history.steps + 1))
         axes.plot(steps, history.loss, color=color, alpha=0.25, linewidth=1)
         axes.plot(steps, moving_average(history.loss), color=color, linewidth=2, label=history.label)
     _finish(axes, title="Training loss (faint: each step, bold: moving average)", ylabel="loss")
+    if private.steps:
+        figure.text(0.01, 0.005, textwrap.fill(LOSS_NOTE, 110), fontsize=7, color="0.3", va="bottom", ha="left")
+        figure.get_layout_engine().set(rect=(0, 0.1, 1, 0.9))
     _save(figure, path)
 
 
@@ -143,11 +158,11 @@ def moving_average(values: Sequence[float], window: Optional[int] = None) -> Lis
     return out
 
 
-def _figure():
+def _figure(height: float = 4.0):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(6.4, 4.0), layout="constrained")
+    figure = Figure(figsize=(6.4, height), layout="constrained")
     FigureCanvasAgg(figure)
     return figure, figure.add_subplot()
 

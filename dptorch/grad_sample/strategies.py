@@ -10,7 +10,11 @@ per-sample gradient norms, and ``sum_i c_i g_i`` for given clip factors ``c``.
 
 Layers without a norm sampler, and parameters used by several calls (tied weights), are
 instantiated inside ``BookKeeping`` too: the norm of a shared parameter is the norm of the sum of
-its uses.
+its uses. Built-in ``nn.Linear`` / HF ``Conv1D`` calls that read one input tensor (q/k/v,
+gate/up: the same memory, never merely equal values) share its Gram matrix and its
+clip-factor-scaled copy (``ghost.shared_affine_norms_sq`` / ``shared_affine_clipped_sums``).
+``Instantiate`` keeps ``nn.Embedding`` calls as rows until the round ends and adds them into the
+weight's other per-sample gradient (a tied output head) instead of a dense ``(B, V, d)`` of its own.
 
 Arithmetic: norms and clipped sums are formed in float32 at least, whatever the parameters' dtype
 (bf16 activations and output gradients are upcast; the clip factors stay float32), and with
@@ -308,7 +312,7 @@ def _plain_embedding(call: LayerCall) -> bool:
         and not call.activations[0].is_floating_point()
         and getattr(module, "weight", None) is not None
         and module.weight.dim() == 2
-        and list(call.params.values()) == [module.weight]
+        and len(call.params) == 1
         and all(p is module.weight for p in call.params.values())
     )
 

@@ -15,7 +15,17 @@ def test_private_cnn_on_digits_reaches_reported_accuracy_and_epsilon(capsys):
 
 def test_plots_flag_writes_the_three_pictures(tmp_path, capsys):
     report = digits.main(["--epochs", "2", "--plots", str(tmp_path)])
-    assert "pictures:" in capsys.readouterr().out
+    assert f"pictures in {tmp_path}/: epsilon.png, loss.png, clipped_fraction.png" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clipped_fraction.png", "epsilon.png", "loss.png"]
     private = report["histories"]["private"]
     assert private.steps == report["steps"] == 24 and len(private.epsilon) == 24
+
+
+def test_no_baseline_skips_the_non_private_run_and_the_mode_is_reported(tmp_path, capsys):
+    report = digits.main(["--epochs", "2", "--no-baseline", "--plots", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "non-private not run (--no-baseline)" in out and "per-sample gradients bk" in out
+    assert f"pictures in {tmp_path}/: epsilon.png, loss.png, clipped_fraction.png" in out
+    assert report["non_private_accuracy"] is None and report["non_private_seconds"] is None
+    assert report["histories"]["non_private"].steps == 0 and report["grad_sample_mode"] == "bk"
+    assert len(report["histories"]["private"].epsilon) == 24

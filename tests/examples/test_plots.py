@@ -46,3 +46,31 @@ def test_report_lines_name_accuracy_privacy_and_time():
         "sample rate 0.0640, max grad norm 1",
         "wall time: 120.0 s (private training 60.0 s, non-private 50.0 s)",
     ]
+
+
+def test_report_without_the_baseline_and_with_the_mode():
+    report = dict(
+        private_accuracy=0.8761, non_private_accuracy=None, test_size=500, epsilon=7.94, delta=1e-5,
+        accountant="pld", noise_multiplier=0.676, steps=48, sample_rate=0.064, max_grad_norm=1.0,
+        grad_sample_mode="bk", total_seconds=70.0, private_seconds=60.0, non_private_seconds=None,
+        pictures=["demo-pictures/epsilon.png", "demo-pictures/loss.png"],
+    )
+    assert format_report(report).splitlines() == [
+        "accuracy: private 0.876, non-private not run (--no-baseline) (test set of 500)",
+        "privacy: epsilon 7.94 at delta 1e-05 (pld accountant), noise multiplier 0.676, 48 steps, "
+        "sample rate 0.0640, max grad norm 1, per-sample gradients bk",
+        "wall time: 70.0 s (private training 60.0 s)",
+        "pictures in demo-pictures/: epsilon.png, loss.png",
+    ]
+
+
+def test_the_loss_picture_explains_the_private_curve_and_draws_without_a_baseline(tmp_path, monkeypatch):
+    from dptorch.examples import plots
+
+    texts = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: texts.extend(t.get_text() for t in figure.texts))
+    private = RunHistory("private")
+    for step in range(1, 11):
+        private.record(loss=0.5 + 0.1 * math.sin(step), epsilon=step / 10, clipped_fraction=0.5)
+    plots.plot_loss(private, RunHistory("non-private"), str(tmp_path / "loss.png"))
+    assert any("it is not diverging" in text for text in texts)

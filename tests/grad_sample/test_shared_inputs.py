@@ -91,3 +91,32 @@ def test_hooks_mode_tied_embedding_rows_equal_functorch(padding_idx, dtype):
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grads["hooks"][model.emb.weight].sum(0), model.emb.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("t", [2, 30])
+def test_mixed_dtypes_and_bias_only_uses(t):
+    torch.manual_seed(0)
+    x = torch.randn(2, t, 8, dtype=torch.bfloat16)
+    lin = nn.Linear(8, 4)
+    b64 = torch.randn(2, t, 4, dtype=torch.float64)
+    uses = [AffineUse(x, b64, lin.weight, lin.bias), AffineUse(x, b64.float(), None, lin.bias)]
+    norms = shared_affine_norms_sq(uses)
+    exact = torch.einsum("itp,itd->ipd", b64, x.double()).flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(norms[0][lin.weight].double(), exact, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(norms[1][lin.bias].double(), b64.sum(1).pow(2).sum(1), rtol=1e-5, atol=1e-6)
+    factor = torch.rand(2)
+    sums = shared_affine_clipped_sums(uses, [(factor, factor), (None, factor)])
+    want = torch.einsum("i,itp,itd->pd", factor.double(), b64, x.double())
+    torch.testing.assert_close(sums[0][lin.weight].double(), want, rtol=1e-6, atol=1e-6)
+    assert lin.weight not in sums[1]
+
+
+@pytest.mark.parametrize("t", [1, 3, 40])
+def test_empty_batch(t):
+    lin = nn.Linear(8, 4)
+    x = torch.randn(0, t, 8)
+    uses = [AffineUse(x, torch.randn(0, t, 4), lin.weight, lin.bias), AffineUse(x, torch.randn(0, t, 4), lin.weight, None)]
+    norms = shared_affine_norms_sq(uses)
+    assert norms[0][lin.weight].shape == (0,) and norms[0][lin.bias].shape == (0,)
+    sums = shared_affine_clipped_sums(uses, [(torch.rand(0), torch.rand(0)), (torch.rand(0), None)])
+    assert torch.equal(sums[0][lin.weight], torch.zeros(4, 8)) and torch.equal(sums[0][lin.bias], torch.zeros(4))

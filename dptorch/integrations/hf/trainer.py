@@ -15,6 +15,9 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
   ``num_items_in_batch`` is never used, ``loss_is_scaled_for_ga = True``.
 * ``_clip_grad_norm`` / ``_get_grad_norm``: no Trainer clipping, and no norm of the raw
   (non-private) gradient in the logs; ``grad_norm`` is logged from the privatised gradient.
+* ``train``: after the parent's, the privacy report goes into the last log entry (and
+  ``trainer_state.json``) and one info line; ``_save`` / ``create_model_card``: the report goes into
+  the saved model card (``README.md``, :mod:`dptorch.report`), PEFT's adapter card included.
 * ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
   privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
   checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``).
