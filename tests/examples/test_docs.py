@@ -38,7 +38,13 @@ SETUP = re.compile(r"^(make( (install|demo|test|bench))?( \w+=\S+)*|source \.ven
 
 
 def blocks(page):
-    """(language, body, reason it is not run or None, line number) of each fenced block."""
+    """(language, body) of each fenced block of docs/``page`` (the form tests/optim/test_clipping_docs.py reads)."""
+    return [(lang, body) for lang, body, _, _ in code_blocks(f"docs/{page}")]
+
+
+def code_blocks(page):
+    """(language, body, reason it is not run or None, line number) of each fenced block of ``page``
+    (a path from the repository root)."""
     text = (ROOT / page).read_text()
     found = []
     for match in FENCE.finditer(text):
@@ -138,7 +144,7 @@ def run_command(command, where, capsys):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_python_snippets_run_and_show_their_true_output(page, quiet_cpu):
-    page_blocks = blocks(page)
+    page_blocks = code_blocks(page)
     if not any(lang == "python" and not not_run for lang, _, not_run, _ in page_blocks):
         pytest.skip(f"{page} has no python block to run")
     needs(page)
@@ -147,7 +153,7 @@ def test_python_snippets_run_and_show_their_true_output(page, quiet_cpu):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_shell_commands_run_as_pasted(page, quiet_cpu, capsys):
-    commands = [(command, f"{page}:{line}") for lang, body, not_run, line in blocks(page)
+    commands = [(command, f"{page}:{line}") for lang, body, not_run, line in code_blocks(page)
                 if lang == "bash" and not not_run for command in shell_commands(body)]
     if not commands:
         pytest.skip(f"{page} has no bash block to run")
@@ -157,7 +163,7 @@ def test_shell_commands_run_as_pasted(page, quiet_cpu, capsys):
 
 @pytest.mark.parametrize("page", PAGES)
 def test_console_commands_print_what_the_page_shows(page, quiet_cpu, capsys):
-    sessions = [(body, line) for lang, body, not_run, line in blocks(page) if lang == "console" and not not_run]
+    sessions = [(body, line) for lang, body, not_run, line in code_blocks(page) if lang == "console" and not not_run]
     if not sessions:
         pytest.skip(f"{page} has no console block")
     for body, line in sessions:
@@ -170,7 +176,7 @@ def test_console_commands_print_what_the_page_shows(page, quiet_cpu, capsys):
 
 def test_blocks_not_run_say_why():
     """The blocks that are not run, each with its reason: few, and every one justified."""
-    skipped = [(page, line, lang, reason) for page in PAGES for lang, _, reason, line in blocks(page)
+    skipped = [(page, line, lang, reason) for page in PAGES for lang, _, reason, line in code_blocks(page)
                if lang in CODE and reason is not None]
     for page, line, lang, reason in skipped:
         assert len(reason) >= 20, f"{page}:{line}: say why the {lang} block is not run"
