@@ -200,12 +200,7 @@ def _plot_curves(path: str, curves: Dict[str, Any], *, sigma: float, q: float, d
     axes.set_xlabel("steps")
     axes.set_ylabel(f"epsilon (delta = {delta:g})")
     axes.set_title(f"sigma = {sigma:g}, q = {q:g}")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    try:
-        figure.savefig(path, dpi=120)
-    except (OSError, ValueError) as error:
-        raise CommandError(f"cannot write the plot to {path!r}: {error}") from None
+    _finish_plot(figure, axes, path)
 
 
 # -- dptorch noise --------------------------------------------------------------------------
@@ -316,12 +311,7 @@ def _plot_noise_curve(path: str, name: str, *, shown: float, epsilon: float, tar
     axes.set_xlabel(f"epsilon (delta = {delta:g})")
     axes.set_ylabel("noise multiplier sigma")
     axes.set_title(f"{steps} steps, q = {q:g}")
-    axes.grid(True, alpha=0.3)
-    axes.legend()
-    try:
-        figure.savefig(path, dpi=120)
-    except (OSError, ValueError) as error:
-        raise CommandError(f"cannot write the plot to {path!r}: {error}") from None
+    _finish_plot(figure, axes, path)
 
 
 # -- dptorch example ------------------------------------------------------------------------
@@ -481,6 +471,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shown.add(message)
             print(f"{PROG}: warning: {message}", file=sys.stderr)
     return code
+
+
+def _finish_plot(figure: Any, axes: Any, path: str) -> None:
+    """Grid, legend, and write the figure; an unwritable path is a command error."""
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    try:
+        figure.savefig(path, dpi=120)
+    except (OSError, ValueError) as error:
+        raise CommandError(f"cannot write the plot to {path!r}: {error}") from None
 
 
 if __name__ == "__main__":
