@@ -13,6 +13,7 @@ from typing import Any, Dict, Optional
 
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
 from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
+from dptorch.noise_mechanisms.wiring import NOISE_MECHANISMS, _check_mechanism
 from dptorch.optim.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.optim.clipping import CLIPPING_MODES
 
@@ -108,6 +109,16 @@ class PrivacyArguments:
                   "clipped and norm quantiles, NOT covered by epsilon) or 'private' (noised fraction, accounted)."},
     )
 
+    noise_mechanism: str = field(
+        default="independent",
+        metadata={"help": f"Noise across steps, one of {NOISE_MECHANISMS}: 'independent' (DP-SGD) or 'bandmf' (banded "
+                  "matrix-factorisation noise, correlated over `bands` steps, with b-min-separated cyclic Poisson "
+                  "sampling; see docs/correlated-noise.md)."},
+    )
+    bands: Optional[int] = field(
+        default=None, metadata={"help": "noise_mechanism='bandmf': the number of bands b of the noise correlation."}
+    )
+
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(
@@ -149,6 +160,19 @@ class PrivacyArguments:
             raise ValueError(
                 "secure_mode draws the Poisson sampling from the OS CSPRNG and takes no sampling_seed; remove one of them"
             )
+
+        _check_mechanism(self.noise_mechanism, self.bands)
+        if self.noise_mechanism == "bandmf" and (self.clipping == "adaptive" or self.clipping_stats == "private"):
+            raise ValueError(
+                "noise_mechanism='bandmf' with a released count of unclipped units (clipping='adaptive' or "
+                "clipping_stats='private') is not covered by the amplified banded MF accounting; use clipping='flat' "
+                "(or 'per_layer', 'automatic') and clipping_stats None or 'raw' with bandmf"
+            )
+
+    @property
+    def banded(self) -> Optional[int]:
+        """The bands b of a bandmf run, None for independent noise."""
+        return self.bands if self.noise_mechanism == "bandmf" else None
 
     def clipping_options(self) -> Dict[str, Any]:
         """The privacy plan's clipping fields (gamma, adaptive settings, count noise, statistics)."""

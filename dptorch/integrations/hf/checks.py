@@ -64,6 +64,12 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "LOMO optimizers update the parameters inside backward, before clipping and noise; choose another optim"),
         (getattr(args, "train_sampling_strategy", "random") in ("group_by_length", "batch_rebalance"),
          "train_sampling_strategy must be 'random' (Poisson sampling replaces it); length grouping is data-dependent"),
+        (getattr(privacy_args, "banded", None) is not None and args.world_size > 1,
+         "noise_mechanism='bandmf' is not supported on several processes yet: the banded noise state and the cyclic "
+         "Poisson partitions would have to be shared by every rank. Use one process, or noise_mechanism='independent'"),
+        (getattr(privacy_args, "banded", None) is not None and args.save_only_model,
+         "save_only_model=True does not save the optimizer, which holds the banded noise state (the last bands-1 "
+         "noise draws): a resumed bandmf run could not continue its correlated noise; unset save_only_model"),
         (args.save_only_model and privacy_args.noise_seed is not None,
          "save_only_model=True does not save the noise generator, so with noise_seed a resumed run would replay "
          "noise it already used; drop one of them"),

@@ -21,6 +21,12 @@ secure mode each rank draws its own units from the OS CSPRNG). Every rank then d
 the same ``gradient_accumulation_steps`` micro-batches, so all ranks take the same number of
 micro-batches and optimizer steps; no sample is dealt to two ranks, and none is repeated to even
 out the ranks (Accelerate's ``even_batches`` would re-yield used batches).
+
+Banded matrix-factorisation noise (``noise_mechanism="bandmf"``, ``bands=b``) needs b-min-separated
+sampling: with ``bands`` the logical batches come from a
+:class:`~dptorch.data.cyclic_poisson.CyclicPoissonBatchSampler` over the units (b fixed partitions
+of the units, draw ``t`` Poisson-samples partition ``t mod b`` at the partition rate q_p), dealt
+into micro-batches in the same way. A unit lives in one partition, so all its rows do.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from dptorch.data.cyclic_poisson import CyclicPoissonBatchSampler, partitions
 from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.integrations.hf.units import PrivacyUnits
 
@@ -58,18 +65,32 @@ class PoissonMicroBatchSampler:
     epoch it stopped in and then skips the batches it already trained on. ``secure=True`` draws
     every logical batch from the OS CSPRNG instead (nothing replayable). There is no ``.sampler``
     attribute, so Accelerate leaves the sampler as it is.
+
+    ``bands=b`` (bandmf): logical batch ``t`` Poisson-samples partition ``t mod b`` of the units at
+    the partition rate ``sample_rate`` (a :class:`CyclicPoissonBatchSampler`; ``partition_seed``
+    fixes the partitions, default the seed); ``steps`` must be a multiple of b.
     """
 
     def __init__(
         self, units: PrivacyUnits, sample_rate: float, *, steps: int, micro_batches: int, seed: Optional[int] = None,
-        secure: bool = False, rank: int = 0, world_size: int = 1,
+        secure: bool = False, rank: int = 0, world_size: int = 1, bands: Optional[int] = None,
+        partition_seed: Optional[int] = None,
     ) -> None:
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.units = units
         self.micro_batches = int(micro_batches)
-        self.logical = PoissonBatchSampler(units.num_units, sample_rate, steps=steps, seed=seed, secure=secure,
-                                           rank=rank, world_size=world_size)
+        options = dict(steps=steps, seed=seed, secure=secure, rank=rank, world_size=world_size)
+        if bands is None:
+            self.logical = PoissonBatchSampler(units.num_units, sample_rate, **options)
+        else:
+            self.logical = CyclicPoissonBatchSampler(units.num_units, sample_rate, bands=bands,
+                                                     partition_seed=partition_seed, **options)
+
+    @property
+    def bands(self) -> Optional[int]:
+        """The partitions of cyclic Poisson sampling (bandmf), None for plain Poisson sampling."""
+        return getattr(self.logical, "bands", None)
 
     @property
     def sample_rate(self) -> float:
@@ -88,6 +109,12 @@ class PoissonMicroBatchSampler:
     def seed(self, value: int) -> None:
         if not self.logical.secure:
             self.logical.seed = int(value)
+
+    def set_partition_seed(self, value: int) -> None:
+        """bandmf: the partitions of the run being resumed (a function of their seed); no-op for Poisson sampling."""
+        if self.bands is not None and int(value) != self.logical.partition_seed:
+            self.logical.partition_seed = int(value)
+            self.logical.partitions = partitions(self.units.num_units, self.bands, int(value))
 
     @property
     def position(self) -> int:
@@ -162,6 +189,10 @@ class SamplingPlan:
     A logical batch holds ``per_device_train_batch_size * gradient_accumulation_steps *
     world_size`` units on average (the Trainer's total train batch size): ``q = that / num_units``;
     an epoch is ``ceil(num_units / that)`` logical batches.
+
+    ``bands=b`` (bandmf, cyclic Poisson sampling): a logical batch samples one of b partitions, so
+    ``sample_rate`` is the partition rate ``q_p = b * that / num_units`` (the rate the accounting
+    uses) and an epoch is ``b * ceil(num_units / (b * that))`` logical batches (a multiple of b).
     """
 
     num_units: int
@@ -169,11 +200,12 @@ class SamplingPlan:
     steps_per_epoch: int
     micro_batches: int
     total_steps: int
+    bands: int = 1
 
     @property
     def expected_batch_size(self) -> float:
-        """Expected units per logical batch, ``q * num_units`` (the DP optimizer divides by it)."""
-        return self.sample_rate * self.num_units
+        """Expected units per logical batch, ``q * num_units / bands`` (the DP optimizer divides by it)."""
+        return self.sample_rate * self.num_units / self.bands
 
     @classmethod
     def for_training(
@@ -185,10 +217,15 @@ class SamplingPlan:
         max_steps: int,
         num_train_epochs: float,
         world_size: int = 1,
+        bands: Optional[int] = None,
     ) -> "SamplingPlan":
         if num_units <= 0:
             raise ValueError("the training dataset is empty: there is nothing to sample")
+        b = 1 if bands is None else int(bands)
+        if b > num_units:
+            raise ValueError(f"bands={b} cannot split {num_units} privacy units into {b} non-empty partitions")
         logical = batch_size * gradient_accumulation_steps * max(1, int(world_size))
-        steps_per_epoch = max(1, math.ceil(num_units / logical))
+        steps_per_epoch = b * max(1, math.ceil(num_units / (b * logical)))
         total = max_steps if max_steps > 0 else math.ceil(num_train_epochs * steps_per_epoch)
-        return cls(num_units, min(1.0, logical / num_units), steps_per_epoch, gradient_accumulation_steps, total)
+        return cls(num_units, min(1.0, b * logical / num_units), steps_per_epoch, gradient_accumulation_steps, total,
+                   b)

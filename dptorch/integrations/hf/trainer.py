@@ -71,6 +71,7 @@ from dptorch.integrations.hf.sampling import (
 )
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
+from dptorch.noise_mechanisms.wiring import _mechanism_fields
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.report import privacy_report, write_model_card
@@ -125,6 +126,7 @@ class PrivateTrainerMixin:
             max_steps=self.args.max_steps,
             num_train_epochs=self.args.num_train_epochs,
             world_size=self.args.world_size,
+            bands=privacy_args.banded,
         )
         check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
         self.privacy_plan = self._build_plan()
@@ -161,6 +163,9 @@ class PrivateTrainerMixin:
             max_grad_norm=p.per_sample_max_grad_norm, clipping=p.clipping, accountant=p.accountant,
             secure_mode=p.secure_mode, **p.clipping_options(),
         )
+        if p.banded is not None:  # bandmf: the optimised band for the planned steps, q_p and the batch of a partition
+            fields.update(_mechanism_fields(p.noise_mechanism, p.bands, sampling.total_steps),
+                          expected_batch_size=sampling.expected_batch_size)
         if p.target_epsilon is not None:
             return PrivacyPlan.calibrated(target_epsilon=p.target_epsilon, target_delta=p.target_delta,
                                           steps=sampling.total_steps, **fields)
@@ -199,19 +204,20 @@ class PrivateTrainerMixin:
                 "sample_rate": plan.sample_rate,
                 "steps_per_epoch": plan.steps_per_epoch,
                 "micro_batches": plan.micro_batches,
+                "bands": plan.bands,
             },
         }
 
     def load_privacy_state_dict(self, state: Dict[str, Any]) -> None:
         plan = self.sampling_plan
         saved = state["sampling"]
-        for key in ("num_units", "sample_rate", "steps_per_epoch", "micro_batches"):
-            if saved[key] != getattr(plan, key):
+        for key in ("num_units", "sample_rate", "steps_per_epoch", "micro_batches", "bands"):
+            if saved.get(key, 1 if key == "bands" else None) != getattr(plan, key):
                 raise ValueError(
-                    f"the checkpoint was trained with {key}={saved[key]}, this run has {getattr(plan, key)}: the "
-                    "dataset, batch size, gradient accumulation or number of processes changed, so the resumed "
-                    "sampling would not continue the original one. Resume with the same data, batch settings and "
-                    "number of processes."
+                    f"the checkpoint was trained with {key}={saved.get(key, 1)}, this run has {getattr(plan, key)}: "
+                    "the dataset, batch size, gradient accumulation, number of processes or bands changed, so the "
+                    "resumed sampling would not continue the original one. Resume with the same data, batch settings, "
+                    "number of processes and bands."
                 )
         seed = int(saved["seed"])
         if self.privacy_args.sampling_seed is not None and self.privacy_args.sampling_seed != seed:
@@ -219,6 +225,7 @@ class PrivateTrainerMixin:
         self._dp_sampling_seed = seed
         if self._dp_sampler is not None:
             self._dp_sampler.seed = seed
+            self._dp_sampler.set_partition_seed(seed)  # bandmf: the partitions are a function of the seed
             # The Trainer reaches the checkpoint's position itself (set_epoch, then skipping the
             # micro-batches it trained on); draws after it belong to the discarded continuation.
             self._dp_sampler.rewind()
@@ -251,9 +258,15 @@ class PrivateTrainerMixin:
             self.privacy_units, plan.sample_rate, steps=plan.steps_per_epoch,
             micro_batches=self.sampling_plan.micro_batches, seed=None if secure else self._dp_sampling_seed,
             secure=secure, rank=self.args.process_index, world_size=self.args.world_size,
+            bands=self.privacy_args.banded, partition_seed=self._dp_sampling_seed,  # partitions kept in checkpoints
         )
         if previous is not None:  # a later train() of this trainer: new draws, never the earlier ones again
-            self._dp_sampler.start_at(previous.position)
+            position = previous.position
+            if self._dp_sampler.bands is not None:
+                # bandmf: draws the previous train() took ahead but never trained on are skipped; keep the next
+                # step's partition (its noise step index mod b) so every unit stays b-min-separated in noise steps.
+                position += (plan.steps - position) % self._dp_sampler.bands
+            self._dp_sampler.start_at(position)
         args = self.args
         settings = dict(
             num_workers=args.dataloader_num_workers,
@@ -375,10 +388,11 @@ class PrivateTrainerMixin:
             else:
                 history.append({"step": self.state.global_step, PRIVACY_REPORT_KEY: report})
             logger.info(
-                "privacy report: epsilon %s at delta %g (%s accountant), noise multiplier %.4g, %d steps of sample "
-                "rate %.4g, clipping bound %s, per-sample gradients %s", report["epsilon"], report["delta"],
-                report["accountant"], report["noise_multiplier"], report["steps"], report["sample_rate"],
-                report["max_grad_norm"], report["grad_sample_mode"],
+                "privacy report: epsilon %s at delta %g (%s accountant), %s noise%s, noise multiplier %.4g, %d steps "
+                "of sample rate %.4g, clipping bound %s, per-sample gradients %s", report["epsilon"], report["delta"],
+                report["accountant"], report.get("noise_mechanism", "independent"),
+                f" ({report['bands']} bands)" if "bands" in report else "", report["noise_multiplier"],
+                report["steps"], report["sample_rate"], report["max_grad_norm"], report["grad_sample_mode"],
             )
         return output
 
