@@ -407,25 +407,21 @@ class GradSampleHooks:
             return None
         self._expanded.__exit__(None, None, None)
         self._expanded = None
-        # torch writes p.grad_sample itself; a tap on the outputs tells us when backward starts.
-        leaves, spec = tree_flatten(output)
-        positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not positions:
-            return None
-        for i, t in zip(positions, tap([leaves[i] for i in positions], [], lambda saved, grads: self._begin_round())):
-            leaves[i] = t
-        return tree_unflatten(leaves, spec)
+        return None
 
     def _tap_root_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Tap the model's outputs, so that a second backward through this forward is refused
-        even where it reaches no hooked layer twice (two heads on a frozen trunk)."""
+        even where it reaches no hooked layer twice (two heads on a frozen trunk). Under expanded
+        weights, where torch writes p.grad_sample itself, the tap also tells us when backward starts."""
         if module is not self.module or self._replaying or not (torch.is_grad_enabled() and module.training):
             return None
         leaves, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
             return None
-        for i, t in zip(positions, tap([leaves[i] for i in positions], [], lambda saved, grads: None)):
+        ew = self.grad_sample_mode == "ew"
+        on_backward = lambda saved, grads: self._begin_round() if ew else None  # noqa: E731
+        for i, t in zip(positions, tap([leaves[i] for i in positions], [], on_backward)):
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
