@@ -15,6 +15,9 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
 * ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
   element), whatever the sharding or the number of processes.
 
+The HF Trainer on several processes (DDP, Accelerate's FSDP2) builds on these; what it adds (phantom
+micro-batches, metric gathers of any size) lives in ``dptorch.integrations.hf``.
+
 ``DifferentiallyPrivateDistributedDataParallel`` (Opacus' name) is torch's DDP itself.
 """
 

@@ -17,8 +17,9 @@ hooked layer's own parameters out of autograd under DDP as on one process, so a 
 still reaches a parameter came by a path it does not see, and is refused, on every rank.
 
 No collective runs per forward or backward (DDP's broadcast of the buffers is skipped as well),
-so ranks may even run different numbers of micro-batches per step (the private Trainer skips
-empty ones); the one collective is the optimizer's per step.
+so ranks may even run different numbers of micro-batches per step (a loop may skip its empty
+Poisson batches); the one collective is the optimizer's per step. (The private Trainer still runs
+an empty micro-batch as a phantom on several processes: FSDP2 and metric gathers need every rank.)
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ class _SyncSwitch:
         self.saved.append((module.require_backward_grad_sync, module.require_forward_param_sync))
         if any(wants() for wants in self.users.values()):
             # No gradient reduction, and no buffer broadcast either: DDP would broadcast the buffers
-            # in the first forward, a collective that a rank whose first micro-batch was empty (and
-            # skipped) would meet with another one (the step's all-reduce). The buffers of a model
+            # in the first forward, a collective that a rank whose first batch was empty (and skipped
+            # by its loop) would meet with another one (the step's all-reduce). The buffers of a model
             # that can be trained privately do not change in training (BatchNorm is refused), and
             # DDP broadcast them when it was built.
             module.require_backward_grad_sync = False

@@ -19,7 +19,9 @@ What FSDP2 changes, and what dptorch does about it:
   is kept: the accumulator of a step is sharded. Every rank must therefore run the same number of
   backward passes per step (FSDP2's all-gathers already require the same number of forwards), in
   the same order of parameters: an empty (Poisson) micro-batch must still go through forward and
-  backward. ``BatchMemoryManager`` gives every rank the same number of physical batches.
+  backward. ``BatchMemoryManager`` gives every rank the same number of physical batches; the private
+  Trainer runs an empty micro-batch as a phantom (``dptorch.integrations.hf.phantom``), whose round
+  the DP optimizer reduce-scatters as zeros.
 * **Noise**: each rank adds its shard's slice of one global stream (``noise.ShardedNoise``), then
   divides by the expected batch size; ``p.grad`` is a DTensor like the parameter.
 

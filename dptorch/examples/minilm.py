@@ -314,6 +314,8 @@ def run(
     test_size: int = 500,
     max_length: int = 40,
     seed: int = 0,
+    noise_mechanism: str = "independent",
+    bands: Optional[int] = None,
     threads: Optional[int] = None,
     plots: Optional[str] = None,
     baseline: bool = True,
@@ -352,7 +354,7 @@ def run(
     private_history = RunHistory("private")
     privacy = PrivacyArguments(
         target_epsilon=epsilon, target_delta=delta, per_sample_max_grad_norm=max_grad_norm,
-        grad_sample_mode=mode, sampling_seed=seed, noise_seed=seed,
+        grad_sample_mode=mode, sampling_seed=seed, noise_seed=seed, noise_mechanism=noise_mechanism, bands=bands,
     )
     with tempfile.TemporaryDirectory(prefix="dptorch-minilm-") as workdir:
         trainer = DPTrainer(model=model, privacy_args=privacy, **trainer_settings(workdir, lr=lr, **settings))
@@ -398,6 +400,9 @@ def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.Ar
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")
     parser.add_argument("--max-length", type=int, default=40, help="tokens kept per tweet (default 40)")
     parser.add_argument("--threads", type=int, help="torch threads (default: the CPUs not busy now, at most 4)")
+    parser.add_argument("--noise-mechanism", choices=["independent", "bandmf"], default="independent",
+                        help="independent (DP-SGD, default) or bandmf (banded correlated noise, docs/correlated-noise.md)")
+    parser.add_argument("--bands", type=int, help="bands b of the bandmf noise")
     return parser
 
 
@@ -408,7 +413,8 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[s
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm, lr=args.lr, non_private_lr=args.non_private_lr, mode=args.mode,
         lora_layers=args.lora_layers, train_size=args.train_size, test_size=args.test_size,
-        max_length=args.max_length, seed=args.seed, threads=args.threads, plots=args.plots,
+        max_length=args.max_length, seed=args.seed, noise_mechanism=args.noise_mechanism, bands=args.bands,
+        threads=args.threads, plots=args.plots,
         baseline=not args.no_baseline, verbose=not args.json,
     )
     show_report(report, as_json=args.json)

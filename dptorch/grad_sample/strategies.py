@@ -43,9 +43,13 @@ from dptorch.grad_sample.ghost import (
     shared_affine_norms_sq,
 )
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
+from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
+from dptorch.grad_sample.layers.linear import linear_grad_sampler
 from dptorch.grad_sample.registry import GradSampler, NormSampler
 
 NameOf = Callable[[nn.Parameter], str]
+#: Built-in samplers whose results are new tensors that nothing else references.
+FRESH_RESULT_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler, embedding_grad_sampler})
 
 
 @dataclass
@@ -75,6 +79,9 @@ class Instantiate:
         # weight's rows are then added to the other use's dense per-sample gradient, with no
         # (B, V, d) tensor of zeros instantiated and summed for the lookup.
         self._rows: Dict[nn.Parameter, List[Tuple[torch.Tensor, torch.Tensor, int]]] = {}
+        # Parameters whose held per-sample gradient is memory no one else references (made here,
+        # or returned by a built-in sampler): rows and further uses are added to it in place.
+        self._owned: set = set()
 
     def on_call(self, call: LayerCall) -> None:
         if _plain_embedding(call):
@@ -89,7 +96,8 @@ class Instantiate:
                 )
             held.append(rows)
             return
-        self.add(call, call.sampler(call.module, call.activations, call.scaled_backprops()))
+        grads = call.sampler(call.module, call.activations, call.scaled_backprops())
+        self.add(call, grads, fresh=call.sampler in FRESH_RESULT_SAMPLERS)
 
     def _place_rows(self) -> None:
         """Add the kept embedding rows into each weight's per-sample gradient (dense from here on)."""
@@ -108,12 +116,16 @@ class Instantiate:
             flat_shape = (batch * weight.shape[0], weight.shape[1])
             if held is None:
                 summed = values.new_zeros(flat_shape).index_add_(0, ids, values)
+            elif weight in self._owned and held.is_contiguous():  # in place: no copy of a (B, V, d) tensor
+                summed = held.view(flat_shape).index_add_(0, ids, values)
             else:  # out of place: the held tensor may be referenced elsewhere
                 summed = held.reshape(flat_shape).index_add(0, ids, values)
             self.grads[weight] = summed.view(batch, *weight.shape)
+            self._owned.add(weight)
         self._rows = {}
 
-    def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
+    def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor], fresh: bool = False) -> None:
+        """Sum ``grads`` into the held per-sample gradients; ``fresh``: their memory is ours."""
         if not isinstance(grads, Mapping):
             raise PerSampleGradientError(
                 f"the grad sampler of {call.name} ({type(call.module).__name__}) returned {type(grads).__name__}: a "
@@ -130,14 +142,19 @@ class Instantiate:
             held = self.grads.get(param)
             if held is None:
                 self.grads[param] = grad
+                if fresh:
+                    self._owned.add(param)
             elif held.shape != grad.shape:
                 raise PerSampleGradientError(
                     f"parameter {self.name_of(param)} was used by calls with different batch sizes "
                     f"({held.shape[0]} and {grad.shape[0]}) in one backward pass; per-sample gradients need one "
                     "row per sample in every call"
                 )
+            elif param in self._owned and held.dtype == torch.promote_types(held.dtype, grad.dtype):
+                held.add_(grad)
             else:
                 self.grads[param] = held + grad
+                self._owned.add(param)
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
         self._place_rows()
@@ -189,7 +206,8 @@ class BookKeeping:
         else:
             self.calls.append(call)
 
-    def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
+    def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor], fresh: bool = False) -> None:
+        """Sum ``grads`` into the held per-sample gradients; ``fresh``: their memory is ours."""
         self.dense.add(call, grads)
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
@@ -203,7 +221,8 @@ class BookKeeping:
                 shared = call.params
             if shared:
                 grads = call.sampler(call.module, call.activations, call.scaled_backprops())
-                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), grads)
+                fresh = call.sampler in FRESH_RESULT_SAMPLERS
+                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), grads, fresh)
                 call.params = {n: p for n, p in call.params.items() if n not in shared}
             if not call.params:
                 continue

@@ -5,7 +5,10 @@ downstream neither crash nor hide the gradient) and saves the layer's inputs wit
 ``save_for_backward``, so activation checkpointing manages them like any other saved tensor.
 Its backward hands the output gradients, paired with *this call's* inputs, to a callback.
 Pairing by call rather than by a per-module stack keeps results exact when a module is called
-several times, and under reentrant or non-reentrant checkpointing. A tap passes one backward
+several times, and under reentrant or non-reentrant checkpointing. An output gradient that
+arrives in another layout than the contiguous output (a loss on ``logits.transpose(1, 2)``) is
+made contiguous once, here, for both the callback and the layer's own backward, which would
+each copy it otherwise (a ``(B, T, vocab)`` transpose is the costliest copy of a step). A tap passes one backward
 only: a second backward through the same forward (``retain_graph``, a second loss) is refused,
 since each pass would be clipped on its own.
 """
@@ -28,6 +31,7 @@ class _Tap(torch.autograd.Function):
         ctx.on_backward = on_backward
         ctx.num_outputs = num_outputs
         ctx.num_inputs = len(inputs)
+        ctx.contiguous = tuple(out.is_contiguous() for out in outputs)
         ctx.save_for_backward(*inputs)
         aliases = tuple(out.detach() for out in outputs)
         return aliases if num_outputs > 1 else aliases[0]
@@ -41,6 +45,10 @@ class _Tap(torch.autograd.Function):
                 "and call backward() once per forward (loss = main_loss + aux_loss; loss.backward())."
             )
         ctx.fired = True
+        grad_outputs = tuple(
+            g.contiguous() if was and g is not None and not g.is_contiguous() else g
+            for g, was in zip(grad_outputs, ctx.contiguous)
+        )
         ctx.on_backward(ctx.saved_tensors, grad_outputs)
         return (None, None, *grad_outputs, *([None] * ctx.num_inputs))
 

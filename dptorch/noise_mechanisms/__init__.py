@@ -1,7 +1,10 @@
 """Noise mechanisms beside DP-SGD's independent Gaussian: banded matrix factorisation (DP-BandMF).
 
 * :mod:`~dptorch.noise_mechanisms.banded`: the b-banded Toeplitz strategy C (``BandedToeplitz``).
-* :mod:`~dptorch.noise_mechanisms.optimize`: the band minimising the prefix-sum error, cached by (n, b).
+* :mod:`~dptorch.noise_mechanisms.optimize`: the band minimising the prefix-sum error (or that of
+  ``SGDWorkload``: momentum, learning-rate schedule), cached by (n, b, workload).
+* :mod:`~dptorch.noise_mechanisms.choose`: ``choose_bands``, the b with the lowest expected error at
+  a target epsilon (b = 1, DP-SGD, unless a banded strategy is lower).
 * :mod:`~dptorch.noise_mechanisms.streaming`: ``BandedNoise``, ``C^{-1} z`` step by step, O(b) state.
 * :mod:`~dptorch.noise_mechanisms.accounting`: the amplification theorem's reduction to DP-SGD.
 
@@ -10,7 +13,8 @@ The sampling the theorem needs is :class:`dptorch.data.cyclic_poisson.CyclicPois
 
 from dptorch.noise_mechanisms.accounting import accounted_steps, partition_rate_for_batch, reduction_event
 from dptorch.noise_mechanisms.banded import BandedToeplitz, series_inverse
-from dptorch.noise_mechanisms.optimize import optimal_banded_strategy, prefix_sum_error
+from dptorch.noise_mechanisms.choose import BandChoice, choose_bands
+from dptorch.noise_mechanisms.optimize import SGDWorkload, optimal_banded_strategy, prefix_sum_error
 from dptorch.noise_mechanisms.streaming import BandedNoise, banded_noise_matrix
 
 #: Names ``make_private(noise_mechanism=...)`` accepts.
@@ -18,10 +22,13 @@ NOISE_MECHANISMS = ("independent", "bandmf")
 
 __all__ = [
     "NOISE_MECHANISMS",
+    "BandChoice",
     "BandedNoise",
     "BandedToeplitz",
     "accounted_steps",
+    "SGDWorkload",
     "banded_noise_matrix",
+    "choose_bands",
     "optimal_banded_strategy",
     "partition_rate_for_batch",
     "prefix_sum_error",

@@ -55,7 +55,7 @@ def series_inverse(coefficients: torch.Tensor, n: int) -> torch.Tensor:
         two_minus = torch.cat([(2.0 - cd[:1]), -cd[1:]])
         d = _polymul(d, two_minus)[:m2]
         m = m2
-    return d[:n]
+    return torch.nn.functional.pad(d[:n], (0, n - min(n, d.numel())))  # c = c_0 alone: d stays (1 / c_0, 0, ...)
 
 
 class BandedToeplitz:

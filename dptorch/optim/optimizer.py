@@ -21,6 +21,7 @@ fills ``last_clipping_stats`` at every logical step; off by default (raw norms a
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
@@ -119,6 +120,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._raw_norms: List[torch.Tensor] = []
         self._raw_within: List[torch.Tensor] = []
         self._accumulated = 0  # backward rounds whose clipped gradients wait for the next step
+        self._phantom = False  # inside phantom(): backward rounds add nothing
         for name in (
             "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
             "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -215,6 +217,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 "gradients: the model ran in eval mode (call model.train() before training) or under a forward "
                 "the hooks did not see; a private step cannot be built from it"
             )
+        if self._phantom:  # a stand-in pass: its rows are no units; it only takes part in the collectives
+            if self._sharded:
+                accumulate_sharded(self, hooks, {})  # zeros into FSDP2's reduce-scatter: the sums are unchanged
+            return
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if not norms:
@@ -318,6 +324,33 @@ class DPOptimizer(torch.optim.Optimizer):
     def signal_skip_step(self, do_skip: bool = True) -> None:
         """Make the next ``step()`` only accumulate (a virtual step), as in Opacus."""
         self._skip_next = do_skip
+
+    @contextlib.contextmanager
+    def phantom(self):
+        """Backward passes inside add nothing: no unit, no clipped gradient, no clipping statistic.
+
+        For a stand-in forward and backward that only keeps the ranks' collectives paired (a
+        micro-batch that Poisson sampling left empty on one rank: :mod:`dptorch.integrations.hf.phantom`).
+        Under FSDP2 the rank still takes part in the reduce-scatter of the clipped sums, with zeros.
+        """
+        self._phantom = True
+        try:
+            yield
+        finally:
+            self._phantom = False
+
+    def use_hooks(self, hooks: GradSampleHooks) -> None:
+        """Listen to ``hooks`` from now on: a controller attached after the model's parameters were
+        replaced (Accelerate's FSDP2 preparation swaps them for sharded ones after the optimizer was
+        built). Held clipped sums, keyed by the old parameters, are dropped."""
+        self._remove_listener()
+        hooks.keep_param_grads = False
+        self.hooks = hooks
+        self._summed = {}
+        self._accumulated = 0
+        self.__dict__.pop("_dp_shard_layouts", None)
+        self._sharded = any_sharded(self.params)
+        self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     def attach_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(self)`` after the noise is added and the plan accounted the step."""

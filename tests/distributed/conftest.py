@@ -1,4 +1,4 @@
-"""One launch of ``WORLD`` processes for every engine-level distributed test (the suite's time budget)."""
+"""Launches shared by the distributed tests: one for every engine-level scenario, one per Trainer set-up."""
 
 import pytest
 import torch.distributed as dist
@@ -24,3 +24,23 @@ def result(spawned):
         return value
 
     return get
+
+
+def _hf_launch(tmp_path_factory, mode):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from tests.distributed.launch import torchrun
+
+    return torchrun("hf_script.py", tmp_path_factory.mktemp(f"hf-{mode}"), mode, reports=mode)
+
+
+@pytest.fixture(scope="session")
+def hf_ddp(tmp_path_factory):
+    """(reports, stdout) of ``hf_script.py ddp``: DPTrainer (and TRL's SFT and DPO trainers) under DDP."""
+    return _hf_launch(tmp_path_factory, "ddp")
+
+
+@pytest.fixture(scope="session")
+def hf_fsdp(tmp_path_factory):
+    """(reports, stdout) of ``hf_script.py fsdp``: the same under FSDP2 through Accelerate."""
+    return _hf_launch(tmp_path_factory, "fsdp")

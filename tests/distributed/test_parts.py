@@ -56,9 +56,11 @@ def test_trainer_refusals_say_why():
     deepspeed = fake_trainer()
     deepspeed.is_deepspeed_enabled = True
     assert "ZeRO-2/3" in " ".join(setup_problems(deepspeed, privacy))
-    fsdp = fake_trainer(world_size=2)
-    fsdp.is_fsdp_enabled = True
-    assert "empty" in " ".join(setup_problems(fsdp, privacy))
+    for version, refused in ((1, True), (2, False)):
+        fsdp = fake_trainer(world_size=2)
+        fsdp.is_fsdp_enabled = True
+        fsdp.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
+        assert ("FlatParameter" in " ".join(setup_problems(fsdp, privacy))) is refused  # FSDP2 is supported
     assert "loss scale" in " ".join(setup_problems(fake_trainer(fp16=True), privacy))
     assert "DataParallel" in " ".join(setup_problems(fake_trainer(n_gpu=2), privacy))
 
@@ -66,11 +68,7 @@ def test_trainer_refusals_say_why():
         pass
 
     TrlLike.__module__ = "trl.trainer.sft_trainer"
-    trl = TrlLike(**vars(fake_trainer(world_size=2)))
-    assert "gathers metrics" in " ".join(setup_problems(trl, privacy))
-    trl.args.world_size = 1
-    assert setup_problems(trl, privacy) == []
-
+    assert setup_problems(TrlLike(**vars(fake_trainer(world_size=2))), privacy) == []  # TRL on several processes
 
 def test_ddp_switch_needs_ddp_and_is_found_through_wrappers():
     with pytest.raises(TypeError):

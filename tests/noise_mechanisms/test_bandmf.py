@@ -325,3 +325,13 @@ def test_noise_multiplier_cannot_change_during_a_bandmf_run():
     engine, model, optimizer, loader = _train("bandmf", bands=2, steps=4)
     with pytest.raises(ValueError, match="cannot change"):
         engine.plan.noise_multiplier = engine.plan.noise_multiplier * 2
+
+
+def test_calibrated_bandmf_divides_by_the_expected_batch_of_one_partition():
+    # 120 samples, batches of 10: q_p = b / 12 and a step samples one of b partitions, 10 expected
+    # samples; the noised sum must be divided by 10 (not q_p * N = b * 10, which would train at lr / b)
+    for epsilon in (None, 4.0):
+        engine, _, optimizer, loader = _train("bandmf", bands=3, steps=6, epsilon=epsilon)
+        assert loader.batch_sampler.expected_batch_size == pytest.approx(10)
+        assert engine.plan.expected_batch_size == pytest.approx(10)
+        assert optimizer.expected_batch_size == pytest.approx(10)

@@ -17,6 +17,8 @@ from dptorch.integrations.hf.arguments import PrivacyArguments
 def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     """Every reason ``trainer`` cannot train privately as configured (empty when it can)."""
     args, dataset = trainer.args, trainer.train_dataset
+    state = getattr(getattr(trainer, "accelerator", None), "state", None)
+    fsdp = getattr(state, "fsdp_plugin", None) if getattr(trainer, "is_fsdp_enabled", False) else None
     optimizer_name = str(getattr(args.optim, "value", args.optim)).lower()
     refusals = [
         (dataset is None,
@@ -32,15 +34,17 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "each rank would only ever see summed, unclipped gradients; ZeRO-1 would need the clipped, noised gradient "
          "handed to DeepSpeed's optimizer, which is not implemented. Use DDP (torchrun / accelerate launch without a "
          "DeepSpeed config)"),
-        (getattr(trainer, "is_fsdp_enabled", False),
-         "FSDP is not supported by the private Trainer yet: FSDP all-gathers the parameters in every forward, so every "
-         "rank must run a forward on every micro-batch, but Poisson sampling leaves some micro-batches empty and a "
-         "transformers model cannot run on zero rows (the private trainer skips them), which would leave the other "
-         "ranks waiting. Use DDP with the Trainer, or FSDP2 (fully_shard) with dptorch's PrivacyEngine"),
-        (args.world_size > 1 and any(c.__module__.startswith("trl.") for c in type(trainer).__mro__),
-         "TRL trainers are not supported on several processes yet: their compute_loss gathers metrics across the "
-         "ranks for every micro-batch, and a micro-batch that Poisson sampling left empty is skipped on its rank "
-         "only, so the gathers of the ranks would not pair up (a hang). Use one process, or DPTrainer with DDP"),
+        (fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2,
+         "FSDP1 (fsdp_version 1) is not supported: it flattens each wrapped module's parameters into one "
+         "FlatParameter, which the per-sample hooks cannot key their gradients by. Use FSDP2 "
+         "(fsdp_config={'version': 2}, or fsdp_version: 2 in the Accelerate config), which is supported"),
+        (getattr(trainer, "is_fsdp_xla_enabled", False),
+         "FSDP on XLA is not supported: its sharded parameters are not the DTensors the DP optimizer reduce-scatters "
+         "and noises; use FSDP2 on GPUs"),
+        (fsdp is not None and _offloads(fsdp),
+         "FSDP2 CPU offloading (cpu_offload) is not supported: the DP optimizer forms each parameter's clipped sum "
+         "on the compute device and adds its noise where the shard lives, which offloading separates; unset "
+         "cpu_offload (shard over more processes instead)"),
         (getattr(args, "parallelism_config", None) is not None,
          "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
          "activations or gradient across ranks, and the per-sample norms would then be partial"),
@@ -75,6 +79,15 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "noise it already used; drop one of them"),
     ]
     return [message for refused, message in refusals if refused]
+
+
+def _offloads(fsdp_plugin: Any) -> bool:
+    """Whether an FSDP2 plugin offloads the parameters to the CPU."""
+    try:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+    except ImportError:
+        return False
+    return isinstance(getattr(fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
 
 
 def check_setup(trainer: Any, privacy_args: PrivacyArguments) -> None:

@@ -10,10 +10,11 @@ A unit's rows always land in one micro-batch, because clipping happens after eve
 pass: a unit split across two passes would be clipped twice and contribute up to 2C.
 
 An empty micro-batch reaches the Trainer as :class:`EmptyBatch` (an empty ``dict``), never as a
-call of the user's collator on ``[]``; the private trainer skips its forward and backward, and
-the optimizer step still adds the noise.
+call of the user's collator on ``[]``; on one process the private trainer skips its forward and
+backward, on several it runs a phantom that adds and counts nothing (:mod:`.phantom`), and the
+optimizer step still adds the noise.
 
-Distributed (``torchrun`` / ``accelerate launch``, DDP): the logical batch is global. Its expected
+Distributed (``torchrun`` / ``accelerate launch``, DDP or FSDP2): the logical batch is global. Its expected
 size is ``per_device_train_batch_size * gradient_accumulation_steps * world_size`` units, so
 ``q = that / num_units``; rank ``r`` owns units ``r::world_size`` and keeps its part of each draw
 (all ranks use the same secret seed, so the parts are disjoint pieces of one Poisson batch; in

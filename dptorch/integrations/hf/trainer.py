@@ -10,7 +10,9 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
 * ``create_optimizer``: the parent's optimizer wrapped in a :class:`~dptorch.optim.DPOptimizer`
   (clips after every backward, adds noise once per optimizer step) that reads and accounts in the
   run's :class:`~dptorch.plan.PrivacyPlan` (``trainer.privacy_plan``).
-* ``training_step``: skips empty micro-batches, tells the controller which rows form a unit.
+* ``training_step``: tells the controller which rows form a unit; an empty micro-batch is skipped on
+  one process and runs as a phantom (a stand-in that adds and counts nothing, :mod:`.phantom`) on
+  several, so that every rank runs the same forwards, backwards and collectives.
 * ``compute_loss``: the sum of per-unit losses, chosen by a recipe (:mod:`.loss_recipes`);
   ``num_items_in_batch`` is never used, ``loss_is_scaled_for_ga = True``.
 * ``_clip_grad_norm`` / ``_get_grad_norm``: no Trainer clipping, and no norm of the raw
@@ -20,17 +22,23 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
   the saved model card (``README.md``, :mod:`dptorch.report`), PEFT's adapter card included.
 * ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
   privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
-  checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``).
+  checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``;
+  under FSDP the noise generator goes into ``dp_privacy_state.pt``).
 
-Distributed (``torchrun`` / ``accelerate launch`` with DDP): the logical batch is global (``q`` from
-``per_device_train_batch_size * gradient_accumulation_steps * world_size``); each rank Poisson-samples
-its own units (``r::world_size``, one shared secret seed) into the same number of micro-batches,
-with Accelerate's batch dealing turned into a pass-through (no ``even_batches`` repetition). DDP's
-all-reduce of the raw gradients is switched off during the private forwards
-(:mod:`dptorch.distributed.ddp`); the DP optimizer all-reduces the clipped sums and rank 0 draws
-the noise, once per step. Every rank accounts the same steps, so epsilon is the same everywhere;
-the Trainer's loggers print it from rank 0. FSDP, DeepSpeed and fp16 are refused
-(:mod:`.checks` says why).
+Distributed (``torchrun`` / ``accelerate launch``, DDP or FSDP2): the logical batch is global (``q``
+from ``per_device_train_batch_size * gradient_accumulation_steps * world_size``); each rank
+Poisson-samples its own units (``r::world_size``, one shared secret seed) into the same number of
+micro-batches, with Accelerate's batch dealing turned into a pass-through (no ``even_batches``
+repetition). DDP: its all-reduce of the raw gradients is switched off during the private forwards
+(:mod:`dptorch.distributed.ddp`); the DP optimizer all-reduces the clipped sums and rank 0 draws the
+noise, once per step. FSDP2 (Accelerate's ``fsdp_version: 2``): Accelerate swaps the parameters for
+sharded ones after the optimizer is built, so at the first micro-batch the controller is attached
+anew to the sharded model and the DP optimizer listens to it (:mod:`dptorch.distributed.fsdp`:
+clipped sums reduce-scattered, each rank noises its shard); Accelerate saves and loads the sharded
+optimizer with ``torch.distributed.checkpoint``, which is handed the inner optimizer. In
+``compute_loss`` the metric gathers accept micro-batches of different sizes (:mod:`.metrics`).
+Every rank accounts the same steps, so epsilon is the same everywhere; the Trainer's loggers print
+it from rank 0. FSDP1, DeepSpeed and fp16 are refused (:mod:`.checks` says why).
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
@@ -40,6 +48,7 @@ optimizer, the budget callback, ``privacy_report`` and the checkpoints all read 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import warnings
@@ -53,6 +62,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import logging
 
 from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
+from dptorch.distributed.fsdp import is_sharded
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.hooks import _name_list
@@ -61,6 +71,8 @@ from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.integrations.hf.losses import PerSampleLoss
+from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
+from dptorch.integrations.hf.phantom import PhantomBatch
 from dptorch.integrations.hf.sampling import (
     UNIT_IDS_KEY,
     IndexedDataset,
@@ -139,14 +151,21 @@ class PrivateTrainerMixin:
             # the checkpoint (written by rank 0) holds the seed every rank resumes with.
             self._dp_sampling_seed = _broadcast_from_rank_zero(self._dp_sampling_seed)
         self._dp_ddp_switches: list = []
-        # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
+        self._dp_wrapped: Any = None  # the wrapped model training_step last prepared for
+        self._dp_on_shards = False  # whether the controller was attached anew to FSDP2's sharded parameters
+        self._dp_phantom: Optional[PhantomBatch] = None
+        self._dp_in_phantom = False
         #: The per-sample gradient mode that runs (``privacy_args.grad_sample_mode``, "auto" resolved).
         self.grad_sample_mode = resolve_grad_sample_mode(privacy_args.grad_sample_mode, self.model)
         logger.info(describe_mode(privacy_args.grad_sample_mode, self.grad_sample_mode))
-        self.dp_hooks = GradSampleHooks(
+        self.dp_hooks = self._new_controller()
+        self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
+
+    def _new_controller(self) -> GradSampleHooks:
+        # keep_param_grads=False: autograd skips the raw weight gradients; the DP optimizer writes p.grad itself.
+        return GradSampleHooks(
             self.model, loss_reduction="sum", grad_sample_mode=self.grad_sample_mode, keep_param_grads=False
         )
-        self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
     def _build_privacy_units(self, dataset: Any) -> PrivacyUnits:
         """Which training rows form one privacy unit: ``privacy_unit_column``, else one unit per row.
@@ -195,7 +214,7 @@ class PrivateTrainerMixin:
     def privacy_state_dict(self) -> Dict[str, Any]:
         """The privacy plan's state and the sampling seed (plain values, weights_only-loadable)."""
         plan = self.sampling_plan
-        return {
+        state = {
             "version": _STATE_VERSION,
             "plan": self.privacy_plan.state_dict(),
             "sampling": {
@@ -207,6 +226,11 @@ class PrivateTrainerMixin:
                 "bands": plan.bands,
             },
         }
+        optimizer = _find_dp_optimizer(self.optimizer)
+        if getattr(self, "is_fsdp_enabled", False) and optimizer is not None:
+            # FSDP: the optimizer is saved without its DP part (see _inner_optimizer_for_checkpoints)
+            state["noise_generator"] = optimizer.noise_generator.state_dict()
+        return state
 
     def load_privacy_state_dict(self, state: Dict[str, Any]) -> None:
         plan = self.sampling_plan
@@ -233,6 +257,9 @@ class PrivateTrainerMixin:
             self.privacy_plan.load_state_dict(state["plan"])
         else:  # version 1: accountant history and step count only
             self.privacy_budget.load_state_dict(state["budget"])
+        optimizer = _find_dp_optimizer(self.optimizer)
+        if "noise_generator" in state and optimizer is not None:
+            optimizer.noise_generator.load_state_dict(state["noise_generator"])
 
     # ------------------------------------------------------------------ data
 
@@ -248,6 +275,7 @@ class PrivateTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        self._dp_phantom = PhantomBatch(collator, dataset)  # structure only: every value is replaced
         # Rows sharing a unit are clipped together: the batches must say which unit each row belongs to.
         tag_units = self.privacy_args.privacy_unit_column is not None or not self.privacy_units.trivial
         if tag_units:
@@ -331,26 +359,64 @@ class PrivateTrainerMixin:
     # ------------------------------------------------------------------ steps and loss
 
     def training_step(self, model: Any, inputs: Dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
-        """Forward/backward of one micro-batch; returns its summed loss / expected batch size (for logs)."""
-        if not self._dp_ddp_switches:
-            # DDP (Accelerate wrapped the model after the hooks attached): its raw-gradient all-reduce goes
-            # off during the private forwards; the DP optimizer all-reduces the clipped sums instead.
-            self._dp_ddp_switches = [keep_out_of_gradient_sync(ddp) for ddp in ddp_wrappers(model)] or [None]
+        """Forward/backward of one micro-batch; returns its summed loss / expected batch size (for logs).
+
+        An empty micro-batch is skipped on one process and runs as a phantom on several (:mod:`.phantom`);
+        either way it returns 0."""
+        self._attach_to_wrapped_model(model)
         if is_empty_batch(inputs):
+            if self.args.world_size > 1:
+                self._phantom_step(model)
             return torch.zeros((), device=self.args.device)
         example_units = inputs.pop(UNIT_IDS_KEY, None)
         self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
         loss = super().training_step(model, inputs, num_items_in_batch)
         return loss / self.privacy_plan.expected_batch_size
 
+    def _attach_to_wrapped_model(self, model: Any) -> None:
+        """Once per model Accelerate prepared (``model``, DDP- or FSDP2-wrapped).
+
+        DDP: its raw-gradient all-reduce goes off during the private forwards (the DP optimizer
+        all-reduces the clipped sums instead). FSDP2: Accelerate replaced the parameters by sharded
+        ones after the controller and the optimizer were built; a new controller attaches to the
+        sharded model and the DP optimizer listens to it."""
+        if model is self._dp_wrapped:
+            return
+        self._dp_wrapped = model
+        self._dp_ddp_switches += [keep_out_of_gradient_sync(ddp) for ddp in ddp_wrappers(model)]
+        optimizer = _find_dp_optimizer(self.optimizer)
+        if not self._dp_on_shards and optimizer is not None and any(is_sharded(p) for p in optimizer.params):
+            self.dp_hooks.cleanup()
+            self.dp_hooks = self._new_controller()
+            optimizer.use_hooks(self.dp_hooks)
+            self._dp_on_shards = True
+
+    def _phantom_step(self, model: Any) -> None:
+        """Forward and backward of the phantom micro-batch: the collectives run, nothing is added or counted."""
+        self.dp_hooks.set_privacy_units(None)
+        self._dp_in_phantom = True
+        try:
+            with _find_dp_optimizer(self.optimizer).phantom():
+                super().training_step(model, self._dp_phantom(), None)
+        finally:
+            self._dp_in_phantom = False
+
     def compute_loss(
         self, model: Any, inputs: Dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
-        """In training: the sum over units of each unit's own loss (``num_items_in_batch`` unused)."""
+        """In training: the sum over units of each unit's own loss (``num_items_in_batch`` unused); 0 times
+        that for a phantom micro-batch."""
         parent = super().compute_loss
         if self.dp_hooks is None or not (model.training and torch.is_grad_enabled()):
             return parent(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        return self._dp_recipe.summed_loss(self, model, inputs, return_outputs, parent)
+        with contextlib.ExitStack() as stack:
+            if self.args.world_size > 1:  # metric gathers of micro-batches of any size; a phantom sends no row
+                gathers = stack.enter_context(exact_gathers(self.accelerator, phantom=self._dp_in_phantom))
+                stack.enter_context(dropped_metrics(self, when=lambda: gathers.found_nothing))
+            result = self._dp_recipe.summed_loss(self, model, inputs, return_outputs, parent)
+        if self._dp_in_phantom:
+            result = (result[0] * 0.0, result[1]) if return_outputs else result * 0.0
+        return result
 
     def _get_num_items_in_batch(self, batch_samples: Any, device: Any) -> None:
         return None  # the batch's token count is exactly the cross-sample normaliser DP must not use
@@ -415,10 +481,31 @@ class PrivateTrainerMixin:
             folder = os.path.join(self._get_output_dir(trial=trial), name)
             os.makedirs(folder, exist_ok=True)
             torch.save(self.privacy_state_dict(), os.path.join(folder, PRIVACY_STATE_NAME))
-        super()._save_checkpoint(model, trial)
+        with self._inner_optimizer_for_checkpoints():
+            super()._save_checkpoint(model, trial)
+
+    @contextlib.contextmanager
+    def _inner_optimizer_for_checkpoints(self):
+        """FSDP: Accelerate saves and loads the sharded optimizer through ``torch.distributed.checkpoint``,
+        which first steps an optimizer without state (SGD's is always empty) to create it. Reaching the DP
+        optimizer, that step would add noise and account a step; so for the block the chain holds the
+        inner optimizer, and the DP optimizer's own state (its noise generator; its accumulator is empty
+        between steps) travels in ``dp_privacy_state.pt``."""
+        dp, holder = _find_dp_optimizer(self.optimizer), self.optimizer
+        while dp is not None and holder is not None and getattr(holder, "optimizer", None) is not dp:
+            holder = getattr(holder, "optimizer", None)  # the wrapper (Accelerate's) that holds the DP optimizer
+        if not getattr(self, "is_fsdp_enabled", False) or dp is None or holder is None:
+            yield
+            return
+        holder.optimizer = dp.original_optimizer
+        try:
+            yield
+        finally:
+            holder.optimizer = dp
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with self._inner_optimizer_for_checkpoints():
+            super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or self.privacy_budget is None:
             return
         path = os.path.join(checkpoint, PRIVACY_STATE_NAME)

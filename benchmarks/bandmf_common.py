@@ -1,0 +1,143 @@
+"""What the DP-BandMF benchmarks share: the run grid, the per-run JSON lines, the summary table and the plot.
+
+Each finished run is appended to a JSON-lines file as soon as it ends (an interrupted grid keeps
+what it ran; ``--summarise`` reads the file back). A summary groups runs by (target epsilon,
+mechanism, bands) and gives the mean, min and max accuracy over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+Run = Dict[str, Any]
+
+
+def add_grid_flags(parser: argparse.ArgumentParser, *, epsilons: Sequence[float], bands: Sequence[str]) -> None:
+    """--epsilons, --bands (ints or "auto"; DP-SGD always runs), --seeds, --out, --summarise, --plot."""
+    parser.add_argument("--epsilons", type=float, nargs="+", default=list(epsilons))
+    parser.add_argument("--bands", nargs="*", default=list(bands),
+                        help='bandmf band counts (whole numbers or "auto"); DP-SGD runs too unless --no-dpsgd')
+    parser.add_argument("--no-dpsgd", action="store_true", help="skip the independent-noise (DP-SGD) runs")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--out", help="append one JSON line per finished run to this file")
+    parser.add_argument("--summarise", metavar="JSONL", nargs="+",
+                        help="train nothing: print the summary of the runs in these files (and --plot them)")
+    parser.add_argument("--plot", metavar="PNG", help="save accuracy against epsilon (mean, min-max) to this file")
+
+
+def parse_bands(value: str):
+    return value if value == "auto" else int(value)
+
+
+def run_grid(one_run: Callable[..., Run], args: argparse.Namespace, **settings: Any) -> List[Run]:
+    """``one_run(epsilon, mechanism, bands, seed, **settings)`` for every cell; each run printed and saved."""
+    mechanisms = ([] if args.no_dpsgd else [("independent", None)]) + [("bandmf", parse_bands(b)) for b in args.bands]
+    runs = []
+    for epsilon in args.epsilons:
+        for mechanism, bands in mechanisms:
+            for seed in args.seeds:
+                start = time.perf_counter()
+                run = one_run(epsilon, mechanism, bands, seed, **settings)
+                run.update(epsilon_target=epsilon, mechanism=mechanism, bands_asked=bands or 1, seed=seed,
+                           seconds=round(time.perf_counter() - start, 1), **settings)
+                runs.append(run)
+                print(json.dumps(run), flush=True)
+                if args.out:
+                    with open(args.out, "a") as handle:
+                        handle.write(json.dumps(run) + "\n")
+    return runs
+
+
+def read_runs(paths: Iterable[str]) -> List[Run]:
+    runs = []
+    for path in paths:
+        with open(path) as handle:
+            runs.extend(json.loads(line) for line in handle if line.strip())
+    return runs
+
+
+def label(run: Run) -> str:
+    if run["mechanism"] == "independent" and run["bands_asked"] != "auto":
+        return "DP-SGD"
+    return f"BandMF b={run['bands_asked']}" + (" (momentum)" if run.get("workload") == "momentum" else "")
+
+
+def summarise(runs: Sequence[Run]) -> List[Dict[str, Any]]:
+    """One row per (target epsilon, label): mean, min, max accuracy over seeds, sigma, q, bands used."""
+    groups: Dict[tuple, List[Run]] = {}
+    for run in runs:
+        groups.setdefault((run["epsilon_target"], label(run)), []).append(run)
+    rows = []
+    for (epsilon, name), group in sorted(groups.items(), key=lambda item: (item[0][0], _order(item[0][1]))):
+        accs = [r["accuracy"] for r in group]
+        rows.append({
+            "epsilon_target": epsilon, "label": name, "seeds": len(group), "mean": statistics.mean(accs),
+            "min": min(accs), "max": max(accs), "noise_multiplier": group[0]["noise_multiplier"],
+            "sample_rate": group[0]["sample_rate"], "bands": sorted({r.get("bands", 1) for r in group}),
+            "epsilon": max(r["epsilon"] for r in group), "steps": group[0]["steps"],
+        })
+    return rows
+
+
+def _order(name: str):
+    bands = name.split("=")[1].split(" ")[0] if "=" in name else "1"
+    return (name != "DP-SGD", "momentum" in name, bands == "auto", int(bands) if bands.isdigit() else 0)
+
+
+def markdown(rows: Sequence[Dict[str, Any]]) -> str:
+    """The summary as a markdown table: epsilon, then a cell per mechanism (mean, [min, max], sigma, q)."""
+    names = sorted({r["label"] for r in rows}, key=_order)
+    lines = ["| epsilon | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for epsilon in sorted({r["epsilon_target"] for r in rows}):
+        cells = []
+        for name in names:
+            row = next((r for r in rows if r["epsilon_target"] == epsilon and r["label"] == name), None)
+            if row is None:
+                cells.append("")
+                continue
+            used = "" if "auto" not in name else f", b={'/'.join(map(str, row['bands']))}"
+            cells.append(f"{row['mean']:.3f} [{row['min']:.3f}, {row['max']:.3f}] "
+                         f"(σ {row['noise_multiplier']:.2f}, q {row['sample_rate']:.3g}{used})")
+        lines.append(f"| {epsilon:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
+    """Accuracy against epsilon (log axis), one line per mechanism: mean, shaded min-max over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    for name in sorted({r["label"] for r in rows}, key=_order):
+        mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["epsilon_target"])
+        x = [r["epsilon_target"] for r in mine]
+        style = dict(color="black", linestyle="--") if name == "DP-SGD" else {}
+        line, = axes.plot(x, [r["mean"] for r in mine], marker="o", label=name, **style)
+        axes.fill_between(x, [r["min"] for r in mine], [r["max"] for r in mine], color=line.get_color(), alpha=0.15)
+    axes.set_xscale("log")
+    axes.set_xticks(sorted({r["epsilon_target"] for r in rows}))
+    axes.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    axes.set_xlabel("epsilon (same delta, steps and hyper-parameters for all)")
+    axes.set_ylabel("test accuracy (mean, min-max over seeds)")
+    axes.set_title(title, fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def finish(runs: Sequence[Run], args: argparse.Namespace, title: str) -> Optional[str]:
+    """Print the markdown summary of ``runs`` (and save the plot if ``--plot``)."""
+    rows = summarise(runs)
+    print(markdown(rows))
+    return plot(rows, args.plot, title) if args.plot else None

@@ -1,0 +1,90 @@
+"""DPTrainer with FSDP2 through Accelerate (``fsdp_config={"version": 2}``) under ``torchrun --nproc-per-node 2``.
+
+The script (``hf_script.py fsdp``) trains the DDP test's run (same seeds, same noise stream:
+``ShardedNoise``) with the LoRA parameters sharded, sharded checkpoints at step 2, and a resume.
+Micro-batches that Poisson sampling left empty run as phantoms: FSDP2 all-gathers in every forward
+and the clipped sums are reduce-scattered after every backward, so every rank must take part.
+"""
+
+import pytest
+
+from dptorch.plan import PrivacyPlan
+from tests.distributed.launch import WORLD
+from tests.distributed.test_hf_ddp import assert_close_params, expected_micro_batches
+
+
+def test_the_lora_parameters_are_sharded_and_checkpointed_sharded(hf_fsdp):
+    reports, _ = hf_fsdp
+    for report in reports:
+        sharded = report["full"]["sharded"]
+        assert sharded and all(sharded)  # DTensors: Accelerate applied fully_shard
+        assert {"optimizer_0", "pytorch_model_fsdp_0", "dp_privacy_state.pt"} <= set(report["checkpoint"])
+
+
+def test_fsdp2_ends_where_ddp_ends(hf_fsdp, hf_ddp):
+    """Same sampling, same noise stream: the same parameters (to fp32 rounding of the summation order).
+
+    The noise moves the LoRA weights by about 0.1 per step here; a shard whose noise were drawn twice
+    or left out would end far from the DDP run, whose noise rank 0 draws once for every element."""
+    fsdp, ddp = hf_fsdp[0], hf_ddp[0]
+    for rank in range(WORLD):
+        assert_close_params(fsdp[rank]["full"]["params"], ddp[rank]["full"]["params"], rtol=1e-5, atol=1e-6)
+        losses = [[h["loss"] for h in run[rank]["full"]["logs"]] for run in (fsdp, ddp)]
+        assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+        assert fsdp[rank]["full"]["epsilon"] == ddp[rank]["full"]["epsilon"]
+        assert fsdp[rank]["full"]["tokens"] == ddp[rank]["full"]["tokens"]
+    assert fsdp[0]["full"]["params"] == fsdp[1]["full"]["params"]  # gathered from the shards: one model
+    moved = max(abs(v) for values in ddp[0]["full"]["params"].values() for v in values)
+    assert moved > 0.1
+
+
+def test_phantoms_run_and_count_nothing(hf_fsdp):
+    """Every empty micro-batch ran as a phantom; every Poisson draw is one accounted step of rate q."""
+    reports, stdout = hf_fsdp
+    for rank, report in enumerate(reports):
+        full = report["full"]
+        assert full["seen"] == expected_micro_batches(report, rank)[:8]
+        assert full["phantoms"] == sum(not batch for batch in full["seen"]) > 0
+    assert reports[0]["full"]["seen"][0] == []  # rank 0 starts with a phantom, before any real forward
+    plan = PrivacyPlan(noise_multiplier=reports[0]["noise_multiplier"], sample_rate=reports[0]["sample_rate"],
+                       num_units=len(reports[0]["rows"]), accountant="pld")
+    for report in reports:
+        assert report["full"]["steps"] == 4 and report["full"]["epsilon"] == plan.epsilon_after(4, 1e-3)
+        assert report["expected_batch_size"] == report["sample_rate"] * len(report["rows"]) == 4  # not the phantoms'
+    trl_runs = 5 + 5 if "sft" in reports[0] else 0
+    assert stdout.count("'epsilon'") == 5 + 3 + trl_runs  # logged once, from rank 0
+
+
+def test_resume_from_a_sharded_checkpoint(hf_fsdp):
+    reports, _ = hf_fsdp
+    for report in reports:
+        full, resumed = report["full"], report["resumed"]
+        assert resumed["steps"] == 4 and resumed["epsilon"] == full["epsilon"]
+        assert resumed["logged"][:2] == full["logged"][:2]
+        # the noise generator's state travels in dp_privacy_state.pt: with noise_seed, a restarted stream would differ
+        assert_close_params(resumed["params"], full["params"], rtol=0, atol=1e-7)
+
+
+def test_only_shards_clipped_sums_the_noise_key_and_logged_scalars_cross_ranks(hf_fsdp):
+    """The collectives of training (not of checkpointing) are the same on both ranks, call by call and
+    shape by shape, although their micro-batches differ in size (and some are phantoms): nothing shaped
+    by a batch crosses. They are FSDP2's all-gathers of parameter shards, the reduce-scatters of the
+    clipped sums (one per trainable parameter and backward pass, full parameter shape), rank 0's noise
+    key, and the scalars the Trainer logs (token count, loss)."""
+    reports, _ = hf_fsdp
+    first, second = (r["full"] for r in reports)
+    assert [len(b) for b in first["seen"]] != [len(b) for b in second["seen"]]
+    assert first["collectives"] == second["collectives"]
+    names = {name for name, _ in first["collectives"]}
+    assert names == {"all_gather_single", "reduce_scatter_single", "broadcast_object_list", "all_gather"}
+    sizes = {len(values) for values in first["params"].values()}
+    for name, shapes in first["collectives"]:
+        if name == "reduce_scatter_single":  # (this rank's shard out, the full clipped sum in)
+            rows, columns = shapes[1]
+            assert rows * columns in sizes and shapes[0] == [rows // WORLD, columns]
+        elif name == "all_gather":
+            assert all(shape == [1] for shape in shapes)
+    backward_passes = 8  # one per micro-batch, phantoms included
+    scatters = sum(name == "reduce_scatter_single" for name, _ in first["collectives"])
+    assert scatters == backward_passes * len(first["params"])
+    assert sum(name == "broadcast_object_list" for name, _ in first["collectives"]) == 4  # one noise key per step

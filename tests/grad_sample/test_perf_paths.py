@@ -1,0 +1,67 @@
+"""Fast paths stay exact: transposed output gradients made contiguous at the tap, per-sample
+gradients summed in place only into memory the controller owns."""
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch.grad_sample import GradSampleHooks, register_grad_sampler
+from dptorch.grad_sample.layers.linear import linear_map_grad_samples
+from tests.grad_sample.test_fast_clipping import assert_modes_agree
+from tests.grad_sample.test_shared_inputs import TiedLM
+from tests.helpers import check_per_sample_grads, projection_loss
+
+
+def transposed_loss(output):
+    """A per-sample loss read through ``(B, V, T)``: its gradient reaches the head transposed."""
+    return projection_loss(output.transpose(1, 2))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_transposed_output_gradient_is_exact(mode):
+    torch.manual_seed(0)
+    check_per_sample_grads(TiedLM(11, 6, None), (torch.randint(0, 11, (3, 5)),), loss_fn=transposed_loss, grad_sample_mode=mode)
+
+
+def test_transposed_output_gradient_bk_equals_hooks():
+    torch.manual_seed(0)
+    assert_modes_agree(TiedLM(11, 6, 0), (torch.randint(0, 11, (3, 5)),), transposed_loss)
+
+
+class KeepingLinear(nn.Linear):
+    """A Linear whose (custom) sampler keeps a reference to what it returns."""
+
+
+@register_grad_sampler(KeepingLinear)
+def _keeping_sampler(module, activations, backprops):
+    grads = linear_map_grad_samples(module.weight, module.bias, activations[0], backprops)
+    module.kept = {p: g for p, g in grads.items()}
+    module.kept_copy = {p: g.clone() for p, g in grads.items()}
+    return grads
+
+
+def test_tied_rows_never_written_into_a_samplers_tensor():
+    torch.manual_seed(0)
+    model = TiedLM(11, 6, None)
+    head = KeepingLinear(6, 11, bias=False)
+    head.weight = model.emb.weight
+    model.head = head
+    ids = torch.randint(0, 11, (3, 5))
+    got = check_per_sample_grads(model, (ids,))
+    kept = head.kept[head.weight]
+    assert torch.equal(kept, head.kept_copy[head.weight])  # the sampler's tensor is untouched
+    assert not torch.equal(got[head.weight], kept)  # the embedding rows were added to a copy
+
+
+def test_a_rounds_per_sample_gradients_survive_the_next_round():
+    torch.manual_seed(0)
+    model = TiedLM(11, 6, None)
+    ids = torch.randint(0, 11, (3, 5))
+    with GradSampleHooks(model) as hooks:
+        projection_loss(model(ids)).mean().backward()
+        first = hooks.grad_samples
+        saved = {p: g.clone() for p, g in first.items()}
+        hooks.clear()
+        projection_loss(model(ids.flip(0))).mean().backward()
+        for p, g in first.items():
+            assert torch.equal(g, saved[p])
