@@ -108,27 +108,36 @@ def markdown(rows: Sequence[Dict[str, Any]]) -> str:
 
 
 def plot(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
-    """Accuracy against epsilon (log axis), one line per mechanism: mean, shaded min-max over seeds."""
+    """Accuracy against epsilon (log axis), one line per mechanism: mean, shaded min-max over seeds; and
+    on the right, each mean minus DP-SGD's."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    figure, (axes, gap) = plt.subplots(1, 2, figsize=(10, 4.2), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    epsilons = sorted({r["epsilon_target"] for r in rows})
+    baseline = {r["epsilon_target"]: r["mean"] for r in rows if r["label"] == "DP-SGD"}
     for name in sorted({r["label"] for r in rows}, key=_order):
         mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["epsilon_target"])
         x = [r["epsilon_target"] for r in mine]
         style = dict(color="black", linestyle="--") if name == "DP-SGD" else {}
         line, = axes.plot(x, [r["mean"] for r in mine], marker="o", label=name, **style)
-        axes.fill_between(x, [r["min"] for r in mine], [r["max"] for r in mine], color=line.get_color(), alpha=0.15)
-    axes.set_xscale("log")
-    axes.set_xticks(sorted({r["epsilon_target"] for r in rows}))
-    axes.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-    axes.set_xlabel("epsilon (same delta, steps and hyper-parameters for all)")
+        axes.fill_between(x, [r["min"] for r in mine], [r["max"] for r in mine], color=line.get_color(), alpha=0.12)
+        paired = [r for r in mine if r["epsilon_target"] in baseline]
+        gap.plot([r["epsilon_target"] for r in paired], [100 * (r["mean"] - baseline[r["epsilon_target"]]) for r in paired],
+                 marker="o", color=line.get_color(), **({"linestyle": "--"} if name == "DP-SGD" else {}))
+    for ax in (axes, gap):
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(epsilons)
+        ax.get_xaxis().set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.set_xlabel("epsilon")
+        ax.grid(alpha=0.3)
     axes.set_ylabel("test accuracy (mean, min-max over seeds)")
-    axes.set_title(title, fontsize=10)
-    axes.grid(alpha=0.3)
+    gap.set_ylabel("mean accuracy minus DP-SGD's (points)")
     axes.legend()
+    figure.suptitle(title + " (same delta, steps and hyper-parameters)", fontsize=10)
     figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path)

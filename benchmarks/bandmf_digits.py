@@ -91,7 +91,7 @@ def main() -> None:
         runs = common.read_runs(args.summarise)
     else:
         runs = common.run_grid(one_run, args, epochs=args.epochs, lr=args.lr, workload=args.workload)
-    common.finish(runs, args, "digits CNN (240 steps, batch 128): DP-BandMF vs DP-SGD")
+    common.finish(runs, args, "digits CNN (240 steps, lr 0.1, momentum 0.9): DP-BandMF vs DP-SGD")
 
 
 if __name__ == "__main__":

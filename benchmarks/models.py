@@ -5,12 +5,15 @@
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
 after two warm-up steps. Peak memory is the process's peak RSS growth over the step loop.
-Prints a table and writes benchmarks/results/models.json.
+Prints a table and writes benchmarks/results/models.json. Opacus (an optional peer, ``pip install
+dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``opacus-ghost``
+(its ghost clipping with ``DPLossFastGradientClipping``); hooks and bk are compared against them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import resource
 import statistics
@@ -123,6 +126,20 @@ def opacus_private(model, optimizer, criterion, mode, batch):
     return model, optimizer, criterion
 
 
+OPACUS_PEERS = {"hooks": "opacus-hooks", "bk": "opacus-ghost"}  # each dptorch mode against its Opacus counterpart
+
+
+def versus_opacus(rows: list, shape: str, ours: str, theirs: str) -> str:
+    """``bk vs opacus-ghost: 1.84x faster`` for the last rows of ``shape`` (empty if either is missing)."""
+    found = {r["mode"]: r for r in rows if r["shape"] == shape and r["mode"] in (ours, theirs)}
+    if ours not in found or theirs not in found or "error" in found[ours]:
+        return ""
+    peer = found[theirs]
+    if "error" in peer:
+        return f"{ours} vs {theirs}: {theirs} {'fails: ' if peer['error'] != 'not installed' else ''}{peer['error']}"
+    return f"{ours} vs {theirs}: {peer['median_s'] / found[ours]['median_s']:.2f}x faster"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -142,6 +159,10 @@ def main() -> None:
             for batch in args.batch:
                 base = None
                 for mode in args.modes:
+                    if mode.startswith("opacus") and importlib.util.find_spec("opacus") is None:
+                        rows.append({"shape": shape, "mode": mode, "error": "not installed"})
+                        print(f"{shape:20s} {mode:13s} not installed (pip install opacus --no-deps; opt_einsum)", flush=True)
+                        continue
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--one", shape, mode, str(seq or 0), str(batch or 0)]
                     run = subprocess.run(cmd, capture_output=True, text=True)
                     if run.returncode != 0:
@@ -156,6 +177,10 @@ def main() -> None:
                     rows.append(row)
                     print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
                           f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak RSS {row['peak_rss_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
+                for ours, theirs in OPACUS_PEERS.items():
+                    line = versus_opacus(rows, shape, ours, theirs)
+                    if line:
+                        print(f"{shape:20s} {line}", flush=True)
     out_dir = Path(__file__).parent / "results"
     out_dir.mkdir(exist_ok=True)
     (out_dir / "models.json").write_text(json.dumps(rows, indent=1))

@@ -9,8 +9,9 @@ lets Accelerate take its FSDP path in CPU processes). Runs, one after the other,
 micro-batches of 1 unit per device on average (some empty on one rank, one on both):
 
 * ``full``: DPTrainer, LoRA Llama, a checkpoint at step 2; ``resumed``: resumed from it;
-* ``sft``: ``private(trl.SFTTrainer)``, LoRA Llama; ``dpo``: ``private(trl.DPOTrainer)``, LoRA GPT-2
-  (its ``compute_loss`` gathers metrics over the ranks on every micro-batch); when TRL is installed;
+* ``sft``: ``private(trl.SFTTrainer)``, LoRA Llama; ``dpo``: ``private(trl.DPOTrainer)``, LoRA GPT-2,
+  a user (2 examples, 4 rows) per privacy unit (its ``compute_loss`` gathers metrics over the ranks
+  on every micro-batch); when TRL is installed;
 * ``ddp`` only: ``skipping``, the full run with empty micro-batches skipped instead of run as
   phantoms (DDP runs no collective per micro-batch); ``secret_seed``: the sampling seed of a trainer
   built without one (it must be rank 0's secret seed, broadcast).
@@ -53,6 +54,7 @@ from tests.integrations.tiny import (  # noqa: E402
 
 ROWS = 32
 SAMPLING_SEED = 6  # draws with empty micro-batches on one rank and on both, and sizes that differ (tests check)
+USERS, DPO_SAMPLING_SEED = 16, 1  # DPO: 2 examples per user (the privacy unit); the same properties of the draws
 PRIVACY = dict(noise_multiplier=0.8, target_delta=1e-3, per_sample_max_grad_norm=1.0, noise_seed=11)
 TRAINING = dict(max_steps=4, per_device_train_batch_size=1, gradient_accumulation_steps=2, optim="sgd",
                 lr_scheduler_type="constant", learning_rate=0.5, max_grad_norm=0.0)
@@ -167,16 +169,18 @@ def trl_trainer(kind: str, output_dir: Path, tokenizer, mode: str):
                     logging_steps=1, save_strategy="no", max_length=32, **TRAINING)
     if mode == "fsdp":
         os.environ.update(accelerate_launch_env(ROOT / "examples" / "accelerate_fsdp2.yaml"))
-    privacy = PrivacyArguments(sampling_seed=SAMPLING_SEED, **PRIVACY)
     if kind == "sft":
         config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
         return type("ObservedSFT", (Observed, private(SFTTrainer)), {})(
             model=tiny_llama(tokenizer), args=SFTConfig(**settings), train_dataset=text_dataset(ROWS),
-            processing_class=tokenizer, peft_config=config, privacy_args=privacy)
+            processing_class=tokenizer, peft_config=config,
+            privacy_args=PrivacyArguments(sampling_seed=SAMPLING_SEED, **PRIVACY))
     config = LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True, lora_dropout=0.0, task_type="CAUSAL_LM")
+    data = preference_dataset(ROWS).add_column("user", [f"user{i % USERS}" for i in range(ROWS)])
     return type("ObservedDPO", (Observed, private(DPOTrainer)), {})(
-        model=tiny_gpt2(tokenizer), args=DPOConfig(beta=0.1, **settings), train_dataset=preference_dataset(ROWS),
-        processing_class=tokenizer, peft_config=config, privacy_args=privacy)
+        model=tiny_gpt2(tokenizer), args=DPOConfig(beta=0.1, **settings), train_dataset=data,
+        processing_class=tokenizer, peft_config=config,
+        privacy_args=PrivacyArguments(sampling_seed=DPO_SAMPLING_SEED, privacy_unit_column="user", **PRIVACY))
 
 
 def accelerate_launch_env(config_file: Path) -> dict:

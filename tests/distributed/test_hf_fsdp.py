@@ -70,7 +70,9 @@ def test_only_shards_clipped_sums_the_noise_key_and_logged_scalars_cross_ranks(h
     shape by shape, although their micro-batches differ in size (and some are phantoms): nothing shaped
     by a batch crosses. They are FSDP2's all-gathers of parameter shards, the reduce-scatters of the
     clipped sums (one per trainable parameter and backward pass, full parameter shape), rank 0's noise
-    key, and the scalars the Trainer logs (token count, loss)."""
+    key, and the scalars the Trainer logs (token count, loss). (DTensor's own functional collectives are
+    not ``torch.distributed`` calls and not recorded; in training they only compute the norm of the
+    privatised gradient for the logs.)"""
     reports, _ = hf_fsdp
     first, second = (r["full"] for r in reports)
     assert [len(b) for b in first["seen"]] != [len(b) for b in second["seen"]]

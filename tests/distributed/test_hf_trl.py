@@ -30,6 +30,7 @@ def test_sft_and_dpo_train_with_phantoms_and_agree_across_ranks(runs):
     sizes = [[len(batch) for batch in r["dpo"]["seen"]] for r in runs]
     assert any(a and b and a != b for a, b in zip(*sizes))  # different (non-zero) sizes in one micro-batch
     assert any(not a and not b for a, b in zip(*sizes))  # a micro-batch empty on both ranks
+    assert all(n % 4 == 0 for n in sizes[0] + sizes[1])  # DPO by user: 2 examples, each a chosen and a rejected row
 
 
 def test_fsdp2_ends_where_ddp_ends(hf_ddp, hf_fsdp):

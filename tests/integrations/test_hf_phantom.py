@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 
 from dptorch.grad_sample import GradSampleHooks  # noqa: E402
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling  # noqa: E402
+from dptorch.integrations.hf.metrics import dropped_metrics  # noqa: E402
 from dptorch.integrations.hf.phantom import PhantomBatch, neutral_batch  # noqa: E402
 from dptorch.noise import NoiseGenerator  # noqa: E402
 from dptorch.optim import DPOptimizer  # noqa: E402
@@ -60,3 +61,18 @@ def test_a_phantom_round_adds_no_gradient_no_unit_and_no_clipping_statistic():
     for plain, phantom in zip(grads, with_phantom):
         assert torch.equal(plain, phantom)  # bit for bit: the clipped sum and the noise are unchanged
     assert phantom_stats == stats and stats["units"] == 3  # the phantom's 5 rows are no units
+
+
+def test_trl_metrics_of_a_micro_batch_empty_on_every_rank_are_dropped():
+    class Trainer:
+        _metrics = {"train": {"rewards": [0.5], "num_tokens": [10]}, "eval": {}}
+
+    trainer = Trainer()
+    with dropped_metrics(trainer, when=lambda: False):  # some rank had rows: TRL's values stay
+        trainer._metrics["train"]["rewards"].append(0.7)
+    assert trainer._metrics["train"]["rewards"] == [0.5, 0.7]
+    with dropped_metrics(trainer, when=lambda: True):  # no rank had rows: what TRL appended goes
+        trainer._metrics["train"]["rewards"].append(float("nan"))
+        trainer._metrics["train"]["num_tokens"] = [10]  # TRL re-sets the running total (unchanged: no token)
+        trainer._metrics["train"]["entropy"] = [0.0]
+    assert trainer._metrics == {"train": {"rewards": [0.5, 0.7], "num_tokens": [10]}, "eval": {}}
