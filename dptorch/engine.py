@@ -258,6 +258,7 @@ class PrivacyEngine:
                 "from an earlier make_private): a second engine would clip and noise every step twice and both would "
                 "count its privacy. Keep using the first engine's model and optimizer, or call detach() on it first"
             )
+        _refuse_compiled(module)
         _check_optimizer_params_in_model(module, optimizer)
         if not module.training:
             raise ValueError("the model is in eval mode; call model.train() before make_private (eval mode captures no per-sample gradients)")
@@ -635,6 +636,25 @@ def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 def _unwrap(module: nn.Module) -> nn.Module:
     return module._module if isinstance(module, GradSampleModule) else module
+
+
+def _refuse_compiled(module: nn.Module) -> None:
+    """Refuse a ``torch.compile``d model (or one holding a compiled submodule), with the reason."""
+    compiled = [f"submodule {name!r}" if name else "the model" for name, m in module.named_modules() if _is_compiled(m)]
+    if compiled:
+        raise ValueError(
+            f"{_name_list(compiled)} {'is' if len(compiled) == 1 else 'are'} compiled with torch.compile, which the "
+            "per-sample gradient hooks defeat: each hooked layer breaks the compiled graph (its parameters' "
+            "requires_grad is switched for the call, and the capture Function's backward calls back into Python), "
+            "so a step runs as dozens of small graphs plus eager code (measured on a 2-layer GPT-2: 25 graph breaks, "
+            "6-9x slower per step than eager, 13-18 s of compilation), and exactness would rest on every hook staying "
+            "outside the graphs. Pass the uncompiled model (compiled_model._orig_mod) to make_private"
+        )
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not loaded: nothing was compiled
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -270,14 +270,24 @@ def group_by_input(uses):
 
 
 def shared_affine_norms_sq(uses) -> list:
-    """Squared per-sample norms ``{param: (B,)}`` for each use, with one input Gram per group.
+    """Squared per-sample norms ``{param: (B,)}`` for each use (see ``shared_affine_norms_and_grads``)."""
+    return shared_affine_norms_and_grads(uses)[0]
+
+
+def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
+    """Squared per-sample norms ``{param: (B,)}`` for each use, with one input Gram per group, and
+    the per-sample weight gradients that were instantiated on the way ``{weight: (B, *shape)}``.
 
     Per group of uses reading the same ``a`` (``T`` tokens of ``d`` features), weight norms are
     ghost (``<a a^T, b_k b_k^T>``) or instantiated (``||b_k^T a||^2``). Once the Gram is paid a
     ghost norm costs ``T^2 p_k`` against ``T d p_k`` instantiated, so the group goes ghost when
     ``T < d`` and ``sum_k (T d - T^2) p_k > T^2 d`` (for one use: the usual ``T (d + p) < d p``).
+    An instantiated gradient (``B d p`` numbers, no more than the ``B T (d + p)`` of ``a`` and
+    ``b``) then gives the clipped sum as a weighted sum (``weighted_sum``) instead of a second
+    ``T d p`` matmul per sample.
     """
     results = [dict() for _ in uses]
+    grads = [dict() for _ in uses]
     for group in group_by_input(uses):
         weighted = [i for i in group if uses[i].weight is not None]
         a = flatten_middle_dims(uses[group[0]].inputs)
@@ -299,10 +309,19 @@ def shared_affine_norms_sq(uses) -> list:
                 elif gram is not None:
                     results[i][use.weight] = frobenius_per_sample(gram.to(dtype), torch.bmm(b, b.transpose(1, 2)))
                 else:
-                    results[i][use.weight] = squared_norms(torch.bmm(b.transpose(1, 2), a.to(dtype)))
+                    a_cast = a.to(dtype)
+                    grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
+                    results[i][use.weight] = squared_norms(grad)
+                    grads[i][use.weight] = grad
             if use.bias is not None:
                 results[i][use.bias] = squared_norms(b.sum(1, dtype=at_least_float32_dtype(b.dtype)))
-    return results
+    return results, grads
+
+
+def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
+    """``sum_i factor_i per_sample_i`` in float32 (or wider): one pass over the per-sample tensor."""
+    dtype = at_least_float32_dtype(per_sample.dtype)
+    return (factor.to(dtype) @ per_sample.to(dtype).flatten(1)).view(per_sample.shape[1:])
 
 
 def shared_affine_clipped_sums(uses, factors) -> list:

@@ -40,7 +40,8 @@ from dptorch.grad_sample.ghost import (
     affine_layout,
     form_inner_products,
     shared_affine_clipped_sums,
-    shared_affine_norms_sq,
+    shared_affine_norms_and_grads,
+    weighted_sum,
 )
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
@@ -64,6 +65,8 @@ class LayerCall:
     activations: Tuple[torch.Tensor, ...]
     backprops: torch.Tensor
     scale: float = 1.0  # backprops times scale are the per-sample gradients of the outputs
+    # Per-sample gradients (without ``scale``) the norms instantiated: the clipped sum reads them.
+    per_sample: Optional[Dict[nn.Parameter, torch.Tensor]] = None
 
     def scaled_backprops(self) -> torch.Tensor:
         return self.backprops * self.scale if self.scale != 1.0 else self.backprops
@@ -173,10 +176,7 @@ class Instantiate:
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad(), float32_matmuls_at_full_precision():
-            return {
-                p: torch.einsum("i,i...->...", c.float(), self.grads[p].float())
-                for p, c in factors.items() if p in self.grads
-            }
+            return {p: weighted_sum(c.float(), self.grads[p]).float() for p, c in factors.items() if p in self.grads}
 
     def batch_size(self) -> int:
         return next((g.shape[0] for g in self.grads.values()), next((r[0][2] for r in self._rows.values()), 0))
@@ -273,9 +273,10 @@ class BookKeeping:
                 for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
                     if param in self._shared:
                         forms.setdefault(param, []).append((call.scale, form))
-        for call, squared in zip(affine_calls, shared_affine_norms_sq(affine_uses)):
+        for call, squared, grads in zip(affine_calls, *shared_affine_norms_and_grads(affine_uses)):
             for param, value in squared.items():
                 norms[param] = value.float().clamp(min=0).sqrt() * call.scale
+            call.per_sample = grads or None
         for param, uses in forms.items():
             norms[param] = shared_norm(uses)
         return norms
@@ -294,7 +295,15 @@ class BookKeeping:
                 return scaled_factors[key]
 
             for call in self.calls:
-                use = _affine_use(call, [p for p in call.params.values() if p in factors])
+                kept = call.per_sample or {}
+                for param in kept:
+                    if param in factors:  # instantiated by the norms: one pass over it
+                        summed = weighted_sum(scaled_factor(param, call.scale), kept[param]).float()
+                        sums[param] = summed + sums[param] if param in sums else summed
+                wanted = [p for p in call.params.values() if p in factors and p not in kept]
+                if kept and not wanted:
+                    continue
+                use = _affine_use(call, wanted)
                 if use is not None:  # Linear / Conv1D: the shared input scaled once per factor
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
                     affine_uses.append(use)

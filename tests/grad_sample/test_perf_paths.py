@@ -65,3 +65,19 @@ def test_a_rounds_per_sample_gradients_survive_the_next_round():
         projection_loss(model(ids.flip(0))).mean().backward()
         for p, g in first.items():
             assert torch.equal(g, saved[p])
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_long_sequences_instantiate_and_sum_what_the_norms_built(clipping):
+    """T (d + p) > d p: every Linear / Conv1D norm is instantiated, and its clipped sum read from it."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=40, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model.transformer.h[0].attn.c_proj.bias.requires_grad_(False)  # a weight kept without its bias
+    ids = torch.randint(0, 13, (3, 30))
+    assert_modes_agree(model, {"input_ids": ids}, lambda out: projection_loss(out.logits), clipping=clipping)
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3, bias=False))
+    assert_modes_agree(mlp, (torch.randn(5, 40, 4),), projection_loss, clipping=clipping)
