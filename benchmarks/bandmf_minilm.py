@@ -21,8 +21,8 @@ except ImportError:  # run as a script: benchmarks/ is on the path
 from dptorch.examples.minilm import run
 
 
-def one_run(epsilon, mechanism, bands, seed, epochs=3.0, train_size=2000, threads=1):
-    report = run(epsilon=epsilon, epochs=epochs, train_size=train_size, seed=seed, noise_mechanism=mechanism,
+def one_run(epsilon, mechanism, bands, seed, epochs=3.0, train_size=2000, lr=2e-2, threads=1):
+    report = run(epsilon=epsilon, epochs=epochs, train_size=train_size, lr=lr, seed=seed, noise_mechanism=mechanism,
                  bands=bands, threads=threads, baseline=False, verbose=False)
     return {"accuracy": report["private_accuracy"], "epsilon": report["epsilon"],
             "noise_multiplier": report["noise_multiplier"], "sample_rate": report["sample_rate"],
@@ -34,12 +34,14 @@ def main() -> None:
     common.add_grid_flags(parser, epsilons=[8.0], bands=["2", "4"])
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--train-size", type=int, default=2000)
+    parser.add_argument("--lr", type=float, default=2e-2, help="learning rate of every run (the demo's: 2e-2)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     if args.summarise:
         runs = common.read_runs(args.summarise)
     else:
-        runs = common.run_grid(one_run, args, epochs=args.epochs, train_size=args.train_size, threads=args.threads)
+        runs = common.run_grid(one_run, args, epochs=args.epochs, train_size=args.train_size, lr=args.lr,
+                                 threads=args.threads)
     common.finish(runs, args, "MiniLM on tweets (make demo job): DP-BandMF vs DP-SGD")
 
 

@@ -60,8 +60,9 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     torch.manual_seed(0)
     model = build(family, layers, width, vocab, tied, *kv_heads).train()
     ids = torch.randint(0, vocab, (batch, seq))
-    # Explicit (B, T) position ids: Opacus cannot take GPT-2's default broadcast (1, T) ones.
-    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, seq)}
+    # Explicit (B, T) position ids, in memory of their own: Opacus cannot take GPT-2's default
+    # broadcast (1, T) ones, and its ghost embedding norm views the ids (an expanded tensor fails).
+    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, seq).contiguous()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss()
     if mode.startswith("opacus"):

@@ -12,9 +12,14 @@ Layers without a norm sampler, and parameters used by several calls (tied weight
 instantiated inside ``BookKeeping`` too: the norm of a shared parameter is the norm of the sum of
 its uses. Built-in ``nn.Linear`` / HF ``Conv1D`` calls that read one input tensor (q/k/v,
 gate/up: the same memory, never merely equal values) share its Gram matrix and its
-clip-factor-scaled copy (``ghost.shared_affine_norms_sq`` / ``shared_affine_clipped_sums``).
+clip-factor-scaled copy (``ghost.shared_affine_norms_and_grads`` / ``shared_affine_clipped_sums``).
 ``Instantiate`` keeps ``nn.Embedding`` calls as rows until the round ends and adds them into the
-weight's other per-sample gradient (a tied output head) instead of a dense ``(B, V, d)`` of its own.
+weight's other per-sample gradient (a tied output head) instead of a dense ``(B, V, d)`` of its own,
+in place when that gradient is memory it owns (``FRESH_RESULT_SAMPLERS``). A call's scale (the
+batch size, for a mean loss) goes on the smaller of its output gradient and its per-sample
+gradients (``sampled_grads``). In ``BookKeeping`` a Linear / Conv1D norm that was instantiated
+(long sequences: ``T (d + p) >= d p``) keeps its per-sample gradient, and the clipped sum is its
+weighted sum: one pass over ``B d p`` numbers instead of a second ``T d p`` matmul per sample.
 
 Arithmetic: norms and clipped sums are formed in float32 at least, whatever the parameters' dtype
 (bf16 activations and output gradients are upcast; the clip factors stay float32), and with
@@ -99,8 +104,7 @@ class Instantiate:
                 )
             held.append(rows)
             return
-        grads = call.sampler(call.module, call.activations, call.scaled_backprops())
-        self.add(call, grads, fresh=call.sampler in FRESH_RESULT_SAMPLERS)
+        self.add(call, *sampled_grads(call))
 
     def _place_rows(self) -> None:
         """Add the kept embedding rows into each weight's per-sample gradient (dense from here on)."""
@@ -208,7 +212,7 @@ class BookKeeping:
 
     def add(self, call: LayerCall, grads: Dict[nn.Parameter, torch.Tensor], fresh: bool = False) -> None:
         """Sum ``grads`` into the held per-sample gradients; ``fresh``: their memory is ours."""
-        self.dense.add(call, grads)
+        self.dense.add(call, grads, fresh)
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
         uses = Counter(p for call in self.calls for p in call.params.values())
@@ -220,9 +224,7 @@ class BookKeeping:
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
             if shared:
-                grads = call.sampler(call.module, call.activations, call.scaled_backprops())
-                fresh = call.sampler in FRESH_RESULT_SAMPLERS
-                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), grads, fresh)
+                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), *sampled_grads(call))
                 call.params = {n: p for n, p in call.params.items() if n not in shared}
             if not call.params:
                 continue
@@ -328,6 +330,23 @@ class BookKeeping:
         if self.calls:
             return self.calls[0].backprops.shape[0]
         return self.dense.batch_size()
+
+
+def sampled_grads(call: LayerCall) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
+    """The call's per-sample gradients from its sampler, and whether their memory is new and ours.
+
+    They are linear in the output gradient, so the call's scale goes on whichever is smaller: the
+    output gradient before (``(B, T, p)``) or the per-sample gradients after (``B`` times the
+    parameters: smaller when ``T`` exceeds the input width, and for a large output head).
+    """
+    fresh = call.sampler in FRESH_RESULT_SAMPLERS
+    batch = call.backprops.shape[0] if call.backprops.dim() else 1
+    after = call.scale != 1.0 and call.backprops.numel() > batch * sum(p.numel() for p in call.params.values())
+    grads = call.sampler(call.module, call.activations, call.backprops if after else call.scaled_backprops())
+    if after and isinstance(grads, Mapping):
+        grads = {p: g if g is None else g.mul_(call.scale) if fresh else g * call.scale for p, g in grads.items()}
+        fresh = True
+    return grads, fresh
 
 
 def _plain_embedding(call: LayerCall) -> bool:

@@ -76,8 +76,22 @@ def test_long_sequences_instantiate_and_sum_what_the_norms_built(clipping):
     cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=13, n_positions=40, resid_pdrop=0.0,
                                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).train()
-    model.transformer.h[0].attn.c_proj.bias.requires_grad_(False)  # a weight kept without its bias
     ids = torch.randint(0, 13, (3, 30))
     assert_modes_agree(model, {"input_ids": ids}, lambda out: projection_loss(out.logits), clipping=clipping)
     mlp = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3, bias=False))
     assert_modes_agree(mlp, (torch.randn(5, 40, 4),), projection_loss, clipping=clipping)
+
+
+def test_a_mean_loss_scale_applied_after_the_sampler_is_exact():
+    """T > d: the batch-size scale of a mean loss goes on the per-sample gradients, not on b."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    check_per_sample_grads(mlp, (torch.randn(5, 40, 4),), loss_reduction="mean")
+    model, ids = TiedLM(7, 3, None), torch.randint(0, 7, (4, 30))  # the tied head: instantiated in bk too
+    norms = {}
+    for mode in ("hooks", "bk"):
+        with GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="mean") as hooks:
+            projection_loss(model(ids)).mean().backward()
+            norms[mode] = hooks.per_sample_norms()
+    for p, want in norms["hooks"].items():
+        torch.testing.assert_close(norms["bk"][p], want, rtol=1e-5, atol=1e-6)
