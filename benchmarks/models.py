@@ -138,7 +138,8 @@ def versus_opacus(rows: list, shape: str, ours: str, theirs: str) -> str:
     peer = found[theirs]
     if "error" in peer:
         return f"{ours} vs {theirs}: {theirs} {'fails: ' if peer['error'] != 'not installed' else ''}{peer['error']}"
-    return f"{ours} vs {theirs}: {peer['median_s'] / found[ours]['median_s']:.2f}x faster"
+    speedup = peer["median_s"] / found[ours]["median_s"]
+    return f"{ours} vs {theirs}: " + (f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower")
 
 
 def main() -> None:
