@@ -482,12 +482,13 @@ class PrivacyPlan:
 
     @property
     def expected_batch_size(self) -> Optional[float]:
-        """Expected units per logical batch: given, else ``sample_rate * num_units``."""
+        """Expected units per logical batch: given, else ``sample_rate * num_units / bands`` (bandmf: a
+        step samples one of b partitions at rate q_p)."""
         if self._expected_batch_size is not None:
             return self._expected_batch_size
         if self.sample_rate is None or self.num_units is None:
             return None
-        return self.sample_rate * self.num_units
+        return self.sample_rate * self.num_units / self.bands
 
     @property
     def sensitivity(self) -> float:
