@@ -38,7 +38,7 @@ from dptorch.optim.clipping import CLIPPING_MODES
 from dptorch.plan import PrivacyPlan, check_clipping, check_delta_for_units
 from dptorch.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
-from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, cyclic_data_loader
+from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, auto_bands, cyclic_data_loader
 from dptorch.validate import ModuleValidator
 
 
@@ -171,6 +171,9 @@ class PrivacyEngine:
         steps the run takes: ``steps``, or ``epochs`` passes over the returned loader
         (``epochs * len(loader)`` draws), with this engine's accountant (not 'gdp'). Returns what
         ``make_private`` returns for the same arguments (with ``criterion=``: four items).
+        ``noise_mechanism="bandmf", bands="auto"`` picks the bands of lowest expected prefix-sum error
+        at the target, b = 1 (DP-SGD's noise) where no banded strategy is lower
+        (:func:`~dptorch.noise_mechanisms.choose_bands`).
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")
@@ -183,6 +186,12 @@ class PrivacyEngine:
         given = {name: kwargs.pop(name) for name in option_names if name in kwargs}
         options = clipping_plan_fields(clipping, **given) if clipping in CLIPPING_MODES else {}
         noise_mechanism, bands = kwargs.pop("noise_mechanism", "independent"), kwargs.pop("bands", None)
+        if noise_mechanism == "bandmf" and bands == "auto":
+            probe = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
+                                            bands=1)
+            bands = auto_bands(data_loader, probe, target_epsilon=target_epsilon, target_delta=target_delta,
+                               horizon=planned_steps_of(probe.batch_sampler.steps, epochs, steps),
+                               accountant=self.accountant)
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
         check_delta_for_units(target_delta, dp_loader.batch_sampler.num_samples, "target_delta")

@@ -4,6 +4,7 @@
   ``DataLoader`` is rebuilt with the same expected batch size (q_p = b / len(loader)); a
   ``CyclicPoissonDataLoader`` must have b partitions; a plain Poisson ``DPDataLoader`` is
   1-min-separated only, so it is accepted for b = 1 and refused otherwise.
+* ``auto_bands``: ``bands="auto"`` (``make_private_with_epsilon``): the b of lowest expected error.
 * ``_mechanism_fields``: the plan fields (``mechanism``, ``strategy``): the optimised band for the
   planned steps n.
 * ``attach_banded_noise``: the optimizer's noise generator becomes a :class:`BandedNoise` around it.
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, Optional
 
 import torch
@@ -23,6 +25,8 @@ from dptorch.noise_mechanisms.streaming import BandedNoise
 
 NOISE_MECHANISMS = ("independent", "bandmf")
 
+logger = logging.getLogger(__name__)
+
 
 def _check_mechanism(noise_mechanism: str, bands: Optional[int]) -> Optional[int]:
     """The bands of a bandmf run (None for independent noise); refuses inconsistent arguments."""
@@ -32,9 +36,34 @@ def _check_mechanism(noise_mechanism: str, bands: Optional[int]) -> Optional[int
         if bands not in (None, 1):
             raise ValueError(f"bands={bands} is an option of noise_mechanism='bandmf' (independent noise has 1 band)")
         return None
+    if bands == "auto":
+        raise ValueError(
+            "bands='auto' chooses the bands for a target epsilon: use make_private_with_epsilon, or pick b with "
+            "dptorch.noise_mechanisms.choose_bands and pass bands=b"
+        )
     if not isinstance(bands, int) or isinstance(bands, bool) or bands < 1:
-        raise ValueError(f"noise_mechanism='bandmf' needs bands, a whole number >= 1, got {bands!r}")
+        raise ValueError(f"noise_mechanism='bandmf' needs bands, a whole number >= 1 (or 'auto' with a target "
+                         f"epsilon), got {bands!r}")
     return bands
+
+
+def auto_bands(data_loader: DataLoader, probe: DPDataLoader, *, target_epsilon: float, target_delta: float,
+               horizon: int, accountant: str) -> int:
+    """``bands='auto'``: the b of lowest expected prefix-sum error at the target (:func:`choose_bands`).
+
+    ``probe`` is the run's loader as one partition (plain Poisson sampling at DP-SGD's rate q)."""
+    from dptorch.noise_mechanisms.choose import choose_bands
+
+    if isinstance(data_loader, CyclicPoissonDataLoader):
+        raise ValueError(
+            f"bands='auto' chooses the partitions, but this CyclicPoissonDataLoader already has "
+            f"{data_loader.bands}: pass a plain DataLoader, or bands={data_loader.bands}"
+        )
+    choice = choose_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=int(horizon),
+                          sample_rate=probe.batch_sampler.sample_rate, accountant=accountant)
+    logger.info("bands='auto': %d bands (expected error relative to DP-SGD: %s)", choice.bands,
+                ", ".join(f"b={b}: {e:.3f}" for b, e in sorted(choice.relative_errors.items())))
+    return choice.bands
 
 
 def _mechanism_fields(noise_mechanism: str, bands: Optional[int], horizon: int) -> Dict[str, Any]:
