@@ -191,7 +191,7 @@ class PrivacyEngine:
                                             bands=1)
             bands = auto_bands(data_loader, probe, target_epsilon=target_epsilon, target_delta=target_delta,
                                horizon=planned_steps_of(probe.batch_sampler.steps, epochs, steps),
-                               accountant=self.accountant)
+                               accountant=self.accountant.mechanism)
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
         check_delta_for_units(target_delta, dp_loader.batch_sampler.num_samples, "target_delta")

@@ -4,7 +4,8 @@
   ``DataLoader`` is rebuilt with the same expected batch size (q_p = b / len(loader)); a
   ``CyclicPoissonDataLoader`` must have b partitions; a plain Poisson ``DPDataLoader`` is
   1-min-separated only, so it is accepted for b = 1 and refused otherwise.
-* ``auto_bands``: ``bands="auto"`` (``make_private_with_epsilon``): the b of lowest expected error.
+* ``auto_bands`` / ``resolve_auto_bands``: ``bands="auto"`` (``make_private_with_epsilon``, the HF
+  Trainer): the b of lowest expected error.
 * ``_mechanism_fields``: the plan fields (``mechanism``, ``strategy``): the optimised band for the
   planned steps n.
 * ``attach_banded_noise``: the optimizer's noise generator becomes a :class:`BandedNoise` around it.
@@ -52,15 +53,22 @@ def auto_bands(data_loader: DataLoader, probe: DPDataLoader, *, target_epsilon: 
     """``bands='auto'``: the b of lowest expected prefix-sum error at the target (:func:`choose_bands`).
 
     ``probe`` is the run's loader as one partition (plain Poisson sampling at DP-SGD's rate q)."""
-    from dptorch.noise_mechanisms.choose import choose_bands
-
     if isinstance(data_loader, CyclicPoissonDataLoader):
         raise ValueError(
             f"bands='auto' chooses the partitions, but this CyclicPoissonDataLoader already has "
             f"{data_loader.bands}: pass a plain DataLoader, or bands={data_loader.bands}"
         )
-    choice = choose_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=int(horizon),
-                          sample_rate=probe.batch_sampler.sample_rate, accountant=accountant)
+    return resolve_auto_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=horizon,
+                              sample_rate=probe.batch_sampler.sample_rate, accountant=accountant)
+
+
+def resolve_auto_bands(*, target_epsilon: float, target_delta: float, steps: int, sample_rate: float,
+                       accountant: str) -> int:
+    """The b :func:`choose_bands` picks for ``steps`` steps at DP-SGD's ``sample_rate`` q (logged with the errors)."""
+    from dptorch.noise_mechanisms.choose import choose_bands
+
+    choice = choose_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=int(steps),
+                          sample_rate=sample_rate, accountant=accountant)
     logger.info("bands='auto': %d bands (expected error relative to DP-SGD: %s)", choice.bands,
                 ", ".join(f"b={b}: {e:.3f}" for b, e in sorted(choice.relative_errors.items())))
     return choice.bands

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
 from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
@@ -115,8 +115,11 @@ class PrivacyArguments:
                   "matrix-factorisation noise, correlated over `bands` steps, with b-min-separated cyclic Poisson "
                   "sampling; see docs/correlated-noise.md)."},
     )
-    bands: Optional[int] = field(
-        default=None, metadata={"help": "noise_mechanism='bandmf': the number of bands b of the noise correlation."}
+    # Union[int, str]: HfArgumentParser reads it as a string, and __post_init__ turns "4" into 4.
+    bands: Optional[Union[int, str]] = field(
+        default=None,
+        metadata={"help": "noise_mechanism='bandmf': the number of bands b of the noise correlation, or 'auto' "
+                  "(with target_epsilon): the b of lowest expected error, DP-SGD's b=1 where no band is lower."},
     )
 
     def __post_init__(self) -> None:
@@ -161,7 +164,17 @@ class PrivacyArguments:
                 "secure_mode draws the Poisson sampling from the OS CSPRNG and takes no sampling_seed; remove one of them"
             )
 
-        _check_mechanism(self.noise_mechanism, self.bands)
+        if isinstance(self.bands, str) and self.bands.strip().isdecimal():
+            self.bands = int(self.bands)  # the command line's --bands 4
+        if self.noise_mechanism == "bandmf" and self.bands == "auto":
+            if self.target_epsilon is None:
+                raise ValueError(
+                    "bands='auto' chooses the bands of lowest expected error at a target epsilon, but "
+                    f"noise_multiplier={self.noise_multiplier} is given instead: give target_epsilon (the noise is "
+                    "then calibrated for the chosen bands), or a whole number of bands"
+                )
+        else:
+            _check_mechanism(self.noise_mechanism, self.bands)
         if self.noise_mechanism == "bandmf" and (self.clipping == "adaptive" or self.clipping_stats == "private"):
             raise ValueError(
                 "noise_mechanism='bandmf' with a released count of unclipped units (clipping='adaptive' or "
@@ -170,8 +183,10 @@ class PrivacyArguments:
             )
 
     @property
-    def banded(self) -> Optional[int]:
-        """The bands b of a bandmf run, None for independent noise."""
+    def banded(self) -> Optional[Union[int, str]]:
+        """The bands b of a bandmf run, None for independent noise.
+
+        ``"auto"`` until a private Trainer resolves it: ``trainer.privacy_args`` is a copy with the b it chose."""
         return self.bands if self.noise_mechanism == "bandmf" else None
 
     def clipping_options(self) -> Dict[str, Any]:

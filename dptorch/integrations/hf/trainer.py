@@ -43,12 +43,15 @@ it from rank 0. FSDP1, DeepSpeed and fp16 are refused (:mod:`.checks` says why).
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
 calibrated for exactly those), the clipping bound and the accountant; the Poisson sampler, the
-optimizer, the budget callback, ``privacy_report`` and the checkpoints all read it.
+optimizer, the budget callback, ``privacy_report`` and the checkpoints all read it. Before it is
+built, ``bands="auto"`` (bandmf) becomes the b that :func:`~dptorch.noise_mechanisms.choose_bands`
+picks for DP-SGD's sample rate and the run's steps; ``trainer.privacy_args`` is a copy with that b.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import warnings
@@ -83,7 +86,7 @@ from dptorch.integrations.hf.sampling import (
 )
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
-from dptorch.noise_mechanisms.wiring import _mechanism_fields
+from dptorch.noise_mechanisms.wiring import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.report import privacy_report, write_model_card
@@ -131,16 +134,10 @@ class PrivateTrainerMixin:
         self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
         self._dp_recipe.check(self)
         self.privacy_units = self._build_privacy_units(self.train_dataset)
-        self.sampling_plan = SamplingPlan.for_training(
-            num_units=self.privacy_units.num_units,
-            batch_size=self._train_batch_size,
-            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
-            max_steps=self.args.max_steps,
-            num_train_epochs=self.args.num_train_epochs,
-            world_size=self.args.world_size,
-            bands=privacy_args.banded,
-        )
         check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
+        if privacy_args.banded == "auto":  # from here on privacy_args.bands is the chosen b
+            self.privacy_args = privacy_args = self._resolve_auto_bands(privacy_args)
+        self.sampling_plan = self._sampling_plan(privacy_args.banded)
         self.privacy_plan = self._build_plan()
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
@@ -173,6 +170,27 @@ class PrivateTrainerMixin:
         Override to group rows another way (the dp-transformers ``author_mapping`` does).
         """
         return PrivacyUnits.from_dataset(dataset, self.privacy_args.privacy_unit_column)
+
+    def _sampling_plan(self, bands: Optional[int]) -> SamplingPlan:
+        """Sample rate and steps of this run's Trainer settings, with ``bands`` partitions (None: DP-SGD)."""
+        return SamplingPlan.for_training(
+            num_units=self.privacy_units.num_units,
+            batch_size=self._train_batch_size,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            max_steps=self.args.max_steps,
+            num_train_epochs=self.args.num_train_epochs,
+            world_size=self.args.world_size,
+            bands=bands,
+        )
+
+    def _resolve_auto_bands(self, privacy_args: PrivacyArguments) -> PrivacyArguments:
+        """``bands="auto"``: a copy of ``privacy_args`` with the b ``choose_bands`` picks for DP-SGD's sample
+        rate q (expected logical batch / units) and the total steps of this run (the user's copy keeps "auto")."""
+        dp_sgd = self._sampling_plan(None)
+        bands = resolve_auto_bands(target_epsilon=privacy_args.target_epsilon, target_delta=privacy_args.target_delta,
+                                   steps=dp_sgd.total_steps, sample_rate=dp_sgd.sample_rate,
+                                   accountant=privacy_args.accountant)
+        return dataclasses.replace(privacy_args, bands=bands)
 
     def _build_plan(self) -> PrivacyPlan:
         """The run's privacy plan: the sampling the Trainer will draw, the noise, clipping and accountant."""
