@@ -187,11 +187,13 @@ class PrivacyEngine:
         options = clipping_plan_fields(clipping, **given) if clipping in CLIPPING_MODES else {}
         noise_mechanism, bands = kwargs.pop("noise_mechanism", "independent"), kwargs.pop("bands", None)
         if noise_mechanism == "bandmf" and bands == "auto":
-            probe = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
-                                            bands=1)
-            bands = auto_bands(data_loader, probe, target_epsilon=target_epsilon, target_delta=target_delta,
-                               horizon=planned_steps_of(probe.batch_sampler.steps, epochs, steps),
-                               accountant=self.accountant.mechanism)
+            bands = auto_bands(
+                data_loader,
+                lambda: self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping,
+                                                max_grad_norm, bands=1),
+                target_epsilon=target_epsilon, target_delta=target_delta, accountant=self.accountant.mechanism,
+                horizon=lambda probe: planned_steps_of(probe.batch_sampler.steps, epochs, steps),
+            )
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
         check_delta_for_units(target_delta, dp_loader.batch_sampler.num_samples, "target_delta")

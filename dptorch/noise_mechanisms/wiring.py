@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.utils.data import DataLoader
@@ -48,17 +48,19 @@ def _check_mechanism(noise_mechanism: str, bands: Optional[int]) -> Optional[int
     return bands
 
 
-def auto_bands(data_loader: DataLoader, probe: DPDataLoader, *, target_epsilon: float, target_delta: float,
-               horizon: int, accountant: str) -> int:
+def auto_bands(data_loader: DataLoader, one_partition: Callable[[], DPDataLoader], *, target_epsilon: float,
+               target_delta: float, horizon: Callable[[DPDataLoader], int], accountant: str) -> int:
     """``bands='auto'``: the b of lowest expected prefix-sum error at the target (:func:`choose_bands`).
 
-    ``probe`` is the run's loader as one partition (plain Poisson sampling at DP-SGD's rate q)."""
+    ``one_partition()`` builds the run's loader as one partition (Poisson sampling at DP-SGD's rate
+    q); ``horizon(loader)`` is the planned number of steps."""
     if isinstance(data_loader, CyclicPoissonDataLoader):
         raise ValueError(
             f"bands='auto' chooses the partitions, but this CyclicPoissonDataLoader already has "
             f"{data_loader.bands}: pass a plain DataLoader, or bands={data_loader.bands}"
         )
-    return resolve_auto_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=horizon,
+    probe = one_partition()
+    return resolve_auto_bands(target_epsilon=target_epsilon, target_delta=target_delta, steps=horizon(probe),
                               sample_rate=probe.batch_sampler.sample_rate, accountant=accountant)
 
 

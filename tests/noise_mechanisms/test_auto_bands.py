@@ -34,9 +34,7 @@ def test_auto_runs_the_choice_of_lowest_expected_error(epsilon, banded):
     engine = _private(epsilon)
     assert engine.plan.bands == choice.bands
     assert engine.plan.noise_multiplier == pytest.approx(choice.noise_multipliers[choice.bands], rel=1e-3)
-    assert engine.get_epsilon(DELTA) == 0  # nothing trained yet
-    engine.plan.steps = STEPS  # the whole planned run: calibrated to the target
-    assert engine.get_epsilon(DELTA) == pytest.approx(epsilon, rel=0.02)
+    assert engine.plan.epsilon_after(STEPS, DELTA) == pytest.approx(epsilon, rel=0.02)  # the planned run
 
 
 def test_auto_needs_a_target_epsilon():
