@@ -136,6 +136,11 @@ def test_privacy_units_are_refused_at_construction():
         DPCallback(PrivacyArguments(noise_multiplier=1.0, privacy_unit_column="user"))
 
 
+def test_banded_noise_is_refused_at_construction():
+    with pytest.raises(ValueError, match="DPCallback adds independent noise only"):
+        DPCallback(PrivacyArguments(noise_multiplier=1.0, noise_mechanism="bandmf", bands=2))
+
+
 def test_a_poisson_loader_behind_the_trainer_is_accounted_at_its_own_rate(tmp_path):
     """A loader drawing from a dptorch Poisson sampler (e.g. a Trainer subclass that builds one) gives
     the plan its rate, units and steps, and epsilon is reported as such."""

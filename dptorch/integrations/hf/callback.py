@@ -35,7 +35,8 @@ What a callback cannot do, and how each gap is handled (the same list is in
    The Trainer's ``grad_norm`` is that of the raw gradient, which is never formed here (0).
 6. The set-ups DPTrainer refuses (fp16, DeepSpeed, NEFTune, Liger, ``torch_compile``, LOMO
    optimizers, length-grouped sampling) are refused here too, and so are several processes and
-   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not.
+   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not; so is
+   ``noise_mechanism="bandmf"`` (it needs cyclic Poisson sampling the callback cannot impose).
 """
 
 from __future__ import annotations
@@ -89,6 +90,12 @@ class DPCallback(TrainerCallback):
             raise ValueError(
                 "DPCallback cannot group rows into privacy units (it cannot change how the Trainer samples); use "
                 "DPTrainer or private(cls) with privacy_unit_column, or leave it unset (one row per unit)"
+            )
+        if privacy_args.noise_mechanism != "independent":
+            raise ValueError(
+                f"DPCallback adds independent noise only, not noise_mechanism={privacy_args.noise_mechanism!r}: banded "
+                "noise needs cyclic Poisson sampling over b partitions, which a callback cannot give the Trainer's "
+                "sampler; use DPTrainer or private(cls) with noise_mechanism='bandmf', or leave it 'independent'"
             )
         self.privacy_args = privacy_args
         self.per_sample_loss_func = per_sample_loss_func
