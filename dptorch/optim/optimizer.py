@@ -367,17 +367,23 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         if self._sharded or isinstance(self.noise_generator, ShardedNoise):  # noise per parameter element
             return add_noise_per_parameter(self, params)
-        summed = [self._summed.get(p, None) for p in params]
+        sizes = [p.numel() for p in params]
         device = params[0].device
-        flat = torch.cat([(s if s is not None else torch.zeros_like(p, dtype=torch.float32)).flatten().to(device) for s, p in zip(summed, params)])
         std = self.noise_std
-        if std > 0 and self._rank == 0:
-            flat.add_(self.noise_generator.noise_like(flat, std))
+        if std > 0 and self._rank == 0:  # the noise of the whole flat vector, one draw; the sums go into it
+            shape_only = torch.zeros(1, dtype=torch.float32, device=device).expand(sum(sizes))
+            flat = self.noise_generator.noise_like(shape_only, std).reshape(-1)
+        else:
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+        for p, part in zip(params, flat.split(sizes)):
+            clipped = self._summed.get(p)
+            if clipped is not None:
+                part.add_(clipped.reshape(-1).to(device))  # z + s: the same bits as s + z
         if self._world_size > 1:
             torch.distributed.all_reduce(flat)
         if self.loss_reduction == "mean":
             flat.div_(self.expected_batch_size)
-        for param, grad in zip(params, flat.split([p.numel() for p in params])):
+        for param, grad in zip(params, flat.split(sizes)):
             param.grad = grad.view_as(param).to(param.dtype)
 
     def pre_step(self) -> bool:
