@@ -5,7 +5,9 @@ bf16/fp16 references: half precision has too few mantissa bits to represent the 
 faithfully. The caller adds it to the float32 sum of clipped gradients and casts to the
 parameter's dtype at the very end (``(summed + noise).to(param.dtype)``).
 
-Default path: torch's generator (``torch.randn``), fast and replayable. ``NoiseGenerator`` owns
+Default path: torch's generator (``torch.randn``), fast and replayable (on the CPU a draw of more
+than 2^20 values is filled in 2^20-value chunks on all threads, each chunk from a generator seeded
+by the caller's; the same state gives the same values whatever the thread count). ``NoiseGenerator`` owns
 a ``torch.Generator`` whose state (a uint8 tensor) goes into checkpoints, so a resumed run draws
 exactly the same noise. Torch's generators (Mersenne Twister on CPU, Philox on CUDA) are not
 cryptographically secure: an adversary who recovers the stream can subtract the noise.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
@@ -36,6 +39,7 @@ import torch
 DEFAULT_SECURE_SUMMANDS = 4
 _SECURE_CHUNK = 1 << 20  # noise values per os.urandom round (bounds memory: 32 MiB of bytes)
 _UNIFORM_STEP = 2.0**-53
+_CPU_CHUNK = 1 << 20  # larger CPU draws are filled in chunks of this many values, in parallel
 
 
 def noise_dtype(reference_dtype: torch.dtype) -> torch.dtype:
@@ -68,8 +72,35 @@ def gaussian_noise(
         if generator is not None:
             raise ValueError("secure noise uses the OS CSPRNG and takes no generator")
         return secure_gaussian(shape_like.shape, std, device=shape_like.device, dtype=dtype)
+    if shape_like.device.type == "cpu" and shape_like.numel() > _CPU_CHUNK:
+        return _chunked_cpu_normals(shape_like.shape, dtype, generator).mul_(std)
     noise = torch.randn(shape_like.shape, generator=generator, device=shape_like.device, dtype=dtype)
     return noise.mul_(std)
+
+
+def _chunked_cpu_normals(shape: torch.Size, dtype: torch.dtype, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Standard normals of ``shape`` on the CPU, in chunks of ``_CPU_CHUNK`` filled side by side.
+
+    torch's CPU ``randn`` runs on one core; a model-sized draw was 10% of a private step. Each chunk
+    gets its own generator, seeded by one draw of 62-bit seeds from ``generator`` (or torch's global
+    generator), so the values depend on the generator's state and the size only, not on the number
+    of threads, and a checkpointed generator replays them exactly.
+    """
+    out = torch.empty(shape, dtype=dtype)
+    chunks = out.view(-1).split(_CPU_CHUNK)
+    seeds = torch.randint(0, 2**62, (len(chunks),), generator=generator).tolist()
+
+    def fill(index: int) -> None:
+        torch.randn(chunks[index].shape, generator=torch.Generator().manual_seed(seeds[index]), out=chunks[index])
+
+    workers = max(1, min(torch.get_num_threads(), len(chunks)))
+    if workers == 1:
+        for index in range(len(chunks)):
+            fill(index)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(fill, range(len(chunks))))
+    return out
 
 
 def secure_uniforms(count: int) -> np.ndarray:

@@ -86,3 +86,29 @@ def test_zero_std_and_invalid_std():
     for std in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             gaussian_noise(torch.empty(5), std)
+
+
+def test_large_cpu_draws_are_parallel_chunks_that_replay_whatever_the_threads():
+    from scipy import stats
+
+    from dptorch.noise import _CPU_CHUNK
+
+    reference = torch.zeros(3 * _CPU_CHUNK + 5)
+    threads = torch.get_num_threads()
+    generator = torch.Generator().manual_seed(3)
+    try:
+        torch.set_num_threads(2)
+        first = gaussian_noise(reference, 1.5, generator=generator)
+        second = gaussian_noise(reference, 1.5, generator=generator)
+        generator.manual_seed(3)
+        torch.set_num_threads(1)
+        replay = gaussian_noise(reference, 1.5, generator=generator)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(first, replay)  # the generator's state decides, not the thread count
+    assert not torch.equal(first, second)  # each draw advances the generator
+    chunks = first[: 3 * _CPU_CHUNK].view(3, _CPU_CHUNK).double()
+    assert abs(float(torch.corrcoef(chunks)[0, 1])) < 0.005  # chunks are not copies of one stream
+    assert abs(float(torch.corrcoef(chunks)[1, 2])) < 0.005
+    sample = (first[::7] / 1.5).double().numpy()
+    assert stats.kstest(sample, "norm").pvalue > 1e-3
