@@ -13,6 +13,7 @@ import os
 import tempfile
 import time
 import traceback
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -138,15 +139,17 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
     }
 
 
-def noise_only(shard: bool, generator) -> dict:
-    """BIG_STEPS noise-only steps (empty batches) on a Linear(BIG_IN, BIG_OUT): the gradient is the noise / B."""
+def noise_only(shard: Optional[bool], generator) -> dict:
+    """BIG_STEPS noise-only steps (empty batches) on a Linear(BIG_IN, BIG_OUT): the gradient is the noise / B.
+
+    ``shard``: True for FSDP2, False for DDP, None for one process without torch.distributed."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(BIG_IN, BIG_OUT))
     if shard:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model)
-    else:
+    elif shard is not None:
         model = nn.parallel.DistributedDataParallel(model)
     hooks = GradSampleHooks(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=SIGMA,
@@ -293,16 +296,4 @@ def reference(mode: str = "hooks", model=model_like) -> dict:
 
 def reference_noise(generator) -> list:
     """The noise-only gradients of ``noise_only`` drawn in one process from ``generator`` (rank 0's)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(BIG_IN, BIG_OUT))
-    hooks = GradSampleHooks(model, loss_reduction="sum")
-    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=SIGMA,
-                            max_grad_norm=CLIP, expected_batch_size=BIG_BATCH, noise_generator=generator)
-    draws = []
-    for _ in range(BIG_STEPS):
-        model(torch.zeros(0, BIG_IN)).sum().backward()
-        optimizer.step()
-        draws.append(torch.cat([p.grad.flatten() for p in optimizer.params]))
-        optimizer.zero_grad()
-    hooks.cleanup()
-    return draws
+    return [draw["full"] for draw in noise_only(None, generator)["draws"]]
