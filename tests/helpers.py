@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
@@ -115,3 +116,13 @@ def snapshot(model: nn.Module) -> Dict[str, Any]:
         state[f"param:{name}"] = (dict(p.__dict__), p._post_accumulate_grad_hooks, p._backward_hooks)
     state["state_dict_keys"] = list(model.state_dict().keys())
     return state
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """One intra-op thread while a test runs (autouse where imported): tiny models on a shared 2-core
+    machine, where two spinning OpenMP threads per process cost several times the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,6 +24,7 @@ from dptorch.integrations.hf import (  # noqa: E402
 )
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
+    clipped_unit_update,
     cpu_training_args,
     lm_dataset,
     tiny_gpt2,
@@ -100,22 +101,10 @@ def test_without_noise_and_clipping_a_step_equals_the_plain_trainer_step(tmp_pat
 
 def unit_reference_update(model, dataset, unit_column, clip, lr):
     """-lr * sum over units of clip(sum of the unit's row gradients) / number of units."""
-    model = copy.deepcopy(model).train()
-    params = [p for p in model.parameters() if p.requires_grad]
     units = {}
     for i, row in enumerate(dataset):
         units.setdefault(row[unit_column] if unit_column else i, []).append({"input_ids": row["input_ids"]})
-    total = [torch.zeros_like(p) for p in params]
-    for rows in units.values():
-        model.zero_grad()
-        for row in rows:  # one row at a time: nothing shared with any other sample
-            batch = COLLATE([row])
-            labels = batch.pop("labels")
-            causal_lm_per_sample_loss(model(**batch), labels).sum().backward()
-        grads = [p.grad.clone() for p in params]
-        factor = min(1.0, clip / (torch.stack([g.norm() for g in grads]).norm().item() + 1e-6))
-        total = [t + factor * g for t, g in zip(total, grads)]
-    return [-lr * t / len(units) for t in total]
+    return clipped_unit_update(model, list(units.values()), COLLATE, causal_lm_per_sample_loss, clip, lr)
 
 
 @pytest.mark.parametrize("unit_column, mode", [(None, "hooks"), ("user", "hooks"), ("user", "bk")])

@@ -6,6 +6,7 @@ plain checkout); this module loads them by path and adds what only the tests nee
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -37,3 +38,22 @@ def without_dropout(model):
 
 def trainable_copy(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def clipped_unit_update(model, units, collate, per_sample_loss, clip, lr):
+    """The batch-of-one reference of one noiseless step at q = 1: ``-lr * sum over units of
+    clip(sum of the unit's row gradients) / number of units``, each row alone through a copy of
+    ``model`` (nothing shared with any other sample). ``units``: lists of rows for ``collate``."""
+    model = copy.deepcopy(model).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    total = [torch.zeros_like(p) for p in params]
+    for rows in units:
+        model.zero_grad()
+        for row in rows:
+            batch = collate([row])
+            labels = batch.pop("labels")
+            per_sample_loss(model(**batch), labels).sum().backward()
+        grads = [p.grad.clone() for p in params]
+        factor = min(1.0, clip / (torch.stack([g.norm() for g in grads]).norm().item() + 1e-6))
+        total = [t + factor * g for t, g in zip(total, grads)]
+    return [-lr * t / len(units) for t in total]

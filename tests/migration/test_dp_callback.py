@@ -27,6 +27,7 @@ from dptorch.integrations.hf import (  # noqa: E402
 from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
+    clipped_unit_update,
     cpu_training_args,
     lm_dataset,
     tiny_gpt2,
@@ -79,18 +80,8 @@ def test_with_shuffled_batches_allowed_it_trains_and_reports_epsilon_only_as_a_p
 
 def reference_update(model, dataset, rows, clip, lr):
     """-lr * sum over rows of clip(row gradient) / len(rows): each row alone, nothing shared."""
-    model = copy.deepcopy(model).train()
-    params = list(model.parameters())
-    total = [torch.zeros_like(p) for p in params]
-    for row in rows:
-        model.zero_grad()
-        batch = COLLATE([{"input_ids": dataset[row]["input_ids"]}])
-        labels = batch.pop("labels")
-        causal_lm_per_sample_loss(model(**batch), labels).sum().backward()
-        grads = [p.grad.clone() for p in params]
-        factor = min(1.0, clip / (torch.stack([g.norm() for g in grads]).norm().item() + 1e-6))
-        total = [t + factor * g for t, g in zip(total, grads)]
-    return [-lr * t / len(rows) for t in total]
+    units = [[{"input_ids": dataset[row]["input_ids"]}] for row in rows]
+    return clipped_unit_update(model, units, COLLATE, causal_lm_per_sample_loss, clip, lr)
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e3])

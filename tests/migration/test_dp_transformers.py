@@ -22,6 +22,7 @@ from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling
 from dptorch.integrations.hf.dp_transformers_compat import units_from_author_mapping  # noqa: E402
 from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
+    clipped_unit_update,
     cpu_training_args,
     lm_dataset,
     tiny_gpt2,
@@ -113,19 +114,8 @@ def users_dataset():
 
 def reference_update(model, dataset, units, clip, lr):
     """-lr * sum over units of clip(sum of the unit's row gradients) / number of units (noise 0, q = 1)."""
-    model = copy.deepcopy(model).train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    total = [torch.zeros_like(p) for p in params]
-    for rows in units:
-        model.zero_grad()
-        for row in rows:  # one row at a time: nothing shared with any other sample
-            batch = COLLATE([{"input_ids": dataset[int(row)]["input_ids"]}])
-            labels = batch.pop("labels")
-            causal_lm_per_sample_loss(model(**batch), labels).sum().backward()
-        grads = [p.grad.clone() for p in params]
-        factor = min(1.0, clip / (torch.stack([g.norm() for g in grads]).norm().item() + 1e-6))
-        total = [t + factor * g for t, g in zip(total, grads)]
-    return [-lr * t / len(units) for t in total]
+    rows = [[{"input_ids": dataset[int(row)]["input_ids"]} for row in unit] for unit in units]
+    return clipped_unit_update(model, rows, COLLATE, causal_lm_per_sample_loss, clip, lr)
 
 
 def opacus_dp_trainer(tmp_path, model, dataset, privacy, **kwargs):

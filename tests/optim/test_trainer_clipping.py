@@ -6,17 +6,10 @@ import torch
 pytest.importorskip("transformers")
 
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
+from tests.helpers import single_thread  # noqa: E402,F401  (autouse)
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, word_tokenizer  # noqa: E402
 
 TOKENIZER = word_tokenizer()
-
-
-@pytest.fixture(autouse=True)
-def single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def train(tmp_path, privacy):
