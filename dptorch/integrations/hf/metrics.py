@@ -24,6 +24,7 @@ import contextlib
 from typing import Any, Callable, Iterator, List
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 def gather_rows(data: Any, phantom: bool = False) -> Any:
@@ -33,10 +34,10 @@ def gather_rows(data: Any, phantom: bool = False) -> Any:
     """
     dist = torch.distributed
     world = dist.get_world_size()
-    mine = _map(lambda t: _rows(t)[:0] if phantom else _rows(t), data)
+    mine = tree_map(lambda t: (_rows(t)[:0] if phantom else _rows(t)).detach().cpu(), data)
     parts: List[Any] = [None] * world
-    dist.all_gather_object(parts, _map(lambda t: t.detach().cpu(), mine))
-    return _concatenate(parts, data)
+    dist.all_gather_object(parts, mine)
+    return tree_map(lambda like, *ranks: torch.cat(ranks).to(device=like.device, dtype=like.dtype), data, *parts)
 
 
 class Gathers:
@@ -101,34 +102,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _has_no_rows(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return data.shape[0] == 0
-    values = data.values() if isinstance(data, dict) else data
-    return any(_has_no_rows(v) for v in values)
+    return any(leaf.shape[0] == 0 for leaf in tree_flatten(data)[0])
 
 
 def _only_tensors(data: Any) -> bool:
-    if isinstance(data, torch.Tensor):
-        return True
-    if isinstance(data, dict):
-        return all(_only_tensors(v) for v in data.values())
-    if isinstance(data, (list, tuple)):
-        return all(_only_tensors(v) for v in data)
-    return False
-
-
-def _map(fn: Any, data: Any) -> Any:
-    if isinstance(data, torch.Tensor):
-        return fn(data)
-    if isinstance(data, dict):
-        return {k: _map(fn, v) for k, v in data.items()}
-    return type(data)(_map(fn, v) for v in data)
-
-
-def _concatenate(parts: List[Any], like: Any) -> Any:
-    """Leaf by leaf, the ranks' ``parts`` concatenated along dim 0, on the device and dtype of ``like``."""
-    if isinstance(like, torch.Tensor):
-        return torch.cat(parts).to(device=like.device, dtype=like.dtype)
-    if isinstance(like, dict):
-        return {k: _concatenate([p[k] for p in parts], v) for k, v in like.items()}
-    return type(like)(_concatenate([p[i] for p in parts], v) for i, v in enumerate(like))
+    return all(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(data)[0])
