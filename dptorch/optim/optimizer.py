@@ -94,11 +94,6 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("loss_reduction='mean' needs the expected logical batch size (expected_batch_size > 0)")
         # Not Optimizer.__init__: parameter groups and state belong to the inner optimizer.
         self.original_optimizer = optimizer
-        self.hooks = hooks
-        # The update is ours to write: autograd skips the hooked layers' own parameter gradients,
-        # and any gradient that still reaches a parameter came by a path the controller does not
-        # see, which the controller then refuses.
-        hooks.keep_param_grads = False
         #: The privacy plan: noise multiplier, clipping bound, expected batch size, and the accountant
         #: this optimizer reports every logical step to.
         self.plan = plan
@@ -128,11 +123,21 @@ class DPOptimizer(torch.optim.Optimizer):
         ):
             setattr(self, name, OrderedDict())
         self._rank, self._world_size = _distributed_rank_and_size()
-        self._sharded = any_sharded(self.params)  # FSDP2 (fully_shard): see dptorch.distributed.fsdp
         if getattr(plan, "strategy", None) is not None:  # bandmf: the noise is C^{-1} z, streamed (dptorch.noise_mechanisms)
             from dptorch.noise_mechanisms.wiring import attach_banded_noise
 
             attach_banded_noise(self, plan)
+        self._listen(hooks)
+
+    def _listen(self, hooks: GradSampleHooks) -> None:
+        """Clip and accumulate after every backward round of ``hooks``.
+
+        The update is ours to write: autograd skips the hooked layers' own parameter gradients, and
+        any gradient that still reaches a parameter came by a path the controller does not see,
+        which the controller then refuses."""
+        self.hooks = hooks
+        hooks.keep_param_grads = False
+        self._sharded = any_sharded(self.params)  # FSDP2 (fully_shard): see dptorch.distributed.fsdp
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -344,13 +349,10 @@ class DPOptimizer(torch.optim.Optimizer):
         replaced (Accelerate's FSDP2 preparation swaps them for sharded ones after the optimizer was
         built). Held clipped sums, keyed by the old parameters, are dropped."""
         self._remove_listener()
-        hooks.keep_param_grads = False
-        self.hooks = hooks
         self._summed = {}
         self._accumulated = 0
         self.__dict__.pop("_dp_shard_layouts", None)
-        self._sharded = any_sharded(self.params)
-        self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
+        self._listen(hooks)
 
     def attach_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(self)`` after the noise is added and the plan accounted the step."""
