@@ -33,8 +33,13 @@ from dptorch.noise_mechanisms.banded import BandedToeplitz, _polymul, series_inv
 
 def prefix_sum_error(coefficients: torch.Tensor, n: int) -> torch.Tensor:
     """``||A C^{-1}||_F^2`` for the n-step prefix-sum workload and the band ``coefficients``."""
-    e = torch.cumsum(series_inverse(coefficients, n), 0)
-    weights = torch.arange(n, 0, -1, dtype=e.dtype, device=e.device)
+    return _prefix_error_of_series(series_inverse(coefficients, n))
+
+
+def _prefix_error_of_series(f: torch.Tensor) -> torch.Tensor:
+    """``||A T||_F^2`` for the lower-triangular Toeplitz T of first column ``f`` (n terms)."""
+    e = torch.cumsum(f, 0)
+    weights = torch.arange(len(f), 0, -1, dtype=e.dtype, device=e.device)
     return (weights * e * e).sum()
 
 
@@ -65,9 +70,8 @@ class SGDWorkload:
         f = series_inverse(coefficients, n)
         if self.momentum:  # M C^{-1}, M Toeplitz with first column beta^k
             f = _polymul(f, self.momentum ** torch.arange(n, dtype=f.dtype))[:n]
-        if self.learning_rates is None:  # W C^{-1} = A M C^{-1} is Toeplitz: the prefix-sum formula
-            e = torch.cumsum(f, 0)
-            return (torch.arange(n, 0, -1, dtype=e.dtype) * e * e).sum()
+        if self.learning_rates is None:  # W C^{-1} = A M C^{-1}, M C^{-1} Toeplitz: the prefix-sum formula
+            return _prefix_error_of_series(f)
         lag = torch.arange(n)[:, None] - torch.arange(n)[None, :]
         scaled = torch.where(lag >= 0, f[lag.clamp(min=0)], torch.zeros((), dtype=f.dtype))
         return torch.cumsum(self._rates(n, f.dtype)[:, None] * scaled, 0).pow(2).sum()
