@@ -293,8 +293,8 @@ class PrivateTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        self._dp_phantom = PhantomBatch(collator, dataset)  # structure only: every value is replaced
-        if self.args.world_size > 1:
+        if self.args.world_size > 1:  # structure only: every value is replaced
+            self._dp_phantom = PhantomBatch(collator, dataset)
             self._dp_phantom()  # built now: a collator it cannot use fails before training, not at an empty batch
         # Rows sharing a unit are clipped together: the batches must say which unit each row belongs to.
         tag_units = self.privacy_args.privacy_unit_column is not None or not self.privacy_units.trivial
