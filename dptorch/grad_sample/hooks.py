@@ -41,6 +41,7 @@ from dptorch.grad_sample.batch_tracking import (
     packed,
     rows_to_dense,
 )
+from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
@@ -135,6 +136,7 @@ class GradSampleHooks:
         self._watched: Dict[nn.Parameter, None] = {}  # parameters with our post-accumulate-grad hook
         self._layers: Dict[nn.Module, _Layer] = {}
         self._param_names: Dict[nn.Parameter, str] = {}
+        self._buffers = BufferPool()  # per-sample gradient memory, lent again each round (CPU)
         self._strategy = self._new_strategy()
         self._suspended = False
         self._suppressed: Dict[nn.Module, Dict[str, nn.Parameter]] = {}
@@ -253,8 +255,8 @@ class GradSampleHooks:
 
     def _new_strategy(self):
         if self.grad_sample_mode in ("bk", "ghost"):
-            return BookKeeping(self.parameter_name)
-        return Instantiate(self.parameter_name)
+            return BookKeeping(self.parameter_name, self._buffers)
+        return Instantiate(self.parameter_name, self._buffers)
 
     @property
     def grad_samples(self) -> Dict[nn.Parameter, torch.Tensor]:
@@ -310,6 +312,7 @@ class GradSampleHooks:
         for param in self._strategy.grads:
             param.__dict__.pop("grad_sample", None)
         self._strategy = self._new_strategy()
+        self._buffers.reclaim()  # the dropped round's memory, where nothing else holds it
         self._round_done = False
         self._round_consumed = False
 

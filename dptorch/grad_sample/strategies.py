@@ -39,6 +39,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
+from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.ghost import (
     AffineUse,
@@ -56,6 +57,8 @@ from dptorch.grad_sample.registry import GradSampler, NormSampler
 NameOf = Callable[[nn.Parameter], str]
 #: Built-in samplers whose results are new tensors that nothing else references.
 FRESH_RESULT_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler, embedding_grad_sampler})
+#: Built-in samplers that take ``empty=`` (memory for their per-sample weight gradients).
+POOLED_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler})
 
 
 @dataclass
@@ -80,8 +83,9 @@ class LayerCall:
 class Instantiate:
     """Per-sample gradients, summed over the calls of one backward round."""
 
-    def __init__(self, name_of: NameOf) -> None:
+    def __init__(self, name_of: NameOf, buffers: Optional[BufferPool] = None) -> None:
         self.name_of = name_of
+        self.buffers = buffers or BufferPool()  # memory for the per-sample gradients built here
         self.grads: Dict[nn.Parameter, torch.Tensor] = {}
         # Embedding calls kept as rows (flat ids, values, batch) until the round ends: a tied
         # weight's rows are then added to the other use's dense per-sample gradient, with no
@@ -104,7 +108,7 @@ class Instantiate:
                 )
             held.append(rows)
             return
-        self.add(call, *sampled_grads(call))
+        self.add(call, *sampled_grads(call, self.buffers.empty))
 
     def _place_rows(self) -> None:
         """Add the kept embedding rows into each weight's per-sample gradient (dense from here on)."""
@@ -122,7 +126,7 @@ class Instantiate:
             values = torch.cat([u[1].to(dtype) for u in uses]) if len(uses) > 1 else uses[0][1].to(dtype)
             flat_shape = (batch * weight.shape[0], weight.shape[1])
             if held is None:
-                summed = values.new_zeros(flat_shape).index_add_(0, ids, values)
+                summed = self.buffers.empty(flat_shape, dtype, values.device).zero_().index_add_(0, ids, values)
             elif weight in self._owned and held.is_contiguous():  # in place: no copy of a (B, V, d) tensor
                 summed = held.view(flat_shape).index_add_(0, ids, values)
             else:  # out of place: the held tensor may be referenced elsewhere
@@ -193,9 +197,9 @@ class BookKeeping:
     scaled by ``c_i`` (``NormSampler.clipped_sum``); modes "bk" and "ghost" both use it.
     """
 
-    def __init__(self, name_of: NameOf) -> None:
+    def __init__(self, name_of: NameOf, buffers: Optional[BufferPool] = None) -> None:
         self.name_of = name_of
-        self.dense = Instantiate(name_of)
+        self.dense = Instantiate(name_of, buffers)
         self.calls: List[LayerCall] = []
         self._norms: Optional[Dict[nn.Parameter, torch.Tensor]] = None
         self._shared: set = set()
@@ -224,7 +228,8 @@ class BookKeeping:
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
             if shared:
-                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), *sampled_grads(call))
+                grads = sampled_grads(call, self.dense.buffers.empty)
+                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), *grads)
                 call.params = {n: p for n, p in call.params.items() if n not in shared}
             if not call.params:
                 continue
@@ -332,17 +337,22 @@ class BookKeeping:
         return self.dense.batch_size()
 
 
-def sampled_grads(call: LayerCall) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
+def sampled_grads(call: LayerCall, empty=None) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
     """The call's per-sample gradients from its sampler, and whether their memory is new and ours.
 
     They are linear in the output gradient, so the call's scale goes on whichever is smaller: the
     output gradient before (``(B, T, p)``) or the per-sample gradients after (``B`` times the
     parameters: smaller when ``T`` exceeds the input width, and for a large output head).
+    ``empty`` (a ``BufferPool``'s) provides their memory where the sampler takes it.
     """
     fresh = call.sampler in FRESH_RESULT_SAMPLERS
     batch = call.backprops.shape[0] if call.backprops.dim() else 1
     after = call.scale != 1.0 and call.backprops.numel() > batch * sum(p.numel() for p in call.params.values())
-    grads = call.sampler(call.module, call.activations, call.backprops if after else call.scaled_backprops())
+    backprops = call.backprops if after else call.scaled_backprops()
+    if empty is not None and call.sampler in POOLED_SAMPLERS:
+        grads = call.sampler(call.module, call.activations, backprops, empty=empty)
+    else:
+        grads = call.sampler(call.module, call.activations, backprops)
     if after and isinstance(grads, Mapping):
         grads = {p: g if g is None else g.mul_(call.scale) if fresh else g * call.scale for p, g in grads.items()}
         fresh = True

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,12 +31,15 @@ def linear_map_grad_samples(
     inputs: torch.Tensor,
     backprops: torch.Tensor,
     weight_is_in_by_out: bool = False,
+    empty: Optional[Callable[..., torch.Tensor]] = None,
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample grads of ``y = x W^T + b`` applied to the last dim of ``(B, *middle, in)`` inputs.
 
     The weight grad of sample ``b`` is ``sum_m g[b, m] (outer) x[b, m]`` (shape ``(out, in)``), or its
     transpose when the weight is stored as ``(in, out)`` (``weight_is_in_by_out``); the bias grad is
     ``sum_m g[b, m]``. Frozen or missing parameters are skipped without any computation.
+    ``empty(shape, dtype, device)``, if given, provides the memory of the weight grad (a
+    ``BufferPool``'s), used when it is formed in the weight's dtype.
     """
     grads: Dict[nn.Parameter, torch.Tensor] = {}
     wants_weight = weight is not None and weight.requires_grad
@@ -45,9 +48,12 @@ def linear_map_grad_samples(
         return grads
     flat_backprops = flatten_middle_dims(backprops)
     if wants_weight:
-        flat_inputs, flat_backprops_w = common_dtype(flatten_middle_dims(inputs), flat_backprops)
-        pattern = "bmi,bmo->bio" if weight_is_in_by_out else "bmi,bmo->boi"
-        grads[weight] = torch.einsum(pattern, flat_inputs, flat_backprops_w).to(weight.dtype)
+        a, b = common_dtype(flatten_middle_dims(inputs), flat_backprops)
+        left, right = (a.transpose(1, 2), b) if weight_is_in_by_out else (b.transpose(1, 2), a)
+        out = None
+        if empty is not None and a.dtype == weight.dtype:
+            out = empty((a.shape[0], left.shape[1], right.shape[2]), a.dtype, a.device)
+        grads[weight] = torch.bmm(left, right, out=out).to(weight.dtype)
     if wants_bias:
         grads[bias] = flat_backprops.sum(dim=1).to(bias.dtype)
     return grads
@@ -67,7 +73,7 @@ def linear_probe(module: nn.Linear, generator: torch.Generator) -> Tuple[torch.T
 
 @register_grad_sampler(nn.Linear, probe=linear_probe)
 def linear_grad_sampler(
-    module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor
+    module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor, empty=None
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """``nn.Linear`` on inputs ``(B, *middle, in_features)``: einsum over the flattened middle dims."""
-    return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops)
+    """``nn.Linear`` on inputs ``(B, *middle, in_features)``: one batched matmul over the middle dims."""
+    return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops, empty=empty)
