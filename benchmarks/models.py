@@ -8,6 +8,10 @@ after two warm-up steps. Peak memory is the process's peak RSS growth over the s
 Prints a table and writes benchmarks/results/models.json. Opacus (an optional peer, ``pip install
 dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``opacus-ghost``
 (its ghost clipping with ``DPLossFastGradientClipping``); hooks and bk are compared against them.
+Mode ``floor`` is the non-private step plus the work no exact DP-SGD step can skip, timed alone:
+each trainable Linear / Conv1D / Embedding call's per-sample gradient norms, ghost or
+instantiated, whichever is cheaper (a tied weight's uses each once: a lower bound), and one
+Gaussian draw per parameter; bk is reported against it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ SHAPES = {
     "wide-llama": ("llama", 2, 768, 128, 16, 5000, False, 4),
     "long-gpt2": ("gpt2", 4, 256, 2048, 4, 5000, True),
 }
-MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
+MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 
 def build(family, layers, width, vocab, tied, kv_heads=None):
@@ -67,6 +71,8 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     criterion = torch.nn.CrossEntropyLoss()
     if mode.startswith("opacus"):
         model, optimizer, criterion = opacus_private(model, optimizer, criterion, mode.split("-")[1], batch)
+    elif mode == "floor":
+        optimizer = FloorStep(model, inputs, optimizer)
     elif mode != "nonprivate":
         hooks = GradSampleHooks(model, grad_sample_mode=mode, keep_param_grads=False)  # as PrivacyEngine does
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch)
@@ -92,6 +98,57 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "median_s": statistics.median(times),
             "min_s": min(times), "max_s": max(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_before) / 1024,
             "threads": torch.get_num_threads()}
+
+
+class FloorStep:
+    """The plain optimizer step followed by exact per-sample norms of every trainable Linear /
+    Conv1D / Embedding call (on random tensors of the call's shapes, grouped by shared input as bk
+    groups them) and one Gaussian draw per parameter: the private work no exact step can skip."""
+
+    def __init__(self, model, inputs, optimizer):
+        import torch
+
+        from dptorch.grad_sample.ghost import AffineUse, memory_key
+        from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
+
+        self.optimizer, self.affine, self.embeddings, shared = optimizer, [], [], {}
+
+        def record(module, args, output):
+            a, trainable = args[0], lambda p: p is not None and p.requires_grad
+            if isinstance(module, torch.nn.Embedding):
+                self.embeddings.append((torch.randint(0, module.num_embeddings, a.shape), torch.randn(output.shape)))
+            elif trainable(module.weight) or trainable(module.bias):
+                if memory_key(a) not in shared:
+                    shared[memory_key(a)] = torch.randn(a.shape)
+                self.affine.append(AffineUse(shared[memory_key(a)], torch.randn(output.shape),
+                                             module.weight if trainable(module.weight) else None,
+                                             module.bias if trainable(module.bias) else None,
+                                             looks_like_hf_conv1d(module)))
+
+        layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) or looks_like_hf_conv1d(m)]
+        handles = [m.register_forward_hook(record) for m in layers if m.weight.requires_grad]
+        with torch.no_grad():
+            model(**inputs)
+        for handle in handles:
+            handle.remove()
+        self.like = torch.empty(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        self.generator = torch.Generator().manual_seed(0)
+
+    def zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def step(self):
+        import torch
+
+        from dptorch.grad_sample.ghost import embedding_norms_sq_by_rows, shared_affine_norms_sq
+        from dptorch.noise import gaussian_noise
+
+        self.optimizer.step()
+        with torch.no_grad():
+            shared_affine_norms_sq(self.affine)
+            for ids, backprops in self.embeddings:
+                embedding_norms_sq_by_rows(ids, backprops, None)
+            gaussian_noise(self.like, 1.0, self.generator)
 
 
 class SequenceCrossEntropy:
@@ -128,9 +185,10 @@ def opacus_private(model, optimizer, criterion, mode, batch):
 
 
 OPACUS_PEERS = {"hooks": "opacus-hooks", "bk": "opacus-ghost"}  # each dptorch mode against its Opacus counterpart
+FLOOR_PEERS = {"bk": "floor"}
 
 
-def versus_opacus(rows: list, shape: str, ours: str, theirs: str) -> str:
+def versus(rows: list, shape: str, ours: str, theirs: str) -> str:
     """``bk vs opacus-ghost: 1.84x faster`` for the last rows of ``shape`` (empty if either is missing)."""
     found = {r["mode"]: r for r in rows if r["shape"] == shape and r["mode"] in (ours, theirs)}
     if ours not in found or theirs not in found or "error" in found[ours]:
@@ -145,7 +203,7 @@ def versus_opacus(rows: list, shape: str, ours: str, theirs: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--modes", nargs="+", default=["nonprivate", "hooks", "bk", "ghost", "opacus-hooks", "opacus-ghost"], choices=list(MODES))
+    parser.add_argument("--modes", nargs="+", default=["nonprivate", "floor", "hooks", "bk", "ghost", "opacus-hooks", "opacus-ghost"], choices=list(MODES))
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
@@ -179,8 +237,8 @@ def main() -> None:
                     rows.append(row)
                     print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
                           f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak RSS {row['peak_rss_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
-                for ours, theirs in OPACUS_PEERS.items():
-                    line = versus_opacus(rows, shape, ours, theirs)
+                for ours, theirs in [*OPACUS_PEERS.items(), *FLOOR_PEERS.items()]:
+                    line = versus(rows, shape, ours, theirs)
                     if line:
                         print(f"{shape:20s} {line}", flush=True)
     out_dir = Path(__file__).parent / "results"
