@@ -57,7 +57,7 @@ from dptorch.grad_sample.registry import GradSampler, NormSampler
 NameOf = Callable[[nn.Parameter], str]
 #: Built-in samplers whose results are new tensors that nothing else references.
 FRESH_RESULT_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler, embedding_grad_sampler})
-#: Built-in samplers that take ``empty=`` (memory for their per-sample weight gradients).
+#: Built-in samplers that take ``empty=`` (memory for their per-sample weight gradients) and ``scale=``.
 POOLED_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler})
 
 
@@ -342,17 +342,16 @@ def sampled_grads(call: LayerCall, empty=None) -> Tuple[Dict[nn.Parameter, torch
 
     They are linear in the output gradient, so the call's scale goes on whichever is smaller: the
     output gradient before (``(B, T, p)``) or the per-sample gradients after (``B`` times the
-    parameters: smaller when ``T`` exceeds the input width, and for a large output head).
-    ``empty`` (a ``BufferPool``'s) provides their memory where the sampler takes it.
+    parameters: smaller when ``T`` exceeds the input width, and for a large output head); the
+    built-in Linear / Conv1D samplers take it into their matmul instead, and their memory from
+    ``empty`` (a ``BufferPool``'s).
     """
+    if empty is not None and call.sampler in POOLED_SAMPLERS:
+        return call.sampler(call.module, call.activations, call.backprops, empty=empty, scale=call.scale), True
     fresh = call.sampler in FRESH_RESULT_SAMPLERS
     batch = call.backprops.shape[0] if call.backprops.dim() else 1
     after = call.scale != 1.0 and call.backprops.numel() > batch * sum(p.numel() for p in call.params.values())
-    backprops = call.backprops if after else call.scaled_backprops()
-    if empty is not None and call.sampler in POOLED_SAMPLERS:
-        grads = call.sampler(call.module, call.activations, backprops, empty=empty)
-    else:
-        grads = call.sampler(call.module, call.activations, backprops)
+    grads = call.sampler(call.module, call.activations, call.backprops if after else call.scaled_backprops())
     if after and isinstance(grads, Mapping):
         grads = {p: g if g is None else g.mul_(call.scale) if fresh else g * call.scale for p, g in grads.items()}
         fresh = True

@@ -36,9 +36,9 @@ def looks_like_hf_conv1d(module: nn.Module) -> bool:
 
 @register_verified_duck_sampler(looks_like_hf_conv1d)
 def hf_conv1d_grad_sampler(
-    module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor, empty=None
+    module: nn.Module, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor, empty=None, scale=1.0
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """HF ``Conv1D``: the linear-layer closed form with the weight grad laid out as ``(in, out)``."""
     return linear_map_grad_samples(
-        module.weight, module.bias, activations[0], backprops, weight_is_in_by_out=True, empty=empty
+        module.weight, module.bias, activations[0], backprops, weight_is_in_by_out=True, empty=empty, scale=scale
     )

@@ -32,6 +32,7 @@ def linear_map_grad_samples(
     backprops: torch.Tensor,
     weight_is_in_by_out: bool = False,
     empty: Optional[Callable[..., torch.Tensor]] = None,
+    scale: float = 1.0,
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample grads of ``y = x W^T + b`` applied to the last dim of ``(B, *middle, in)`` inputs.
 
@@ -39,7 +40,8 @@ def linear_map_grad_samples(
     transpose when the weight is stored as ``(in, out)`` (``weight_is_in_by_out``); the bias grad is
     ``sum_m g[b, m]``. Frozen or missing parameters are skipped without any computation.
     ``empty(shape, dtype, device)``, if given, provides the memory of the weight grad (a
-    ``BufferPool``'s), used when it is formed in the weight's dtype.
+    ``BufferPool``'s), used when it is formed in the weight's dtype. ``scale`` multiplies both
+    grads (the batch size of a mean loss); on the weight it rides in the matmul (no extra pass).
     """
     grads: Dict[nn.Parameter, torch.Tensor] = {}
     wants_weight = weight is not None and weight.requires_grad
@@ -50,12 +52,14 @@ def linear_map_grad_samples(
     if wants_weight:
         a, b = common_dtype(flatten_middle_dims(inputs), flat_backprops)
         left, right = (a.transpose(1, 2), b) if weight_is_in_by_out else (b.transpose(1, 2), a)
-        out = None
-        if empty is not None and a.dtype == weight.dtype:
-            out = empty((a.shape[0], left.shape[1], right.shape[2]), a.dtype, a.device)
-        grads[weight] = torch.bmm(left, right, out=out).to(weight.dtype)
+        shape = (a.shape[0], left.shape[1], right.shape[2])
+        pooled = empty is not None and a.dtype == weight.dtype
+        out = empty(shape, a.dtype, a.device) if pooled else a.new_empty(shape)
+        # beta=0: the (uninitialised) memory is only written, never read
+        grads[weight] = torch.baddbmm(out, left, right, beta=0, alpha=scale, out=out).to(weight.dtype)
     if wants_bias:
-        grads[bias] = flat_backprops.sum(dim=1).to(bias.dtype)
+        summed = flat_backprops.sum(dim=1)
+        grads[bias] = (summed.mul_(scale) if scale != 1.0 else summed).to(bias.dtype)
     return grads
 
 
@@ -73,7 +77,7 @@ def linear_probe(module: nn.Linear, generator: torch.Generator) -> Tuple[torch.T
 
 @register_grad_sampler(nn.Linear, probe=linear_probe)
 def linear_grad_sampler(
-    module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor, empty=None
+    module: nn.Linear, activations: Tuple[torch.Tensor, ...], backprops: torch.Tensor, empty=None, scale=1.0
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """``nn.Linear`` on inputs ``(B, *middle, in_features)``: one batched matmul over the middle dims."""
-    return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops, empty=empty)
+    return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops, empty=empty, scale=scale)
