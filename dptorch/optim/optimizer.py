@@ -402,6 +402,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self.hooks.clear()
             return False
         count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
+        self.hooks.clear()  # the round is consumed: its kept tensors make room for the noise
         self.add_noise()
         self._release_clipping_step()
         self.plan.record_steps(count)
@@ -410,7 +411,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self._summed = {}
         self._accumulated = 0
         self._last_step_skipped = False
-        self.hooks.clear()
         return True
 
     @torch.no_grad()
