@@ -10,8 +10,9 @@ dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``
 (its ghost clipping with ``DPLossFastGradientClipping``); hooks and bk are compared against them.
 Mode ``floor`` is the non-private step plus the work no exact DP-SGD step can skip, timed alone:
 each trainable Linear / Conv1D / Embedding call's per-sample gradient norms, ghost or
-instantiated, whichever is cheaper (a tied weight's uses each once: a lower bound), and one
-Gaussian draw per parameter; bk is reported against it.
+instantiated, whichever is cheaper (a tied weight's uses each once: a lower bound; an
+instantiated gradient stands in for the weight gradient, so only its norm and its weighted sum
+are counted), and one Gaussian draw per parameter; bk is reported against it.
 """
 
 from __future__ import annotations
@@ -101,14 +102,18 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
 
 
 class FloorStep:
-    """The plain optimizer step followed by exact per-sample norms of every trainable Linear /
-    Conv1D / Embedding call (on random tensors of the call's shapes, grouped by shared input as bk
-    groups them) and one Gaussian draw per parameter: the private work no exact step can skip."""
+    """The plain optimizer step followed by the private work no exact step can skip: per-sample
+    norms of every trainable Linear / Conv1D / Embedding call (on random tensors of the call's
+    shapes, grouped by shared input as bk groups them; where instantiating is cheaper, the norm and
+    the weighted sum of a per-sample gradient, which replaces the weight gradient's matmul) and
+    one Gaussian draw per parameter."""
 
     def __init__(self, model, inputs, optimizer):
+        import dataclasses
+
         import torch
 
-        from dptorch.grad_sample.ghost import AffineUse, memory_key
+        from dptorch.grad_sample.ghost import AffineUse, memory_key, shared_affine_norms_and_grads
         from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 
         self.optimizer, self.affine, self.embeddings, shared = optimizer, [], [], {}
@@ -129,8 +134,11 @@ class FloorStep:
         handles = [m.register_forward_hook(record) for m in layers if m.weight.requires_grad]
         with torch.no_grad():
             model(**inputs)
+            instantiated = [grads.get(use.weight) for use, grads in zip(self.affine, shared_affine_norms_and_grads(self.affine)[1])]
         for handle in handles:
             handle.remove()
+        self.per_sample = [g for g in instantiated if g is not None]
+        self.affine = [u if g is None else dataclasses.replace(u, weight=None) for u, g in zip(self.affine, instantiated)]
         self.like = torch.empty(sum(p.numel() for p in model.parameters() if p.requires_grad))
         self.generator = torch.Generator().manual_seed(0)
 
@@ -140,7 +148,7 @@ class FloorStep:
     def step(self):
         import torch
 
-        from dptorch.grad_sample.ghost import embedding_norms_sq_by_rows, shared_affine_norms_sq
+        from dptorch.grad_sample.ghost import embedding_norms_sq_by_rows, shared_affine_norms_sq, squared_norms, weighted_sum
         from dptorch.noise import gaussian_noise
 
         self.optimizer.step()
@@ -148,6 +156,8 @@ class FloorStep:
             shared_affine_norms_sq(self.affine)
             for ids, backprops in self.embeddings:
                 embedding_norms_sq_by_rows(ids, backprops, None)
+            for grad in self.per_sample:
+                weighted_sum(squared_norms(grad), grad)
             gaussian_noise(self.like, 1.0, self.generator)
 
 
