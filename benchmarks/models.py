@@ -1,6 +1,7 @@
 """End-to-end step time and peak memory of tiny transformers, non-private against private modes.
 
     python benchmarks/models.py [--shapes narrow wide] [--modes nonprivate hooks] [--steps 7]
+    python benchmarks/models.py --summarize run1.json run2.json run3.json
 
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
@@ -210,6 +211,36 @@ def versus(rows: list, shape: str, ours: str, theirs: str) -> str:
     return f"{ours} vs {theirs}: " + (f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower")
 
 
+def summarize(paths: list) -> str:
+    """A markdown table from several runs' JSON: per shape and mode, the median time ratio over the
+    runs (min-max) / the median peak-RSS ratio, then bk / floor and the speed-ups over Opacus."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    modes = ["floor", "hooks", "bk", "opacus-hooks", "opacus-ghost"]
+    comparisons = [("bk", "floor", "bk / floor"), ("opacus-hooks", "hooks", "hooks vs Opacus hooks"),
+                   ("opacus-ghost", "bk", "bk vs Opacus ghost")]
+
+    def spread(values: list) -> str:
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+    lines = ["| shape | non-private | " + " | ".join(modes + [c[2] for c in comparisons]) + " |",
+             "|" + "---|" * (2 + len(modes) + len(comparisons))]
+    for shape in dict.fromkeys(r["shape"] for r in runs[0]):
+        by_mode = [{r["mode"]: r for r in run if r["shape"] == shape} for run in runs]
+        ok = lambda mode: all(mode in rows and "error" not in rows[mode] for rows in by_mode)
+        cells = [f"{statistics.median(rows['nonprivate']['median_s'] for rows in by_mode) * 1000:.0f} ms"]
+        for mode in modes:
+            if not ok(mode):
+                cells.append("fails" if any("error" in rows.get(mode, {}) for rows in by_mode) else "not run")
+                continue
+            peak = statistics.median(rows[mode]["peak_ratio"] for rows in by_mode)
+            cells.append(f"{spread([rows[mode]['time_ratio'] for rows in by_mode])} / {peak:.2f}x")
+        for slower, faster, _ in comparisons:
+            ratios = [rows[slower]["median_s"] / rows[faster]["median_s"] for rows in by_mode] if ok(slower) and ok(faster) else None
+            cells.append(spread(ratios) if ratios else "-")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -217,8 +248,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
+    parser.add_argument("--summarize", nargs="+", metavar="JSON", help="print the table of several runs' results")
     parser.add_argument("--one", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.summarize:
+        print(summarize(args.summarize))
+        return
     if args.one:
         shape, mode, seq, batch = args.one
         print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None)))
