@@ -276,7 +276,8 @@ def shared_affine_norms_sq(uses) -> list:
 
 def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
     """Squared per-sample norms ``{param: (B,)}`` for each use, with one input Gram per group, and
-    the per-sample weight gradients that were instantiated on the way ``{weight: (B, *shape)}``.
+    the per-sample gradients that were instantiated on the way ``{param: (B, *shape)}``: every
+    bias's (``B p`` numbers), and the weights' where instantiating was cheaper.
 
     Per group of uses reading the same ``a`` (``T`` tokens of ``d`` features), weight norms are
     ghost (``<a a^T, b_k b_k^T>``) or instantiated (``||b_k^T a||^2``). Once the Gram is paid a
@@ -313,8 +314,9 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
                     grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
                     results[i][use.weight] = squared_norms(grad)
                     grads[i][use.weight] = grad
-            if use.bias is not None:
-                results[i][use.bias] = squared_norms(b.sum(1, dtype=at_least_float32_dtype(b.dtype)))
+            if use.bias is not None:  # the per-sample bias gradient is the summed output gradient
+                grads[i][use.bias] = b.sum(1, dtype=at_least_float32_dtype(b.dtype))
+                results[i][use.bias] = squared_norms(grads[i][use.bias])
     return results, grads
 
 

@@ -19,7 +19,8 @@ in place when that gradient is memory it owns (``FRESH_RESULT_SAMPLERS``). A cal
 batch size, for a mean loss) goes on the smaller of its output gradient and its per-sample
 gradients (``sampled_grads``). In ``BookKeeping`` a Linear / Conv1D norm that was instantiated
 (long sequences: ``T (d + p) >= d p``) keeps its per-sample gradient, and the clipped sum is its
-weighted sum: one pass over ``B d p`` numbers instead of a second ``T d p`` matmul per sample.
+weighted sum: one pass over ``B d p`` numbers instead of a second ``T d p`` matmul per sample;
+a bias keeps its per-sample gradient (the summed output gradient) the same way.
 
 Arithmetic: norms and clipped sums are formed in float32 at least, whatever the parameters' dtype
 (bf16 activations and output gradients are upcast; the clip factors stay float32), and with
