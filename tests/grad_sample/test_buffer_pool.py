@@ -128,3 +128,19 @@ def test_the_dp_optimizer_step_hands_the_memory_back():
     finally:
         hooks.cleanup()
     assert addresses[0] == addresses[1] == addresses[2]
+
+
+@pytest.mark.parametrize("in_by_out", [False, True])
+def test_lent_memory_holding_nan_is_only_written(in_by_out):
+    """The per-sample matmul writes its memory with beta=0: whatever a reused block held is never read."""
+    from dptorch.grad_sample.layers.linear import linear_map_grad_samples
+
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4)
+    weight = nn.Parameter(layer.weight.detach().t().contiguous()) if in_by_out else layer.weight
+    x, g = torch.randn(3, 5, 6), torch.randn(3, 5, 4)
+    nan_memory = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    got = linear_map_grad_samples(weight, layer.bias, x, g, in_by_out, empty=nan_memory, scale=3.0)
+    want = linear_map_grad_samples(weight, layer.bias, x, g * 3.0, in_by_out)
+    for p in (weight, layer.bias):
+        torch.testing.assert_close(got[p], want[p])
