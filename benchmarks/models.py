@@ -2,6 +2,7 @@
 
     python benchmarks/models.py [--shapes narrow wide] [--modes nonprivate hooks] [--steps 7]
     python benchmarks/models.py --summarize run1.json run2.json run3.json
+    python benchmarks/models.py --device cuda --dtype bfloat16 --shapes gpt2-small llama-1b
 
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
@@ -37,6 +38,12 @@ SHAPES = {
     "wide-llama": ("llama", 2, 768, 128, 16, 5000, False, 4),
     "long-gpt2": ("gpt2", 4, 256, 2048, 4, 5000, True),
 }
+GPU_SHAPES = {  # B x T = 16 x 1024, for --device cuda (too large for the CPU defaults)
+    "gpt2-small": ("gpt2", 12, 768, 1024, 16, 50257, True),  # 124M parameters
+    "llama-1b": ("llama", 16, 2048, 1024, 16, 32000, False, 8),  # a 1B Llama shape with GQA
+}
+CPU_SHAPES = list(SHAPES)
+SHAPES.update(GPU_SHAPES)
 MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 
@@ -53,8 +60,9 @@ def build(family, layers, width, vocab, tied, kv_heads=None):
     return transformers.LlamaForCausalLM(cfg)
 
 
-def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | None) -> dict:
-    """One (shape, mode) in this process."""
+def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | None, device: str = "cpu",
+            dtype: str = "float32") -> dict:
+    """One (shape, mode) in this process; peak memory is the RSS on the CPU, allocated memory on CUDA."""
     import torch
 
     from dptorch.grad_sample import GradSampleHooks
@@ -64,11 +72,11 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
     seq, batch = seq or default_seq, batch or default_batch
     torch.manual_seed(0)
-    model = build(family, layers, width, vocab, tied, *kv_heads).train()
-    ids = torch.randint(0, vocab, (batch, seq))
+    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype)).train()
+    ids = torch.randint(0, vocab, (batch, seq), device=device)
     # Explicit (B, T) position ids, in memory of their own: Opacus cannot take GPT-2's default
     # broadcast (1, T) ones, and its ghost embedding norm views the ids (an expanded tensor fails).
-    inputs = {"input_ids": ids, "position_ids": torch.arange(seq).expand(batch, seq).contiguous()}
+    inputs = {"input_ids": ids, "position_ids": torch.arange(seq, device=device).expand(batch, seq).contiguous()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss()
     if mode.startswith("opacus"):
@@ -88,18 +96,26 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         loss.backward()
         optimizer.step()
 
+    cuda = torch.device(device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(2):
         step()
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        sync()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss
     return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "peak_rss_mib": peak / 1024, "rss_growth_mib": (peak - rss_before) / 1024,
-            "threads": torch.get_num_threads()}
+            "min_s": min(times), "max_s": max(times), "peak_mib": peak, "peak_kind": "CUDA allocated" if cuda else "RSS",
+            "peak_rss_mib": rss, "rss_growth_mib": rss - rss_before / 1024, "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype}
 
 
 class FloorStep:
@@ -122,11 +138,11 @@ class FloorStep:
         def record(module, args, output):
             a, trainable = args[0], lambda p: p is not None and p.requires_grad
             if isinstance(module, torch.nn.Embedding):
-                self.embeddings.append((torch.randint(0, module.num_embeddings, a.shape), torch.randn(output.shape)))
+                self.embeddings.append((torch.randint(0, module.num_embeddings, a.shape, device=a.device), torch.randn_like(output)))
             elif trainable(module.weight) or trainable(module.bias):
                 if memory_key(a) not in shared:
-                    shared[memory_key(a)] = torch.randn(a.shape)
-                self.affine.append(AffineUse(shared[memory_key(a)], torch.randn(output.shape),
+                    shared[memory_key(a)] = torch.randn_like(a)
+                self.affine.append(AffineUse(shared[memory_key(a)], torch.randn_like(output),
                                              module.weight if trainable(module.weight) else None,
                                              module.bias if trainable(module.bias) else None,
                                              looks_like_hf_conv1d(module)))
@@ -140,8 +156,9 @@ class FloorStep:
             handle.remove()
         self.per_sample = [g for g in instantiated if g is not None]
         self.affine = [u if g is None else dataclasses.replace(u, weight=None) for u, g in zip(self.affine, instantiated)]
-        self.like = torch.empty(sum(p.numel() for p in model.parameters() if p.requires_grad))
-        self.generator = torch.Generator().manual_seed(0)
+        param = next(model.parameters())
+        self.like = param.new_empty(sum(p.numel() for p in model.parameters() if p.requires_grad))
+        self.generator = torch.Generator(device=param.device).manual_seed(0)
 
     def zero_grad(self):
         self.optimizer.zero_grad()
@@ -243,7 +260,9 @@ def summarize(paths: list) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=CPU_SHAPES, choices=list(SHAPES))
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's parameters")
     parser.add_argument("--modes", nargs="+", default=["nonprivate", "floor", "hooks", "bk", "ghost", "opacus-hooks", "opacus-ghost"], choices=list(MODES))
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
@@ -256,7 +275,7 @@ def main() -> None:
         return
     if args.one:
         shape, mode, seq, batch = args.one
-        print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None)))
+        print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None, args.device, args.dtype)))
         return
     rows = []
     for shape in args.shapes:
@@ -268,7 +287,8 @@ def main() -> None:
                         rows.append({"shape": shape, "mode": mode, "error": "not installed"})
                         print(f"{shape:20s} {mode:13s} not installed (pip install opacus --no-deps; opt_einsum)", flush=True)
                         continue
-                    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--one", shape, mode, str(seq or 0), str(batch or 0)]
+                    cmd = [sys.executable, __file__, "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype,
+                           "--one", shape, mode, str(seq or 0), str(batch or 0)]
                     run = subprocess.run(cmd, capture_output=True, text=True)
                     if run.returncode != 0:
                         error = (run.stderr.strip().splitlines() or ["failed"])[-1][:90]
@@ -278,10 +298,10 @@ def main() -> None:
                     row = json.loads(run.stdout.strip().splitlines()[-1])
                     base = base or row
                     row["time_ratio"] = row["median_s"] / base["median_s"]
-                    row["peak_ratio"] = row["peak_rss_mib"] / base["peak_rss_mib"]
+                    row["peak_ratio"] = row["peak_mib"] / base["peak_mib"]
                     rows.append(row)
                     print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
-                          f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak RSS {row['peak_rss_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
+                          f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak {row['peak_kind']} {row['peak_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
                 for ours, theirs in [*OPACUS_PEERS.items(), *FLOOR_PEERS.items()]:
                     line = versus(rows, shape, ours, theirs)
                     if line:
