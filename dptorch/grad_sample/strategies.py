@@ -84,9 +84,9 @@ class LayerCall:
 class Instantiate:
     """Per-sample gradients, summed over the calls of one backward round."""
 
-    def __init__(self, name_of: NameOf, buffers: Optional[BufferPool] = None) -> None:
+    def __init__(self, name_of: NameOf, buffers: BufferPool) -> None:
         self.name_of = name_of
-        self.buffers = buffers or BufferPool()  # memory for the per-sample gradients built here
+        self.buffers = buffers  # memory for the per-sample gradients built here (the controller's)
         self.grads: Dict[nn.Parameter, torch.Tensor] = {}
         # Embedding calls kept as rows (flat ids, values, batch) until the round ends: a tied
         # weight's rows are then added to the other use's dense per-sample gradient, with no
@@ -198,7 +198,7 @@ class BookKeeping:
     scaled by ``c_i`` (``NormSampler.clipped_sum``); modes "bk" and "ghost" both use it.
     """
 
-    def __init__(self, name_of: NameOf, buffers: Optional[BufferPool] = None) -> None:
+    def __init__(self, name_of: NameOf, buffers: BufferPool) -> None:
         self.name_of = name_of
         self.dense = Instantiate(name_of, buffers)
         self.calls: List[LayerCall] = []
@@ -338,7 +338,7 @@ class BookKeeping:
         return self.dense.batch_size()
 
 
-def sampled_grads(call: LayerCall, empty=None) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
+def sampled_grads(call: LayerCall, empty: Callable[..., torch.Tensor]) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
     """The call's per-sample gradients from its sampler, and whether their memory is new and ours.
 
     They are linear in the output gradient, so the call's scale goes on whichever is smaller: the
@@ -347,7 +347,7 @@ def sampled_grads(call: LayerCall, empty=None) -> Tuple[Dict[nn.Parameter, torch
     built-in Linear / Conv1D samplers take it into their matmul instead, and their memory from
     ``empty`` (a ``BufferPool``'s).
     """
-    if empty is not None and call.sampler in POOLED_SAMPLERS:
+    if call.sampler in POOLED_SAMPLERS:
         return call.sampler(call.module, call.activations, call.backprops, empty=empty, scale=call.scale), True
     fresh = call.sampler in FRESH_RESULT_SAMPLERS
     batch = call.backprops.shape[0] if call.backprops.dim() else 1
