@@ -30,7 +30,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample import expanded_weights
-from dptorch.grad_sample.batch_tracking import (
+from dptorch.grad_sample.tracking import (
     INNER,
     WEAK,
     BatchTracker,
@@ -79,7 +79,7 @@ class GradSampleHooks:
     or call ``cleanup()`` to detach.
 
     ``batch_first`` says where the batch is in the root call's inputs (dim 0, else dim 1). Inside
-    the model the batch is followed through the forward (``batch_tracking.py``): each layer call
+    the model the batch is followed through the forward (``tracking/``): each layer call
     is per-sample along the dim its input derives from the batch, so a time-major model with
     batch-first layers inside is exact, and a layer whose input carries no batch (T5's relative
     attention bias) gets its per-sample gradients where its output meets the batch.

@@ -17,7 +17,7 @@ from torch import nn
 
 from dptorch import DPLoss, ModuleValidator
 from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
-from dptorch.grad_sample.batch_tracking import INNER, WEAK, BatchTracker, Lost
+from dptorch.grad_sample.tracking import INNER, WEAK, BatchTracker, Lost
 from dptorch.layers import DPMultiheadAttention
 from tests.helpers import call, projection_loss, snapshot
 

@@ -1,0 +1,28 @@
+"""The batch tracker: which tensors of a capturing root forward carry the batch, and along which dim.
+
+``mode.py`` holds the ``TorchFunctionMode``; ``tags.py`` the tags and how they classify a layer
+call; ``origins.py`` the layer calls whose inputs carry no batch and where their outputs meet it;
+``rules/`` the operations' rules by family, merged by ``registry.py``. Adding an operation's rule
+means adding it to the ``RULES`` table of its family's file.
+"""
+
+from dptorch.grad_sample.tracking.mode import BatchTracker
+from dptorch.grad_sample.tracking.origins import OriginCall, origin_grads, rows_to_dense
+from dptorch.grad_sample.tracking.registry import RULES, UNFOLLOWED
+from dptorch.grad_sample.tracking.tags import INNER, PACKED, WEAK, CallBatch, Lost, classify, packed
+
+__all__ = [
+    "INNER",
+    "PACKED",
+    "RULES",
+    "UNFOLLOWED",
+    "WEAK",
+    "BatchTracker",
+    "CallBatch",
+    "Lost",
+    "OriginCall",
+    "classify",
+    "origin_grads",
+    "packed",
+    "rows_to_dense",
+]

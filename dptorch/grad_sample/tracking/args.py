@@ -1,0 +1,55 @@
+"""Reading an operation's arguments: positional or keyword, dims normalised."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
+    if len(args) > pos:
+        return args[pos]
+    return kwargs.get(name, default)
+
+
+def norm_dim(dim: int, ndim: int) -> int:
+    return dim + ndim if dim < 0 else dim
+
+
+def dims_arg(value: Any, ndim: int) -> Optional[Tuple[int, ...]]:
+    """A ``dim`` argument as normalised dims; None means all dims."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return tuple(norm_dim(int(v), max(ndim, 1)) for v in value) if len(value) else None
+    return (norm_dim(int(value), max(ndim, 1)),)
+
+
+def shape_args(args: tuple, start: int) -> Tuple[int, ...]:
+    rest = args[start:]
+    if len(rest) == 1 and isinstance(rest[0], (list, tuple, torch.Size)):
+        return tuple(rest[0])
+    return tuple(rest)
+
+
+def tensors_of(args: tuple, kwargs: dict):
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            yield ("a", i), a
+    for k, a in kwargs.items():
+        if isinstance(a, Tensor):
+            yield ("k", k), a
+
+
+def replace_arg(args: tuple, kwargs: dict, where, value):
+    if where[0] == "a":
+        args = args[: where[1]] + (value,) + args[where[1] + 1 :]
+    else:
+        kwargs = dict(kwargs)
+        kwargs[where[1]] = value
+    return args, kwargs
+
+
+def op_name(func) -> str:
+    return getattr(func, "__name__", repr(func))

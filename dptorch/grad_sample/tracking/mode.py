@@ -1,0 +1,227 @@
+"""The batch tracker: a ``TorchFunctionMode`` that follows the batch dimension through one root forward.
+
+During a capturing root forward, ``BatchTracker`` follows every torch operation. The root call's
+batched inputs are tagged with their batch dimension (``tags.py``); an operation's outputs are
+tagged from its inputs' tags by the rule the registry (``registry.py``) holds for it
+(``rules/``, by family). A layer call is then *per-sample* because its input derives from the
+batch, never because a size happens to equal the batch size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.tap import tap
+from dptorch.grad_sample.tracking.args import op_name
+from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
+from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
+from dptorch.grad_sample.tracking.rules.metadata import skip
+from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+
+class BatchTracker(TorchFunctionMode):
+    """Follows the batch dimension through the torch operations of one root forward.
+
+    ``n`` is the root call's batch size. ``skip`` and ``quiet`` come from the controller: whether
+    backward capture is suspended, and a context suspending it (for the vector-Jacobian products
+    of meetings).
+    """
+
+    def __init__(self, n: int, skip: Callable[[], bool], quiet: Callable[[], Any]) -> None:
+        super().__init__()
+        self.n = n
+        self.skip = skip
+        self.quiet = quiet
+        self.paused = False
+        self._table: Dict[int, Tuple[Any, Any]] = {}
+        self._origins: List[OriginCall] = []
+        self._out: Any = _NOT_RUN
+
+    # ---------------------------------------------------------------- table
+
+    def get(self, t: Any) -> Any:
+        entry = self._table.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[1]
+        return None
+
+    def put(self, t: Any, tag: Any) -> None:
+        if isinstance(t, Tensor):
+            if tag is None:
+                entry = self._table.get(id(t))
+                if entry is not None and entry[0]() is t:
+                    del self._table[id(t)]
+            else:
+                self._table[id(t)] = (weakref.ref(t), tag)
+
+    def put_all(self, out: Any, tag: Any) -> None:
+        if isinstance(out, Tensor):
+            self.put(out, tag)
+        elif isinstance(out, (list, tuple)):
+            for o in out:
+                self.put(o, tag)
+
+    def tag_root(self, t: Tensor, dim: int, strong: bool) -> None:
+        if self.get(t) is None or strong:
+            self.put(t, dim if strong else dim + WEAK)
+
+    def lost(self, reason: str, tag: Any = None) -> Optional[Lost]:
+        """A ``Lost`` (None for a batch of at most one sample), weak if ``tag`` (what it came from) is."""
+        weak = (type(tag) is int and bool(tag & WEAK)) or (type(tag) is Lost and tag.weak)
+        return Lost(reason, weak=weak) if self.n > 1 else None
+
+    def lost_from(self, reason: str, tags: Sequence[Any]) -> Optional[Lost]:
+        """A ``Lost`` from several inputs: weak only if every batch-derived one is."""
+        derived = [g for g in tags if type(g) is int or type(g) is Lost]
+        weak = bool(derived) and all((type(g) is int and g & WEAK) or (type(g) is Lost and g.weak) for g in derived)
+        return Lost(reason, weak=weak) if self.n > 1 else None
+
+    # ---------------------------------------------------------------- dispatch
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        if self.paused:
+            return func(*args, **kwargs)
+        rule = rule_of(func)
+        if rule is skip:
+            return func(*args, **kwargs)
+        table = self._table
+        for a in args:
+            if isinstance(a, Tensor):
+                if id(a) in table:
+                    break
+            elif isinstance(a, (list, tuple)):
+                if any(isinstance(b, Tensor) and id(b) in table for b in a):
+                    break
+        else:
+            for a in kwargs.values():
+                if isinstance(a, Tensor) and id(a) in table:
+                    break
+            else:
+                return func(*args, **kwargs)
+        self._out = _NOT_RUN
+        try:
+            return rule(self, func, args, kwargs)
+        except PerSampleGradientError:
+            raise
+        except Exception as err:
+            # The operation itself failed: its error is the user's. Otherwise a rule of ours did: the
+            # outputs lose the batch (a layer fed them is refused, naming the operation).
+            out = self._out
+            if out is _RAISED:
+                raise
+            if out is _NOT_RUN:
+                out = func(*args, **kwargs)
+            UNFOLLOWED[f"{op_name(func)} (rule failed: {type(err).__name__})"] += 1
+            self.put_all(out, self.lost(f"{op_name(func)}, which the batch tracker failed to follow ({err!r})"))
+            return out
+        finally:
+            self._out = _NOT_RUN
+
+    def run(self, func, args: tuple, kwargs: dict) -> Any:
+        """Run the operation (rules call it through here, so that its own errors are told apart)."""
+        self._out = _RAISED
+        out = func(*args, **kwargs)
+        self._out = out
+        return out
+
+    # ---------------------------------------------------------------- combining
+
+    def combine(self, items: List[Tuple[Any, int, int]]) -> Tuple[Any, List[int]]:
+        """The tag of a result from ``(tag, tensor ndim, result ndim)`` of aligned inputs.
+
+        Returns the tag and the indices (into ``items``) of origin-derived inputs, which meet the
+        batch when the tag is a batch dim.
+        """
+        strong: List[int] = []
+        weak: List[int] = []
+        lost = None  # the first strong Lost, else the first weak one
+        origins: List[int] = []
+        for i, (tag, ndim, out_ndim) in enumerate(items):
+            if tag is None:
+                continue
+            if type(tag) is int:  # the aligned dim, with the merged factor (0 if none)
+                d = (tag & DIM) + out_ndim - ndim + (tag & ~(DIM | WEAK))
+                (weak if tag & WEAK else strong).append(d)
+            elif type(tag) is Lost:
+                if lost is None or (lost.weak and not tag.weak):
+                    lost = tag
+            else:
+                origins.append(i)
+        if self.n <= 1:
+            lost = None
+        if strong:
+            if any(d != strong[0] for d in strong) and self.n > 1:
+                return Lost("an operation that aligns the batch of one input with another dimension of another"), []
+            if lost is not None and not lost.weak:
+                return lost, []
+            return strong[0], origins
+        if weak:
+            if any(d != weak[0] for d in weak) and self.n > 1:
+                return Lost("an operation that aligns the batch of one input with another dimension of another",
+                            weak=True), []
+            if lost is not None:
+                return lost, []
+            return weak[0] + WEAK, origins
+        if lost is not None:
+            return lost, []
+        if origins:
+            return tuple(dict.fromkeys(o for i in origins for o in items[i][0])), []
+        return None, []
+
+    def meet(self, use: Tensor, out_ndim: int, out_dim: int, broadcasts: bool = True) -> Tensor:
+        """``use`` (origin-derived) meets batched tensors in a result batched along ``out_dim``:
+        the tensor to compute with instead, behind a tap that keeps each sample's gradient apart.
+        ``broadcasts``: whether the operation broadcasts ``use`` (a size-1 dim) against the batch."""
+        origins = self.get(use)
+        if not use.requires_grad or type(origins) is not tuple:
+            return use
+        if out_dim & ~DIM:  # out_dim carries the merged factor of the batch dim, if any
+            raise self.unsupported_meeting(origins, "a tensor whose batch dimension is merged with another")
+        lead = out_ndim - use.ndim
+        aligned = out_dim - lead
+        if lead < 0:
+            raise self.unsupported_meeting(origins, "a batched tensor of lower rank")
+        view = use[(None,) * lead] if lead else use
+        if broadcasts and (aligned < 0 or use.shape[aligned] == 1):
+            broadcast = True
+            view = view.expand(*[self.n if i == out_dim else -1 for i in range(out_ndim)])
+        elif aligned >= 0 and use.shape[aligned] == self.n:
+            broadcast = False
+        else:
+            return use  # the operation itself reports the shape mismatch
+        direct = tuple(o for o in origins if o.output() is use)
+        chained = tuple(o for o in origins if o.output() is not use)
+        edges = tuple(o.edge for o in chained)
+        on_backward = partial(meeting_backward, use if chained else None, tuple(use.shape), direct, chained, edges,
+                              broadcast, out_dim, lead, self.n, self.skip, self.quiet)
+        return tap((view,), (), on_backward)[0]
+
+    def add_origin(self, origin: OriginCall) -> None:
+        self._origins.append(origin)
+
+    def close(self) -> None:
+        """End of the root forward: origins drop the graph edge they held for the meetings."""
+        for origin in self._origins:
+            origin.edge = None
+        self._origins.clear()
+        self._table.clear()
+
+    def unsupported_meeting(self, origins: Any, where: str) -> PerSampleGradientError:
+        names = ", ".join(dict.fromkeys(o.name for o in origins))
+        return PerSampleGradientError(
+            f"the output of {names}, a layer called on inputs that carry no batch dimension, meets the batch in "
+            f"{where}, where its per-sample gradients cannot be kept apart. Give the layer inputs with a leading "
+            "batch dimension (e.g. positions[None].expand(batch_size, -1) instead of positions), or freeze its "
+            "parameters."
+        )
+
+
+_NOT_RUN: Any = object()
+_RAISED: Any = object()

@@ -1,0 +1,116 @@
+"""Elementwise operations (broadcasting their tensor arguments), in place or not."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Dict
+
+from torch import Tensor
+
+from dptorch.grad_sample.tracking.args import arg, replace_arg, tensors_of
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
+
+if TYPE_CHECKING:
+    from dptorch.grad_sample.tracking.mode import BatchTracker
+
+
+def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name: str = ""):
+    """Elementwise operations, broadcasting their tensor arguments."""
+    if not inplace:  # fast path: one tagged argument (the others shared), nothing meets
+        table = tr._table
+        single = None
+        for a in args if not kwargs else (*args, *kwargs.values()):
+            if isinstance(a, Tensor):
+                entry = table.get(id(a))
+                if entry is not None and entry[0]() is a:
+                    if single is not None:
+                        single = None
+                        break
+                    single = (a, entry[1])
+        else:
+            if single is not None:
+                out = tr.run(func, args, kwargs)
+                tag = single[1]
+                if isinstance(out, Tensor):
+                    tr.put(out, tag + (out.ndim - single[0].ndim) if type(tag) is int else tag)
+                return out
+    tensors = list(tensors_of(args, kwargs))
+    if inplace and tensors and tensors[0][0] == ("a", 0):
+        out_ndim = tensors[0][1].ndim
+    else:
+        out_ndim = max(t.ndim for _, t in tensors)
+    tags = [tr.get(t) for _, t in tensors]
+    if name == "copy_":  # the values are src's; self's old tag goes
+        tags[0] = None
+    tag, meeting = tr.combine([(g, t.ndim, out_ndim) for g, (_, t) in zip(tags, tensors)])
+    for i in meeting:
+        where, t = tensors[i]
+        if inplace and where == ("a", 0):
+            raise tr.unsupported_meeting(tags[i], f"an in-place {name or 'operation'} that writes the batch into it")
+        args, kwargs = replace_arg(args, kwargs, where, tr.meet(t, out_ndim, tag & ~WEAK))
+    out = tr.run(func, args, kwargs)
+    if inplace:
+        target = args[0]
+        old = tags[0] if name != "copy_" else tr.get(target)
+        tr.put(target, tag)
+        if tag is not None and type(tag) is int and type(old) is not int:
+            to_base(tr, target, tag)
+    else:
+        tr.put_all(out, tag)
+    return out
+
+
+def to_base(tr: BatchTracker, view: Tensor, tag: Any) -> None:
+    """An in-place write made ``view`` batched: tell its base, if the stride of the batch dim says where."""
+    base = view._base
+    if base is None:
+        return
+    d = tag & DIM
+    old = tr.get(base)
+    candidates = [j for j in range(base.ndim) if base.stride(j) == view.stride(d) and base.shape[j] == view.shape[d]]
+    if len(candidates) == 1 and (old is None or type(old) is tuple or (type(old) is int and old & DIM == candidates[0])):
+        tr.put(base, (tag & KEEP) | candidates[0])
+    elif not (type(old) is int and old & DIM in candidates):
+        tr.put(base, tr.lost("an in-place write of batched values into a view of a shared tensor", tag))
+
+
+def _self_only(tr, func, args, kwargs):
+    """``x.to(other)``, ``x.type_as(other)``: the result is ``x``'s data."""
+    x = arg(args, kwargs, 0, "input")
+    tag = tr.get(x)
+    out = tr.run(func, args, kwargs)
+    if tag is not None:
+        tr.put_all(out, tag)
+    return out
+
+
+def inplace_rule(base: str, tr, func, args, kwargs):
+    return broadcast(tr, func, args, kwargs, inplace=True, name=base + "_")
+
+_BROADCAST = """
+abs absolute neg negative exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sin cos tan tanh sigmoid relu relu6 gelu silu
+mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink logsigmoid sign sgn floor ceil
+round trunc frac fix reciprocal square erf erfc erfinv sinh cosh asin acos atan arcsin arccos arctan asinh acosh atanh
+arcsinh arccosh arctanh isnan isinf isfinite isneginf isposinf isreal logical_not bitwise_not nan_to_num clamp clip
+clamp_min clamp_max dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout clone contiguous detach
+float double half bfloat16 int long short bool char byte cpu cuda pin_memory requires_grad_ conj resolve_conj
+resolve_neg tril triu threshold hardshrink softshrink rrelu logit sinc deg2rad rad2deg digamma lgamma polygamma i0
+sigmoid_ silu_ bernoulli fill zero normal uniform fill_ zero_ normal_ uniform_ exponential_ random_ geometric_ cauchy_
+log_normal_ add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power maximum
+minimum fmax fmin where masked_fill lerp addcmul addcdiv eq ne lt le gt ge equal greater less greater_equal less_equal
+not_equal logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor bitwise_left_shift bitwise_right_shift
+atan2 arctan2 hypot copysign xlogy heaviside nextafter ldexp isclose rsub copy_ masked_scatter prelu
+__add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __div__ __rdiv__ __floordiv__
+__rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__
+__rlshift__ __rshift__ __rrshift__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __neg__ __pos__ __abs__ __invert__
+positive get:data get:real get:imag alias
+"""
+
+INPLACE_ALIASES = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__itruediv__": "div", "__idiv__": "div",
+                    "__ifloordiv__": "floor_divide", "__imod__": "remainder", "__ipow__": "pow", "__iand__": "bitwise_and",
+                    "__ior__": "bitwise_or", "__ixor__": "bitwise_xor", "__ilshift__": "bitwise_left_shift",
+                    "__irshift__": "bitwise_right_shift"}
+
+
+RULES: Dict[str, Callable] = {n: broadcast for n in _BROADCAST.split()}
+RULES.update({"to": _self_only, "type": _self_only, "type_as": _self_only, "copy_": partial(inplace_rule, "copy")})

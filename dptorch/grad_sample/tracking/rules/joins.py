@@ -1,0 +1,72 @@
+"""Joining and splitting: cat, stack, split, chunk, unbind."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict
+
+from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
+
+if TYPE_CHECKING:
+    from dptorch.grad_sample.tracking.mode import BatchTracker
+
+
+def _cat(tr: BatchTracker, func, args, kwargs):
+    tensors = list(arg(args, kwargs, 0, "tensors"))
+    dim = arg(args, kwargs, 1, "dim", 0)
+    stack = op_name(func) == "stack"
+    ref = next((t for t in tensors if t.ndim), tensors[0])
+    ndim = ref.ndim + (1 if stack else 0)
+    dim = norm_dim(int(dim), ndim)
+    items = []
+    for t in tensors:
+        tag = tr.get(t)
+        if type(tag) is int:
+            d = tag & DIM
+            if stack:
+                d = d + 1 if d >= dim else d
+            elif d == dim:
+                tag = tr.lost("concatenates along the batch dimension", tag)
+                items.append((tag, ndim, ndim))
+                continue
+            items.append(((tag & KEEP) | d, ndim, ndim))
+        else:
+            items.append((tag, ndim, ndim))
+    tag, meeting = tr.combine(items)
+    if meeting:
+        tensors = list(tensors)
+        for i in meeting:
+            tensors[i] = tr.meet(tensors[i], tensors[i].ndim, (tag & ~WEAK) - (1 if stack and (tag & DIM) > dim else 0),
+                                 broadcasts=False)
+        args = (tensors,) + tuple(args[1:]) if args else args
+        if not args:
+            kwargs = dict(kwargs, tensors=tensors)
+    out = tr.run(func, args, kwargs)
+    tr.put(out, tag)
+    return out
+
+
+def _split(tr: BatchTracker, func, args, kwargs):
+    name = op_name(func)
+    x = args[0]
+    tag = tr.get(x)
+    out = tr.run(func, args, kwargs)
+    if tag is None:
+        return out
+    if type(tag) is int:
+        d = tag & DIM
+        if name == "unbind":
+            dim = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), x.ndim)
+            tag = tr.lost("unbinds the batch", tag) if dim == d else (tag & KEEP) | (d - (1 if dim < d else 0))
+        else:
+            dim = norm_dim(int(arg(args, kwargs, 2, "dim", 0)), x.ndim)
+            if dim == d and not (len(out) == 1 and out[0].shape[d] == x.shape[d]):
+                tag = tr.lost(f"{name} along the batch dimension", tag)
+    tr.put_all(out, tag)
+    return out
+
+
+RULES: Dict[str, Callable] = {
+    "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
+    "split": _split, "chunk": _split, "tensor_split": _split, "split_with_sizes": _split, "unbind": _split,
+}

@@ -1,0 +1,64 @@
+"""Reductions, scans and sorts along dims: the batch survives unless it is reduced or scanned over."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Dict
+
+from torch import Tensor
+
+from dptorch.grad_sample.tracking.args import arg, dims_arg, op_name
+from dptorch.grad_sample.tracking.rules.elementwise import broadcast
+from dptorch.grad_sample.tracking.rules.structural import dim_is_batch, structural
+from dptorch.grad_sample.tracking.tags import DIM, KEEP
+
+if TYPE_CHECKING:
+    from dptorch.grad_sample.tracking.mode import BatchTracker
+
+
+_KEEPDIM_AT = {"std": 3, "var": 3, "std_mean": 3, "var_mean": 3, "norm": 3, "median": 2, "nanmedian": 2, "mode": 2,
+               "kthvalue": 3}
+_DIM_AT = {"norm": 2, "kthvalue": 2}
+_DEFAULT_DIM = {"mode": -1, "kthvalue": -1}
+
+
+def reduction(tr: BatchTracker, func, args, kwargs):
+    name = op_name(func)
+    if name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor):
+        return broadcast(tr, func, args, kwargs)
+    x = args[0] if args else kwargs.get("input")
+    tag = tr.get(x)
+    out = tr.run(func, args, kwargs)
+    if tag is None:
+        return out
+    if type(tag) is int:
+        ndim = x.ndim
+        dim = arg(args, kwargs, _DIM_AT.get(name, 1), "dim", kwargs.get("axis", _DEFAULT_DIM.get(name)))
+        if isinstance(dim, bool) or isinstance(dim, str):  # std(unbiased), norm(p) overloads
+            dim = kwargs.get("dim")
+        keepdim = arg(args, kwargs, _KEEPDIM_AT.get(name, 2), "keepdim", False)
+        keepdim = keepdim if isinstance(keepdim, bool) else False
+        dims = dims_arg(dim, ndim)
+        d = tag & DIM
+        if dims is None or d in dims:
+            tag = tr.lost(f"{name} over the batch dimension", tag)
+        else:
+            tag = (tag & KEEP) | (d if keepdim else d - sum(1 for i in dims if i < d))
+    tr.put_all(out, tag)
+    return out
+
+
+_REDUCTIONS = """
+sum nansum mean nanmean prod amax amin max min argmax argmin logsumexp norm std var std_mean var_mean all any
+count_nonzero median nanmedian mode aminmax
+"""
+
+
+RULES: Dict[str, Callable] = {n: reduction for n in _REDUCTIONS.split()}
+RULES.update({
+    "cumsum": structural(dim_is_batch(1, "dim")), "cumprod": structural(dim_is_batch(1, "dim")),
+    "cummax": structural(dim_is_batch(1, "dim")), "cummin": structural(dim_is_batch(1, "dim")),
+    "logcumsumexp": structural(dim_is_batch(1, "dim")), "sort": structural(dim_is_batch(1, "dim", -1)),
+    "argsort": structural(dim_is_batch(1, "dim", -1)), "msort": structural(dim_is_batch(1, "dim", 0)),
+    "topk": structural(dim_is_batch(2, "dim", -1)), "kthvalue": reduction,
+    "diff": structural(dim_is_batch(2, "dim", -1)),
+})

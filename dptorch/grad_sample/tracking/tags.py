@@ -1,0 +1,110 @@
+"""The tags of the batch tracker, and how a layer call's argument tags classify it.
+
+Tags (kept in a side table keyed by tensor identity, holding weak references only):
+
+- an ``int``: batched along that dim; ``+ WEAK`` when the evidence is only a root argument whose
+  size matched the batch (a mask ``(T, T)`` with ``T == n``): a weak dim gives way to a strong one;
+  ``+ k * INNER`` when the batch was merged with an inner dim of size ``k`` (BLOOM's ``(B * H, T, d)``,
+  OPT's ``(B * T, d)``): the dim holds each sample's ``k`` rows one after the other;
+- a ``Lost``: derived from the batch, but the batch dim is gone (a mean over the batch, the batch
+  interleaved with another dim, an operation the tracker does not follow). A layer fed such a
+  tensor is refused: its per-sample gradients are not defined;
+- a tuple of ``OriginCall`` (``origins.py``): derived only from the output of a captured layer
+  call whose inputs carry no batch.
+
+Untagged tensors (parameters, buffers, ``arange``, factories) are shared by all samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from dptorch.grad_sample.tracking.origins import OriginCall
+
+WEAK = 64  # added to a dim when the batch was only inferred from a root argument's size
+DIM = WEAK - 1
+KEEP = ~DIM  # all but the dim: strength and the merged factor
+INNER = 128  # the batch dim holds n groups of ``tag // INNER`` rows (the batch merged with a dim inside it)
+
+
+class Lost:
+    """A batch-derived tensor whose batch dimension is gone; ``reason`` says where.
+
+    Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
+    ``sorted_indices`` or None) and "permuted" (the batch along ``dim``, but row ``i`` is sample
+    ``order[i]``); gathering the rows back into the batch's order makes them batched again. A
+    ``weak`` one was derived from weak evidence only, and gives way to a strong batch dim.
+    """
+
+    __slots__ = ("reason", "kind", "dim", "order", "weak")
+
+    def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
+                 weak: bool = False) -> None:
+        self.reason = reason
+        self.kind = kind
+        self.dim = dim
+        self.order = order
+        self.weak = weak  # derived only from weak evidence: gives way to a strong batch dim
+
+    def __repr__(self) -> str:
+        return f"Lost({self.reason!r})"
+
+
+_PACKED_REASON = "the data of a PackedSequence (the rows of all samples interleaved by time step)"
+PACKED = Lost(_PACKED_REASON, "packed")
+
+
+def packed(order: Optional[Tensor]) -> Lost:
+    """The tag of a PackedSequence's data whose sequences are in ``order`` (its sorted_indices)."""
+    return PACKED if order is None else Lost(_PACKED_REASON, "packed", 0, order)
+
+
+@dataclass
+class CallBatch:
+    """How one layer call carries the batch.
+
+    ``kind``: "batched" (tensor argument ``i`` along ``input_dims[i]``, output ``j`` along
+    ``output_dims[j]``; None: not batched), "origin" (no argument carries the batch; ``origins``,
+    one per output, collect its per-sample output gradients) or "single" (a batch of at most one
+    sample: the whole call is that sample's).
+    """
+
+    kind: str
+    n: int
+    input_dims: Tuple[Optional[int], ...] = ()
+    output_dims: Tuple[Optional[int], ...] = ()
+    origins: Tuple[OriginCall, ...] = ()
+
+
+def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...], Any]:
+    """``(kind, input dims, primary tag)`` of a layer call whose tensor arguments have ``tags``
+    (a dim is ``d + k * INNER`` when the batch is merged with an inner dim of size ``k``).
+
+    kind is "batched", "origin", "single" or "lost" (the primary tag is then the ``Lost``): a
+    batch-derived argument without its batch dim, or mixed with batched ones, has no per-sample
+    gradient. Weak dims count only where no strong one exists, or where they agree with it.
+    """
+    strong = [g for g in tags if type(g) is int and not g & WEAK]
+    weak = [g for g in tags if type(g) is int and g & WEAK]
+    losts = [g for g in tags if type(g) is Lost]
+    lost = next((g for g in losts if not g.weak), losts[0] if losts else None)
+    if strong or weak:
+        primary = (strong or weak)[0]
+        if lost is not None and n > 1 and (not lost.weak or not strong):
+            return "lost", (), lost
+        dims = []
+        for g in tags:
+            if type(g) is int and (not strong or not g & WEAK or g & ~WEAK == primary & ~WEAK):
+                dims.append(g & ~WEAK)
+            else:
+                dims.append(None)
+        return "batched", tuple(dims), primary
+    if n <= 1:
+        return "single", (None,) * len(tags), None
+    if lost is not None:
+        return "lost", (), lost
+    return "origin", (None,) * len(tags), None
