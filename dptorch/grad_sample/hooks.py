@@ -47,6 +47,8 @@ from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
+from dptorch.grad_sample.tracking.stack import remove as remove_mode
+from dptorch.grad_sample.tracking.stack import sink as sink_mode
 from dptorch.grad_sample.validation import incompatibilities
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost", "ew")
@@ -153,6 +155,7 @@ class GradSampleHooks:
         self.last_batch_size: Optional[int] = None
         self._replaying = False
         self._tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
+        self._loss_tracker: Optional[BatchTracker] = None  # then through the loss, until backward (tracking/loss.py)
         self._root_depth = 0
         self._tracking_off: Any = False  # "popped"/"paused": the tracker stepped aside for a layer call
         self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
@@ -222,6 +225,7 @@ class GradSampleHooks:
         """Remove every hook and attribute this controller added; the model is as before."""
         if not self._attached:
             return
+        self._drop_loss_tracker()
         self.clear()
         for handle in self._handles:
             handle.remove()
@@ -265,11 +269,13 @@ class GradSampleHooks:
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         """Each parameter's per-sample (per-unit) gradient norm, float32, for the held round."""
+        self._drop_loss_tracker(finished_only=True)
         return self._strategy.per_sample_norms()
 
-    def clipped_sums(self, clip_factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
-        """``sum_i c_i * g_i`` (float32) for each parameter that ``clip_factors`` names."""
-        return self._strategy.clipped_sums(clip_factors)
+    def clipped_sums(self, clip_factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        """``sum_i c_i * g_i`` (float32) for each parameter that ``clip_factors`` names; the units in the bool
+        mask ``dropped`` (non-finite gradients) contribute exactly 0, whatever their rows hold."""
+        return self._strategy.clipped_sums(clip_factors, dropped)
 
     @property
     def batch_size(self) -> int:
@@ -309,6 +315,7 @@ class GradSampleHooks:
 
     def clear(self) -> None:
         """Forget the held per-sample gradients (and remove ``p.grad_sample``)."""
+        self._drop_loss_tracker(finished_only=True)
         for param in self._strategy.grads:
             param.__dict__.pop("grad_sample", None)
         self._strategy = self._new_strategy()
@@ -323,6 +330,7 @@ class GradSampleHooks:
             self._root_depth += 1
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
+            self._drop_loss_tracker(finished_only=True)
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
             self.last_batch_size = self._batch_size
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:
@@ -339,6 +347,15 @@ class GradSampleHooks:
         batched too, but gives way where it contradicts them (a ``(T, T)`` mask when ``T == n``).
         """
         tracker = BatchTracker(n, skip=lambda: self._suspended, quiet=self._capture_suspended)
+        tracker.loss_reduction = self.loss_reduction
+        tracker.on_backward = partial(self._loss_phase_over, tracker)
+        tracker.rows_are_units = lambda: self._unit_ids is None  # grouped rows: see docs/privacy.md
+        previous, self._loss_tracker = self._loss_tracker, None
+        if previous is not None:  # a second forward before backward: the loss may combine both
+            remove_mode(previous)
+            if not previous.done:
+                tracker.adopt(previous)
+            previous.close()
         dim = self._batch_dim
         primary = _primary_input(args, kwargs, dim)
         named = [(None, a) for a in args] + list(kwargs.items())
@@ -352,13 +369,31 @@ class GradSampleHooks:
         tracker.__enter__()
         return tracker
 
-    def _stop_tracking(self) -> None:
+    def _enter_loss_phase(self) -> None:
+        """End of the root forward: the tracker goes on following the loss, from the bottom of
+        torch's mode stack, until backward (where the loss is checked) or the next root forward."""
         tracker, self._tracker = self._tracker, None
-        if tracker is not None:
-            if self._tracking_off != "popped":
-                tracker.__exit__(None, None, None)
-            self._tracking_off = False
-            tracker.close()
+        if tracker is None:
+            return
+        self._tracking_off = False
+        tracker.paused = False
+        tracker.end_forward()
+        sink_mode(tracker)
+        self._loss_tracker = tracker
+
+    def _loss_phase_over(self, tracker: BatchTracker) -> None:
+        """backward() was called (and checked): a tracker in its loss phase ignores everything from
+        now on; it leaves the mode stack at the next chance outside torch's dispatch."""
+        if tracker is self._loss_tracker:
+            tracker.done = True
+
+    def _drop_loss_tracker(self, finished_only: bool = False) -> None:
+        tracker = self._loss_tracker
+        if tracker is None or (finished_only and not tracker.done):
+            return
+        self._loss_tracker = None
+        remove_mode(tracker)
+        tracker.close()
 
     def _attach_batch_tracking(self) -> None:
         """Inside a capturing call of a leaf layer with a grad sampler, the layer's own operations
@@ -404,7 +439,7 @@ class GradSampleHooks:
         self._root_depth = max(self._root_depth - 1, 0)
         if self._root_depth:
             return None
-        self._stop_tracking()
+        self._enter_loss_phase()
         self._batch_size = None
         if self._expanded is None:
             return None
@@ -424,7 +459,10 @@ class GradSampleHooks:
             return None
         ew = self.grad_sample_mode == "ew"
         on_backward = lambda saved, grads: self._begin_round() if ew else None  # noqa: E731
+        tracker = self._loss_tracker
         for i, t in zip(positions, tap([leaves[i] for i in positions], [], on_backward)):
+            if tracker is not None:
+                tracker.put(t, tracker.get(leaves[i]))  # the loss is followed from the tapped outputs
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 

@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.args import op_name
+from dptorch.grad_sample.tracking.loss import has_total, total_rule
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.metadata import skip
@@ -41,6 +42,14 @@ class BatchTracker(TorchFunctionMode):
         self._table: Dict[int, Tuple[Any, Any]] = {}
         self._origins: List[OriginCall] = []
         self._out: Any = _NOT_RUN
+        # the loss (loss.py): the controller's reduction, what backward() tells it, totals formed so far,
+        # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
+        self.loss_reduction: Optional[str] = None
+        self.rows_are_units: Callable[[], bool] = lambda: True
+        self.on_backward: Callable[[], None] = lambda: None
+        self.totals = 0
+        self.escaped: Optional[str] = None
+        self.done = False
 
     # ---------------------------------------------------------------- table
 
@@ -86,8 +95,10 @@ class BatchTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.paused:
+        if self.paused or self.done:
             return func(*args, **kwargs)
+        if self.totals and has_total(self, args, kwargs):
+            return total_rule(self, func, args, kwargs)
         rule = rule_of(func)
         if rule is skip:
             return func(*args, **kwargs)
@@ -206,12 +217,29 @@ class BatchTracker(TorchFunctionMode):
     def add_origin(self, origin: OriginCall) -> None:
         self._origins.append(origin)
 
-    def close(self) -> None:
-        """End of the root forward: origins drop the graph edge they held for the meetings."""
+    def end_forward(self) -> None:
+        """End of the root forward: origins drop the graph edge they held for the meetings, and the
+        tensors derived only from them are shared again (their uses past the forward are checked
+        against the layer's total gradient); batch tags stay, for the loss."""
         for origin in self._origins:
             origin.edge = None
         self._origins.clear()
+        for key, (ref, tag) in list(self._table.items()):
+            if type(tag) is tuple or ref() is None:
+                del self._table[key]
+
+    def adopt(self, other: "BatchTracker") -> None:
+        """Continue ``other``'s loss phase in this root forward (a second forward before backward)."""
+        other.end_forward()
+        self._table.update(other._table)
+        self.totals += other.totals
+        self.escaped = self.escaped or other.escaped
+
+    def close(self) -> None:
+        """The end of this tracker: nothing is followed any more."""
+        self.end_forward()
         self._table.clear()
+        self.done = True
 
     def unsupported_meeting(self, origins: Any, where: str) -> PerSampleGradientError:
         names = ", ".join(dict.fromkeys(o.name for o in origins))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable, Dict
 
+from dptorch.grad_sample.tracking import loss
 from dptorch.grad_sample.tracking.rules import (
     convolution,
     elementwise,
@@ -34,7 +35,7 @@ __all__ = ["RULES", "UNFOLLOWED", "rule_of"]
 
 RULES: Dict[str, Callable] = {}
 for _family in (elementwise, metadata, reductions, structural, normalization, linalg, embedding, convolution, joins,
-                indexing, opaque, sequences, losses):
+                indexing, opaque, sequences, losses, loss):
     RULES.update(_family.RULES)
 
 _CACHE: Dict[Any, Callable] = {}

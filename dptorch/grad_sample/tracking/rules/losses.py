@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Dict
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import op_name, tensors_of
+from dptorch.grad_sample.tracking.loss import loss_total
 from dptorch.grad_sample.tracking.tags import DIM
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ def loss_rule(tr: BatchTracker, func, args, kwargs):
         return out
     if isinstance(out, Tensor) and out.ndim and type(tag) is int and tag & DIM == 0:
         tr.put(out, tag)
+    elif isinstance(out, Tensor) and not out.ndim:
+        tr.put(out, loss_total(tr, func, args, kwargs, tag))
     else:
         tr.put(out, tr.lost_from(f"{op_name(func)} (a loss over the batch)", [tr.get(t) for _, t in tensors_of(args, kwargs)]))
     return out

@@ -17,7 +17,7 @@ def untagged(tr, func, args, kwargs):
 _SKIP = """
 size dim ndimension numel nelement item tolist numpy data_ptr stride storage_offset is_contiguous element_size
 __len__ __bool__ __index__ __int__ __float__ __complex__ __format__ __repr__ __hash__ __reduce_ex__ __deepcopy__
-__setstate__ __getstate__ __array__ __iter__ __contains__ register_hook retain_grad backward untyped_storage
+__setstate__ __getstate__ __array__ __iter__ __contains__ register_hook retain_grad untyped_storage
 storage is_floating_point is_complex is_signed get_device is_pinned is_shared is_set_to type_as_ __dir__
 __sizeof__ _is_view is_nonzero has_names is_inference is_same_size dim_order __array_wrap__
 """

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable, Dict
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import arg, dims_arg, op_name
+from dptorch.grad_sample.tracking.loss import batch_total
 from dptorch.grad_sample.tracking.rules.elementwise import broadcast
 from dptorch.grad_sample.tracking.rules.structural import dim_is_batch, structural
 from dptorch.grad_sample.tracking.tags import DIM, KEEP
@@ -40,7 +41,7 @@ def reduction(tr: BatchTracker, func, args, kwargs):
         dims = dims_arg(dim, ndim)
         d = tag & DIM
         if dims is None or d in dims:
-            tag = tr.lost(f"{name} over the batch dimension", tag)
+            tag = batch_total(tr, name, tag)
         else:
             tag = (tag & KEEP) | (d if keepdim else d - sum(1 for i in dims if i < d))
     tr.put_all(out, tag)

@@ -1,0 +1,217 @@
+"""The loss: samples may meet only in the final sum (or mean) of their own loss terms.
+
+A sum or mean over the batch dimension of a batched tensor is a *total*: a ``Lost`` of kind
+"sum" or "mean" (a layer fed it is refused like any other ``Lost``). A total stays a total under
+operations that are linear with coefficients shared by all samples (scaling by a constant, adding
+totals of the same kind, reshapes, dtype casts, further sums); anything else made from it is
+mixing (``log(total)``, ``total * total``, ``per_sample / total``, ...) and is plainly ``Lost``.
+
+``backward`` (and ``torch.autograd.grad``) is where this is checked: what it is called on must
+be a total of the controller's ``loss_reduction`` (the gradients are rescaled by that reduction
+before clipping), a batched tensor with a per-sample gradient, or free of the batch. Anything
+else is refused before any gradient is formed. The tracker keeps following the operations of
+the user's loss after the root forward for this (``hooks.py`` moves it to the bottom of torch's
+mode stack, so that the user's own modes open and close above it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
+
+from torch import Tensor
+
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.tracking.args import arg, op_name, tensors_of
+from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+
+if TYPE_CHECKING:
+    from dptorch.grad_sample.tracking.mode import BatchTracker
+
+TOTALS = ("sum", "mean")
+
+_ADDITIVE = set("add sub subtract rsub __add__ __radd__ __sub__ __rsub__ __iadd__ __isub__ add_ sub_".split())
+_SCALING = set("mul multiply __mul__ __rmul__ __imul__ mul_".split())
+_DIVIDING = set("div divide true_divide __truediv__ __itruediv__ div_ __div__ __idiv__".split())
+_LINEAR = set("""clone contiguous detach detach_ float double half bfloat16 to type type_as view reshape view_as
+reshape_as squeeze unsqueeze flatten ravel expand expand_as broadcast_to neg negative __neg__ __pos__ positive alias
+requires_grad_ sum mean __getitem__ get:data cpu cuda""".split())
+_JOINS = set("cat concat concatenate stack".split())
+_ESCAPES = set("item tolist numpy __float__ __int__ __index__ __array__".split())
+_BACKWARD = {"backward", "grad"}
+
+
+def is_total(tag: Any) -> bool:
+    return type(tag) is Lost and tag.kind in TOTALS
+
+
+def has_total(tr: BatchTracker, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument (or one in a list argument) is a total."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            if is_total(tr.get(a)):
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and is_total(tr.get(b)) for b in a):
+            return True
+    return False
+
+
+def total(tr: BatchTracker, kind: str, reason: str) -> Optional[Lost]:
+    """A total of ``kind`` (None for a batch of at most one sample, which nothing can mix)."""
+    if tr.n <= 1:
+        return None
+    tr.totals += 1
+    return Lost(reason, kind)
+
+
+def batch_total(tr: BatchTracker, name: str, tag: int) -> Optional[Lost]:
+    """The tag of reduction ``name`` over the batch dim of a tensor batched as ``tag``."""
+    if name in TOTALS and not tag & WEAK:
+        return total(tr, name, f"the {name} over the batch dimension")
+    return tr.lost(f"{name} over the batch dimension", tag)
+
+
+def loss_total(tr: BatchTracker, func, args: tuple, kwargs: dict, tag: Any) -> Optional[Lost]:
+    """The tag of a torch loss reduced over the batch: a total where its divisor is a constant.
+
+    The divisor of ``reduction="mean"`` must not be counted from the data: cross entropy and NLL
+    divide by the summed class weights of the targets, and by the number of targets that are not
+    ``ignore_index``; both are refused.
+    """
+    name = op_name(func)
+    tags = [tr.get(t) for _, t in tensors_of(args, kwargs)]
+    upstream = next((g for g in tags if type(g) is Lost), None)
+    if upstream is not None:  # the input already mixed samples: say where
+        return tr.lost_from(upstream.reason, tags)
+    if type(tag) is not int or tag & WEAK or tag & ~WEAK & DIM:
+        return tr.lost_from(f"{name} over a tensor that does not carry the batch along its first dim", tags)
+    others = [tr.get(t) for where, t in tensors_of(args, kwargs) if where != ("a", 0) and where != ("k", "input")]
+    if any(g is not None and g != tag and not (type(g) is int and g & ~WEAK == tag & ~WEAK) for g in others):
+        return tr.lost_from(f"{name} of a target that does not carry the batch as its input does", others)
+    bound = _bind(func, args, kwargs)
+    reduction = bound.get("reduction", "mean")
+    if reduction == "sum":
+        return total(tr, "sum", f"{name}(reduction='sum') over the batch")
+    if name in ("cross_entropy", "nll_loss"):
+        target = bound.get("target")
+        if bound.get("weight") is not None:
+            return tr.lost(f"{name}(weight=..., reduction='mean'), which divides by the summed weights of the "
+                           "batch's targets (a divisor counted from the data)", tag)
+        ignore = bound.get("ignore_index", -100)
+        if isinstance(target, Tensor) and not target.is_floating_point() and bool((target == ignore).any()):
+            return tr.lost(f"{name}(reduction='mean') with targets equal to ignore_index={ignore}, which divides "
+                           "by the number of targets not ignored (a divisor counted from the data)", tag)
+    return total(tr, "mean", f"{name}(reduction={reduction!r}) over the batch")
+
+
+def _bind(func, args: tuple, kwargs: dict) -> dict:
+    try:
+        return dict(inspect.signature(func).bind(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        return dict(kwargs)
+
+
+def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+    """An operation with a total among its inputs: a total again only if it is linear in it."""
+    name = op_name(func)
+    if name in _BACKWARD:
+        return backward_rule(tr, func, args, kwargs)
+    tensors = list(tensors_of(args, kwargs)) + [(("l", i), b) for i, a in enumerate(args) if isinstance(a, (list, tuple))
+                                                for b in a if isinstance(b, Tensor)]
+    tagged = [(where, g) for where, g in ((where, tr.get(t)) for where, t in tensors) if g is not None]
+    first = next(g for _, g in tagged if is_total(g))
+    if name in _ESCAPES:
+        tr.escaped = f"{name}() of {first.reason}"
+        return tr.run(func, args, kwargs)
+    same = all(is_total(g) and g.kind == first.kind for _, g in tagged)
+    alone = len(tagged) == 1 and tagged[0][0] in (("a", 0), ("k", "input"), ("k", "self"))
+    scaling = name in _SCALING or (name in _DIVIDING and alone)  # a total divided by a constant, not a constant by it
+    if name in _ADDITIVE or name in _JOINS:
+        keep = same
+    elif scaling:
+        keep = len(tagged) == 1 and (tr.escaped is None or not _has_plain_factor(args, kwargs))
+    else:
+        keep = name in _LINEAR and alone
+    out = tr.run(func, args, kwargs)
+    if keep:
+        tag = Lost(first.reason, first.kind)
+    else:
+        tag = Lost(_mixing_reason(name, first, tr.escaped if scaling else None))
+    if name.endswith("_") or name.startswith("__i"):
+        tr.put(args[0], tag)
+    tr.put_all(out, tag)
+    return out
+
+
+def _has_plain_factor(args: tuple, kwargs: dict) -> bool:
+    """Whether a scaling has a factor that is not a tensor the tracker follows (a Python number)."""
+    return any(not isinstance(a, Tensor) for a in (*args, *kwargs.values()))
+
+
+def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:
+    reason = f"{name} of {tag.reason}, which couples every sample's gradient to the others'"
+    if escaped:
+        reason += f" (its factor may come from {escaped}: a number read from the batch into Python)"
+    return reason
+
+
+def backward_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+    """``backward`` / ``torch.autograd.grad``: refuse a root that mixes samples; then run it."""
+    name = op_name(func)
+    roots = _as_list(arg(args, kwargs, 0, "tensors" if name == "backward" and "tensors" in kwargs else "outputs",
+                         kwargs.get("self")))
+    grads = _as_list(arg(args, kwargs, 1, "gradient", kwargs.get("grad_tensors", kwargs.get("grad_outputs"))))
+    try:
+        for i, root in enumerate(roots if tr.rows_are_units() else ()):
+            grad = grads[i] if i < len(grads) else None
+            problem = _root_problem(tr, root, grad)
+            if problem is not None:
+                raise PerSampleGradientError(problem)
+    finally:
+        tr.on_backward()
+    return func(*args, **kwargs)
+
+
+def _as_list(value: Any) -> List[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return [value]
+
+
+def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
+    if not isinstance(root, Tensor):
+        return None
+    tag = tr.get(root)
+    gtag = tr.get(grad) if isinstance(grad, Tensor) else None
+    if tag is None and gtag is None:
+        return None
+    fix = ("Samples may meet only in the final reduction of per-sample loss terms: compute one loss per sample "
+           "(reduction='none', or dptorch.DPLoss(criterion, hooks)) and sum them, or average them by the batch "
+           "size with loss_reduction='mean'. Nothing was updated.")
+    if is_total(tag) and gtag is None:
+        reduction = tr.loss_reduction
+        if tag.kind == reduction or reduction is None:
+            return None
+        other = {"sum": "mean", "mean": "sum"}[tag.kind]
+        return (f"{_call(root)} is {tag.reason}, but the per-sample gradients are rescaled for "
+                f"loss_reduction={reduction!r}: each sample's gradient would be off by the batch size, so its "
+                f"clipping would depend on how many others were drawn. Pass loss_reduction={tag.kind!r} to "
+                f"make_private (or GradSampleHooks), or take the {other} of the per-sample losses instead.")
+    if type(tag) is int and (gtag is None or (type(gtag) is int and gtag & ~WEAK == tag & ~WEAK)):
+        return None
+    what = gtag if tag is None or (type(tag) is int and gtag is not None) else tag
+    reason = what.reason if type(what) is Lost else "a gradient that does not carry the batch as its tensor does"
+    hint = ""
+    if "ignore_index" in reason or "weight=" in reason:
+        hint = (" A HuggingFace model's built-in loss (out.loss) does this: compute the per-sample loss from out.logits "
+                "(dptorch.integrations.hf.losses), or train with dptorch.integrations.hf.DPTrainer, which does it for you.")
+    return f"{_call(root)} derives from {reason}. {fix}{hint}"
+
+
+def _call(root: Tensor) -> str:
+    return "backward() is called on a tensor that" if root.ndim == 0 else f"backward() on a tensor of shape {tuple(root.shape)} that"
+
+
+RULES = {"backward": backward_rule, "grad": backward_rule}
