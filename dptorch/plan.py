@@ -25,9 +25,10 @@ reads (and only the optimizer writes) one plan:
 
 With ``track_draws=True`` (the engine) the plan also keeps a ``DrawLedger``: the DP data loader
 reports each Poisson draw it hands to the training loop, the optimizer each backward round, and
-at ``optimizer.step()`` the plan refuses a step fed by several draws or whose backward passes saw
-another number of samples than the draw holds (``SamplingMismatchError``), before any gradient or
-parameter changes. A draw that fed no backward pass is accounted as a step of its own, so every
+at ``optimizer.step()`` the plan refuses a step fed by several draws, one whose backward passes saw
+samples while no draw was pending (data that did not come from the DP loader), or whose backward
+passes saw another number of samples than the draw holds (``SamplingMismatchError``), before any
+gradient or parameter changes. A draw that fed no backward pass is accounted as a step of its own, so every
 draw handed to the loop is accounted.
 
 With ``mechanism="bandmf"`` (banded matrix-factorisation noise, ``strategy`` a normalised
@@ -155,6 +156,8 @@ class DrawLedger:
 
     ``used[i]``: a backward round whose clipped gradients are still held in the optimizer ran while
     draw ``i`` was the latest one. ``rows``: the samples those rounds saw (per-sample gradient rows).
+    ``undrawn``: the samples of rounds that ran while no draw was pending (data that did not come
+    from the DP data loader: the original loader, the whole dataset); a step holding any is refused.
     """
 
     def __init__(self) -> None:
@@ -164,6 +167,7 @@ class DrawLedger:
         self.sizes: List[Optional[int]] = []
         self.used: List[bool] = []
         self.rows = 0
+        self.undrawn = 0
         self.grouped = False
 
     def on_draw(self, size: Optional[int]) -> None:
@@ -175,19 +179,25 @@ class DrawLedger:
         self.grouped = self.grouped or grouped
         if self.used:
             self.used[-1] = True
+        else:
+            self.undrawn += int(rows)
 
     def on_discard(self) -> None:
         """The held clipped gradients were dropped (``zero_grad`` outside a virtual step)."""
         self.used = [False] * len(self.used)
         self.rows = 0
+        self.undrawn = 0
         self.grouped = False
 
     def close_step(self, *, sample_rate: Optional[float], batch_first: Optional[bool]) -> int:
         """Check the step about to be privatised; return the draws to account (at least 1); reset.
 
-        Raises ``SamplingMismatchError`` (and keeps the ledger) when the held gradients come from
-        several draws, or when their rows differ from the samples of the one draw they come from.
+        Raises ``SamplingMismatchError`` (and keeps the ledger) when the held gradients saw samples
+        while no draw was pending, come from several draws, or when their rows differ from the
+        samples of the one draw they come from.
         """
+        if self.undrawn:
+            raise SamplingMismatchError(_undrawn_message(self.undrawn, self.grouped, sample_rate))
         used = [i for i, flag in enumerate(self.used) if flag]
         if len(used) > 1:
             rate = "" if sample_rate is None else f" of sample rate {sample_rate:g}"
@@ -212,6 +222,7 @@ class DrawLedger:
             "sizes": [-1 if s is None else s for s in self.sizes],
             "used": list(self.used),
             "rows": self.rows,
+            "undrawn": self.undrawn,
             "grouped": self.grouped,
         }
 
@@ -219,7 +230,22 @@ class DrawLedger:
         self.sizes = [None if s < 0 else int(s) for s in state["sizes"]]
         self.used = [bool(u) for u in state["used"]]
         self.rows = int(state["rows"])
+        self.undrawn = int(state.get("undrawn", 0))
         self.grouped = bool(state["grouped"])
+
+
+def _undrawn_message(undrawn: int, grouped: bool, sample_rate: Optional[float]) -> str:
+    what = "privacy units" if grouped else "samples"
+    rate = "" if sample_rate is None else f" of sample rate {sample_rate:g}"
+    return (
+        f"optimizer.step() would privatise the clipped gradients of {undrawn} {what} that no Poisson draw of the DP "
+        "data loader gave the training loop: the backward passes since the last step ran on other data (the "
+        "original DataLoader, the whole dataset, a batch built by hand). The accountant would record a Poisson-"
+        f"subsampled step{rate} that never happened; a step on the whole dataset is a step at sample rate 1 and "
+        "costs far more privacy. Iterate the data loader make_private returned: `model, optimizer, data_loader = "
+        "engine.make_private(...)`, then `for batch in data_loader:` (with BatchMemoryManager, pass it that "
+        "loader). Nothing was updated; call optimizer.zero_grad() to drop the held gradients"
+    )
 
 
 def _count_message(rows: int, size: int, batch_first: Optional[bool]) -> str:

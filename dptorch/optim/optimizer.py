@@ -401,7 +401,11 @@ class DPOptimizer(torch.optim.Optimizer):
             self._last_step_skipped = True
             self.hooks.clear()
             return False
-        count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
+        try:
+            count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
+        except Exception:
+            self._last_step_skipped = False  # a refused step is no virtual step: zero_grad() drops what it held
+            raise
         self.hooks.clear()  # the round is consumed: its kept tensors make room for the noise
         self.add_noise()
         self._release_clipping_step()

@@ -26,9 +26,9 @@ def test_a_compiled_model_is_refused_with_the_fix(with_epsilon):
     compiled = torch.compile(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)))
     with pytest.raises(ValueError, match=r"the model is compiled with torch.compile.*graph breaks.*_orig_mod"):
         make_private(compiled, with_epsilon)
-    model, optimizer, _ = make_private(compiled._orig_mod, with_epsilon)  # the fix it names
-    x, y = next(iter(loader()))
-    nn.functional.cross_entropy(model(x), y).backward()
+    model, optimizer, dp_loader = make_private(compiled._orig_mod, with_epsilon)  # the fix it names
+    x, y = next(iter(dp_loader))
+    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     optimizer.step()
 
 

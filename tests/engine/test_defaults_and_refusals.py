@@ -67,18 +67,20 @@ def test_explicit_modes_are_kept_and_unknown_ones_refused():
 
 def test_auto_gives_the_update_hooks_gives():
     """bk is exact: the clipped, noiseless update of auto (bk) equals the one of hooks."""
-    updates = {}
+    updates, drawn = {}, {}
     for mode in ("auto", "hooks"):
         torch.manual_seed(1)
         model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 2))
         before = [p.detach().clone() for p in model.parameters()]
         with pytest.warns(UserWarning, match="noise_multiplier=0"):
             engine, (model, optimizer, loader) = private(model, noise_multiplier=0.0, grad_sample_mode=mode)
-        x, y = data()[:16]
+        x, y = next(iter(loader))  # the same draw in both runs (the sampler's seed follows torch.manual_seed)
+        drawn[engine.grad_sample_mode] = y.clone()
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         updates[engine.grad_sample_mode] = [p.detach() - b for p, b in zip(model.parameters(), before)]
+    assert len(drawn["bk"]) > 0 and torch.equal(drawn["bk"], drawn["hooks"])
     for bk, hooks in zip(updates["bk"], updates["hooks"]):
         torch.testing.assert_close(bk, hooks, rtol=1e-5, atol=1e-7)
 

@@ -189,11 +189,14 @@ def test_matching_layouts_pass_and_privacy_units_skip_the_check():
         assert len(engine.accountant) == 1, kwargs
 
 
-def test_data_that_did_not_come_from_the_loader_is_not_checked():
+def test_data_that_did_not_come_from_the_loader_is_refused_before_anything_changes():
+    """Was accounted as a Poisson step of q = 0.1 (tests/engine/test_draw_soundness.py covers the other forms)."""
     engine, model, opt, dl = private()
+    before = params(model)
     backward(model, (torch.randn(7, 4), torch.randint(0, 2, (7,))))
-    opt.step()
-    assert len(engine.accountant) == 1
+    with pytest.raises(SamplingMismatchError, match="7 samples that no Poisson draw"):
+        opt.step()
+    assert same(params(model), before) and len(engine.accountant) == 0
 
 
 # --- 4: calibration uses the accounted rate and steps ----------------------------------------

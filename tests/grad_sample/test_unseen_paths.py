@@ -147,10 +147,12 @@ def test_retain_graph_twice_is_refused(mode):
 def test_summed_losses_and_separate_forwards_still_train(mode):
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(32, 4)), batch_size=8)
-    model, optimizer, _ = private(TwoHeads(), mode, data)
+    model, optimizer, loader = private(TwoHeads(), mode, data)
     before = snapshot(model)
-    for _ in range(2):  # virtual steps: one backward per forward
-        out_a, out_b = model(torch.randn(6, 4))
+    (x,) = next(iter(loader))  # one Poisson draw of the private loader, in two rounds
+    assert len(x) >= 2
+    for rows in (x[: len(x) // 2], x[len(x) // 2 :]):  # virtual steps: one backward per forward
+        out_a, out_b = model(rows)
         (out_a.pow(2).sum() + out_b.pow(2).sum()).backward()
     optimizer.step()
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
