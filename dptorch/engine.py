@@ -26,7 +26,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
-from dptorch.data.poisson import DPDataLoader, check_map_style, check_sampler_replaceable, poisson_sampler_of
+from dptorch.data.poisson import (
+    DPDataLoader,
+    check_map_style,
+    check_sampler_replaceable,
+    check_sharded_for_process_group,
+    poisson_sampler_of,
+)
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.hooks import _name_list, is_attached
@@ -278,8 +284,11 @@ class PrivacyEngine:
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
         _check_source_loader(data_loader)
         if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
-            return cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
-        return _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
+            dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
+        else:
+            dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
+        check_sharded_for_process_group(dp_loader.batch_sampler)  # every loader kind, given or rebuilt
+        return dp_loader
 
     def _plan_fields(self, max_grad_norm, clipping, options=None) -> Dict[str, Any]:
         return dict(max_grad_norm=max_grad_norm, clipping=clipping, accountant=self.accountant,
@@ -708,6 +717,10 @@ def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional
     if isinstance(data_loader, DPDataLoader):
         if secure_mode and not data_loader.batch_sampler.secure:
             return "secure_mode=True needs a DPDataLoader built with secure_mode=True (its sampling is seeded)"
+        try:
+            check_sharded_for_process_group(data_loader.batch_sampler)
+        except ValueError as err:
+            return str(err)
         return None
     try:
         _check_source_loader(data_loader)

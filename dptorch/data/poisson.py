@@ -389,6 +389,40 @@ def worker_settings(data_loader: DataLoader) -> Dict[str, Any]:
     return settings
 
 
+def check_sharded_for_process_group(batch_sampler: Any) -> None:
+    """Refuse a Poisson sampler that is not sharded for the initialised process group (world size > 1).
+
+    Under torch.distributed the DP optimizer adds up the clipped sums of all ranks and adds the noise
+    once, and the plan accounts one Poisson draw of rate q over the whole dataset: each rank must
+    draw its own shard (``rank::world_size``) of that one draw. A sampler built without
+    ``distributed=True`` draws a Poisson sample of the whole dataset on every rank (ranks with one
+    seed draw the very same rows), so one row can enter a step once per rank: its contribution to the
+    summed update is up to ``world_size * C`` while noise, divisor and accountant assume C. Every
+    loader kind is held to this (``DPDataLoader``, ``CyclicPoissonDataLoader``).
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size == 1:
+        return
+    has, at = int(getattr(batch_sampler, "world_size", 1)), int(getattr(batch_sampler, "rank", 0))
+    if (has, at) == (world_size, rank):
+        return
+    kind = "CyclicPoissonDataLoader" if hasattr(batch_sampler, "bands") else "DPDataLoader"
+    built = "without distributed=True" if has == 1 else f"for rank {at} of {has} processes"
+    raise ValueError(
+        f"this {kind} was built {built}, but training runs on rank {rank} of {world_size} processes: every rank "
+        f"would draw its own Poisson sample of the whole dataset (with one seed, the very same rows), and the "
+        f"clipped sums of all ranks are added up, so one sample could count {world_size} times in one step "
+        f"(sensitivity {world_size} C) while the noise, the divisor and the accountant assume one draw of the "
+        f"whole dataset at rate q. Build it after init_process_group with {kind}(..., distributed=True) (each "
+        "rank draws its shard rank::world_size of one global Poisson batch), or pass a plain DataLoader to "
+        "make_private, which rebuilds it sharded"
+    )
+
+
 def distributed_rank_and_world_size() -> tuple:
     """(rank, world_size) of the initialised default process group; ValueError if none."""
     import torch.distributed as dist
@@ -476,6 +510,8 @@ class DPDataLoader(DataLoader):
 
     def hand_out(self, position: Optional[int], size: Optional[int]) -> None:
         """A batch (draw ``position``, ``size`` samples on this rank) reaches the training loop."""
+        if self.privacy_plan is not None:  # a process group started after make_private is held to the same rule
+            check_sharded_for_process_group(self.batch_sampler)
         if position is not None:
             self.batch_sampler.hand_out(position)
         if self.privacy_plan is not None:
@@ -622,6 +658,7 @@ __all__ = [
     "DPDataLoader",
     "EmptyBatchCollate",
     "PoissonBatchSampler",
+    "check_sharded_for_process_group",
     "default_steps",
     "draw_seed",
     "empty_batch_like",

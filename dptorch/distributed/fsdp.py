@@ -163,7 +163,7 @@ def _groups_by_module(hooks: Any, params: Sequence[nn.Parameter]) -> List[List[n
     return list(groups.values())
 
 
-def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor]) -> None:
+def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> None:
     """Add this backward pass's clipped sums, summed over the ranks, to the optimizer's sharded accumulator.
 
     Runs on every rank after every backward pass, over all trainable sharded parameters in the
@@ -173,7 +173,7 @@ def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, t
     layouts = _layouts(optimizer, params)
     for group in _groups_by_module(hooks, params):
         wanted = {p: factors[p] for p in group if p in factors}
-        sums = hooks.clipped_sums(wanted) if wanted else {}
+        sums = hooks.clipped_sums(wanted, dropped) if wanted else {}
         for p in group:
             layout = layouts[p]
             full = sums.pop(p, None)

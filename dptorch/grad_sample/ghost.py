@@ -323,7 +323,7 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
 def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
     """``sum_i factor_i per_sample_i`` in float32 (or wider): one pass over the per-sample tensor."""
     dtype = at_least_float32_dtype(per_sample.dtype)
-    return (factor.to(dtype) @ per_sample.to(dtype).flatten(1)).view(per_sample.shape[1:])
+    return (factor.to(dtype) @ per_sample.to(dtype).reshape(per_sample.shape[0], -1)).view(per_sample.shape[1:])
 
 
 def shared_affine_clipped_sums(uses, factors) -> list:

@@ -32,6 +32,7 @@ float32 rounding, which the clip factor's margin covers (``dptorch.optim.clippin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from dptorch.grad_sample.ghost import (
     AffineUse,
     affine_layout,
     form_inner_products,
+    memory_key,
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
     weighted_sum,
@@ -179,13 +181,13 @@ class Instantiate:
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad():
             return {
-                p: torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+                p: torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
                 for p, g in self.grads.items()
             }
 
-    def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
+    def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad(), float32_matmuls_at_full_precision():
-            return {p: weighted_sum(c.float(), self.grads[p]).float() for p, c in factors.items() if p in self.grads}
+            return {p: weighted_sum(c.float(), zero_rows(self.grads[p], dropped)).float() for p, c in factors.items() if p in self.grads}
 
     def batch_size(self) -> int:
         return next((g.shape[0] for g in self.grads.values()), next((r[0][2] for r in self._rows.values()), 0))
@@ -289,10 +291,11 @@ class BookKeeping:
             norms[param] = shared_norm(uses)
         return norms
 
-    def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor]) -> Dict[nn.Parameter, torch.Tensor]:
-        sums = self.dense.clipped_sums(factors)
+    def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        sums = self.dense.clipped_sums(factors, dropped)
         with torch.no_grad(), float32_matmuls_at_full_precision():
             affine_uses, affine_factors = [], []
+            zeroed_inputs: Dict[object, torch.Tensor] = {}  # dropped units: one zeroed copy per shared input
             scaled_factors: Dict[Tuple[int, float], torch.Tensor] = {}
 
             def scaled_factor(param: nn.Parameter, scale: float) -> torch.Tensor:
@@ -306,7 +309,7 @@ class BookKeeping:
                 kept = call.per_sample or {}
                 for param in kept:
                     if param in factors:  # instantiated by the norms: one pass over it
-                        summed = weighted_sum(scaled_factor(param, call.scale), kept[param]).float()
+                        summed = weighted_sum(scaled_factor(param, call.scale), zero_rows(kept[param], dropped)).float()
                         sums[param] = summed + sums[param] if param in sums else summed
                 wanted = [p for p in call.params.values() if p in factors and p not in kept]
                 if kept and not wanted:
@@ -314,12 +317,19 @@ class BookKeeping:
                 use = _affine_use(call, wanted)
                 if use is not None:  # Linear / Conv1D: the shared input scaled once per factor
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
-                    affine_uses.append(use)
+                    affine_uses.append(use if dropped is None else _without_units(use, dropped, zeroed_inputs))
                     affine_factors.append(tuple(
                         None if p is None else scaled_factor(p, call.scale) for p in (use.weight, use.bias)
                     ))
                     continue
-                backprops = at_least_float32(call.backprops)
+                if dropped is not None and any(a.is_floating_point() for a in call.activations):
+                    # A sampler's row i depends on sample i's rows only: dropped rows are zeroed after it.
+                    grads = sampled_grads(call, self.dense.buffers.empty)[0]
+                    for param in wanted:
+                        summed = weighted_sum(at_least_float32(factors[param]), zero_rows(grads[param], dropped)).float()
+                        sums[param] = summed + sums[param] if param in sums else summed
+                    continue
+                backprops = zero_rows(at_least_float32(call.backprops), dropped)
                 for factor, params in _group_by_factor(call.params.values(), factors):
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
                     scale = (factor.to(backprops.dtype) * call.scale).view(-1, *([1] * (backprops.dim() - 1)))
@@ -357,6 +367,27 @@ def sampled_grads(call: LayerCall, empty: Callable[..., torch.Tensor]) -> Tuple[
         grads = {p: g if g is None else g.mul_(call.scale) if fresh else g * call.scale for p, g in grads.items()}
         fresh = True
     return grads, fresh
+
+
+def zero_rows(x: torch.Tensor, dropped: Optional[torch.Tensor]) -> torch.Tensor:
+    """``x`` with the rows of the ``dropped`` units (a bool mask over dim 0) exactly 0.
+
+    By ``torch.where``, not by a factor of 0: an inf or NaN row times 0 is NaN, and in a matmul over
+    the batch it would reach every unit's sum. ``dropped=None``: ``x`` itself.
+    """
+    if dropped is None:
+        return x
+    mask = dropped.to(x.device).view(-1, *([1] * (x.dim() - 1)))
+    return torch.where(mask, x.new_zeros(()), x)
+
+
+def _without_units(use: AffineUse, dropped: torch.Tensor, zeroed_inputs: Dict[object, torch.Tensor]) -> AffineUse:
+    """``use`` with the dropped units' input and output-gradient rows zeroed; uses that read one input
+    share its zeroed copy (``zeroed_inputs``, by memory), so they stay one group."""
+    key = memory_key(use.inputs)
+    if key not in zeroed_inputs:
+        zeroed_inputs[key] = zero_rows(use.inputs, dropped)
+    return dataclasses.replace(use, inputs=zeroed_inputs[key], backprops=zero_rows(use.backprops, dropped))
 
 
 def _plain_embedding(call: LayerCall) -> bool:

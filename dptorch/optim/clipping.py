@@ -17,12 +17,17 @@ the noise std is ``noise_multiplier`` (the bound's scale lives in the learning r
 Adaptive clipping (Andrew et al. 2021) clips flat with a bound ``C`` that the optimizer moves
 towards a quantile of the norms between steps (:mod:`dptorch.optim.adaptive`); its factors are
 the flat ones at the current ``C``.
+
+Non-finite units: a unit whose norm is inf or NaN (an inf feature, a ``log(0)`` in its loss term)
+gets the factor 0 in every mode (``drop_nonfinite``), and the controller zeroes its rows rather than
+multiplying them by 0 (``0 * inf`` is NaN). Whether a unit is dropped depends on that unit's own
+data only, so its contribution is still a function of it of norm <= C: the bound holds.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 import torch
 
@@ -52,6 +57,23 @@ def automatic_factors(norms: torch.Tensor, gamma: float = DEFAULT_GAMMA) -> torc
         raise ValueError(f"gamma of automatic clipping must be a finite number > 0, got {gamma!r}")
     wide = _wide(norms)
     return (1.0 / (wide * (1.0 + ROUNDING_MARGIN) + gamma)).to(torch.float32)
+
+
+class NonFiniteGradientWarning(UserWarning):
+    """A unit's gradient was not finite and was dropped (shown once per optimizer; names no unit)."""
+
+
+def nonfinite_units(total_norms: torch.Tensor) -> torch.Tensor:
+    """True for each unit whose norm is inf or NaN: some entry of its gradient is not finite."""
+    return ~torch.isfinite(total_norms)
+
+
+def drop_nonfinite(factors: torch.Tensor, dropped: Optional[torch.Tensor]) -> torch.Tensor:
+    """``factors`` with exactly 0 for the ``dropped`` units (``None``: unchanged); an inf norm's
+    factor is 0 already, a NaN norm's is NaN, hence ``torch.where``."""
+    if dropped is None:
+        return factors
+    return torch.where(dropped.to(factors.device), factors.new_zeros(()), factors)
 
 
 def flat_norms(per_param_norms: Dict[object, torch.Tensor]) -> torch.Tensor:

@@ -22,8 +22,9 @@ fills ``last_clipping_stats`` at every logical step; off by default (raw norms a
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -34,7 +35,16 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.adaptive import clipping_plan_fields, unclipped_fraction
-from dptorch.optim.clipping import _wide, automatic_factors, clip_factors, flat_norms, per_layer_thresholds
+from dptorch.optim.clipping import (
+    NonFiniteGradientWarning,
+    _wide,
+    automatic_factors,
+    clip_factors,
+    drop_nonfinite,
+    flat_norms,
+    nonfinite_units,
+    per_layer_thresholds,
+)
 from dptorch.plan import PrivacyPlan, check_clipping
 
 StepHook = Callable[["DPOptimizer"], None]
@@ -112,6 +122,8 @@ class DPOptimizer(torch.optim.Optimizer):
         #: With a count released (adaptive clipping, private stats): the noised unclipped fraction of the last step.
         self.last_unclipped_fraction: Optional[float] = None
         self._unclipped_count: Optional[torch.Tensor] = None  # sum of (b_i - 1/2) over this logical step
+        self._nonfinite_count = 0  # units dropped this logical step (non-finite gradient); exact, private
+        self._warned_nonfinite = False
         self._raw_norms: List[torch.Tensor] = []
         self._raw_within: List[torch.Tensor] = []
         self._accumulated = 0  # backward rounds whose clipped gradients wait for the next step
@@ -235,36 +247,67 @@ class DPOptimizer(torch.optim.Optimizer):
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
         self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
         total = flat_norms(norms)
+        dropped = self._nonfinite(total)  # units whose gradient is not finite contribute 0 (None: none)
         within: Optional[torch.Tensor] = None  # per unit: no clipping applied (None: automatic, no bound)
         if self.clipping in ("flat", "adaptive"):
             bound = float(self.max_grad_norm)
-            factor = clip_factors(total, bound)
+            factor = drop_nonfinite(clip_factors(total, bound), dropped)
             factors = {p: factor for p in norms}
-            within = total <= bound
-            self.last_clipped_fraction = float((factor < 1).float().mean()) if factor.numel() else 0.0
+            within = total <= bound  # False for a dropped unit (inf, NaN)
+            clipped = (factor < 1) if dropped is None else (factor < 1) & ~dropped
+            self.last_clipped_fraction = float(clipped.float().mean()) if factor.numel() else 0.0
         elif self.clipping == "automatic":
-            factor = automatic_factors(total, self.plan.gamma)
+            factor = drop_nonfinite(automatic_factors(total, self.plan.gamma), dropped)
             factors = {p: factor for p in norms}
         else:
             thresholds = per_layer_thresholds(self.params, self.max_grad_norm)
             unknown = [hooks.parameter_name(p) for p in norms if p not in thresholds]
             if unknown:
                 raise ValueError(f"per-layer clipping: no threshold for {', '.join(unknown)} (not in the optimizer)")
-            factors = {p: clip_factors(n, thresholds[p]) for p, n in norms.items()}
+            factors = {p: drop_nonfinite(clip_factors(n, thresholds[p]), dropped) for p, n in norms.items()}
             within = torch.stack([n <= thresholds[p] for p, n in norms.items()]).all(0)
-        self._observe_clipping(total, within)
+        self._observe_clipping(total, within, dropped)
         if self._sharded:  # FSDP2: the clipped sums are reduce-scattered now; only this rank's shard is kept
-            accumulate_sharded(self, hooks, factors)
+            accumulate_sharded(self, hooks, factors, dropped)
             factors = {p: f for p, f in factors.items() if not is_sharded(p)}
-        for param, clipped in hooks.clipped_sums(factors).items():
+        for param, clipped in hooks.clipped_sums(factors, dropped).items():
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
         self._accumulated += 1
 
-    def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor]) -> None:
-        """Accumulate, over the backward passes of this logical step, what the step will release."""
+    def _nonfinite(self, total: torch.Tensor) -> Optional[torch.Tensor]:
+        """The mask of units whose norm is inf or NaN, or None when there are none (one host sync).
+
+        Dropping such a unit depends on its own data only, so the bound on its contribution holds;
+        the warning is shown once per optimizer and names no unit (it is itself a one-bit release).
+        """
+        dropped = nonfinite_units(total)
+        count = int(dropped.sum()) if dropped.numel() else 0
+        if not count:
+            return None
+        self._nonfinite_count += count
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(NonFiniteGradientWarning(
+                "a privacy unit's gradient was not finite (inf or NaN: e.g. an inf feature, or log(0) in its loss "
+                "term) and was dropped: it contributes exactly zero to the step, the other units are unaffected. "
+                "Shown once; the number of such units per step is released only with clipping_stats='private' "
+                "(noised, covered by epsilon) or clipping_stats='raw' (not covered by epsilon)"
+            ), stacklevel=2)
+        return dropped
+
+    def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor], dropped: Optional[torch.Tensor] = None) -> None:
+        """Accumulate, over the backward passes of this logical step, what the step will release.
+
+        The released count is the vector ``sum_i v_i``: ``(1/2, 0)`` for an unclipped unit, ``(-1/2, 0)``
+        for a clipped one, ``(0, 1/2)`` for a dropped one (non-finite gradient). Every ``||v_i|| = 1/2``:
+        the sensitivity, and so the cost, of the count of unclipped units alone (``dptorch.optim.adaptive``).
+        """
         if self.plan.counts_unclipped and within is not None:
-            centred = _wide(within).sum() - 0.5 * within.numel()  # each unit moves it by 1/2: sensitivity 1/2
+            if dropped is not None:
+                within = within & ~dropped
+            counted = within.numel() - (0 if dropped is None else int(dropped.sum()))
+            centred = _wide(within).sum() - 0.5 * counted  # each finite unit moves it by 1/2
             self._unclipped_count = centred if self._unclipped_count is None else self._unclipped_count + centred
         if self.plan.clipping_stats == "raw":
             self._raw_norms.append(total.detach())
@@ -277,12 +320,13 @@ class DPOptimizer(torch.optim.Optimizer):
         bound = float(plan.max_grad_norm) if plan.clipping in ("flat", "adaptive") else None
         stats: Optional[Dict[str, Any]] = None
         if plan.counts_unclipped:
-            fraction = self._noised_unclipped_fraction()
+            fraction, nonfinite = self._noised_counts()
             self.last_unclipped_fraction = fraction
             if plan.adaptive is not None:
                 plan.max_grad_norm = plan.adaptive.next_bound(bound, fraction)
             if plan.clipping_stats == "private":
-                stats = {"covered_by_epsilon": True, "clipped_fraction": min(1.0, max(0.0, 1.0 - fraction))}
+                stats = {"covered_by_epsilon": True, "clipped_fraction": min(1.0, max(0.0, 1.0 - fraction)),
+                         "nonfinite_units": max(0.0, nonfinite)}
         if plan.clipping_stats == "raw":
             stats = {"covered_by_epsilon": False, **_raw_clipping_stats(self._raw_norms, self._raw_within)}
         if stats is not None and bound is not None:
@@ -290,22 +334,33 @@ class DPOptimizer(torch.optim.Optimizer):
         self.last_clipping_stats = stats
         self._reset_clipping_step()
 
-    def _noised_unclipped_fraction(self) -> float:
-        """``(sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2``, the noise drawn once across all ranks."""
+    def _noised_counts(self) -> Tuple[float, Optional[float]]:
+        """The noised unclipped fraction ``(sum_i (b_i - 1/2) + N(0, sigma_b^2)) / m + 1/2`` and, with private
+        statistics, the noised number of dropped units ``2 (n_dropped / 2 + N(0, sigma_b^2))`` (else None).
+
+        The two are one vector query of sensitivity 1/2 (``_observe_clipping``), its noise drawn once
+        across all ranks; the dropped count's noise is drawn after the other's, only when it is released.
+        """
         params = self.params
         device = params[0].device if params else torch.device("cpu")
-        count = _wide(torch.zeros(1, device=device))
+        counts = _wide(torch.zeros(2, device=device))
         if self._unclipped_count is not None:
-            count += self._unclipped_count.to(device=device, dtype=count.dtype)
+            counts[0] += self._unclipped_count.to(device=device, dtype=counts.dtype).reshape(())
+        counts[1] += 0.5 * self._nonfinite_count
+        released = self.plan.clipping_stats == "private"
         std = self.plan.count_noise_std
         if std and self._rank == 0:
-            count += self.noise_generator.noise_like(count, std).to(count.dtype)
+            counts[:1] += self.noise_generator.noise_like(counts[:1], std).to(counts.dtype)
+            if released:
+                counts[1:] += self.noise_generator.noise_like(counts[1:], std).to(counts.dtype)
         if self._world_size > 1:
-            torch.distributed.all_reduce(count)
-        return unclipped_fraction(float(count.item()), self.expected_batch_size)
+            torch.distributed.all_reduce(counts)
+        unclipped, dropped = counts.tolist()
+        return unclipped_fraction(unclipped, self.expected_batch_size), (2.0 * dropped if released else None)
 
     def _reset_clipping_step(self) -> None:
         self._unclipped_count = None
+        self._nonfinite_count = 0
         self._raw_norms, self._raw_within = [], []
 
     def clipping_logs(self) -> Dict[str, float]:
@@ -456,6 +511,8 @@ class DPOptimizer(torch.optim.Optimizer):
         }
         if self._unclipped_count is not None:  # mid-step (virtual steps): the count of the held clipped sums
             state["dp"]["unclipped_count"] = self._unclipped_count.detach().reshape(())
+        if self._nonfinite_count:  # mid-step: units dropped from the held clipped sums
+            state["dp"]["nonfinite_count"] = self._nonfinite_count
         return state
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -472,15 +529,20 @@ class DPOptimizer(torch.optim.Optimizer):
         self.noise_generator.load_state_dict(dp["noise_generator"])
         held = dp.get("unclipped_count")
         self._unclipped_count = None if held is None else held.to(params[0].device if params else "cpu")
+        self._nonfinite_count = int(dp.get("nonfinite_count", 0))
 
 
 def _raw_clipping_stats(norms: List[torch.Tensor], within: List[torch.Tensor]) -> Dict[str, Any]:
-    """Exact statistics of one step's per-unit norms: units, clipped fraction, norm quantiles."""
+    """Exact statistics of one step's per-unit norms: units, clipped fraction, norm quantiles (of the
+    finite norms), and the units dropped for a non-finite gradient (neither clipped nor unclipped)."""
     values = torch.cat([n.reshape(-1) for n in norms]).detach().to("cpu", torch.float64) if norms else torch.zeros(0)
-    stats: Dict[str, Any] = {"units": int(values.numel()), "clipped_fraction": None, "norm_quantiles": None}
+    finite = torch.isfinite(values)
+    stats: Dict[str, Any] = {"units": int(values.numel()), "clipped_fraction": None, "norm_quantiles": None,
+                             "nonfinite_units": int((~finite).sum())}
     if within:
         flags = torch.cat([w.reshape(-1) for w in within]).to("cpu")
-        stats["clipped_fraction"] = float((~flags).double().mean()) if flags.numel() else 0.0
+        stats["clipped_fraction"] = float((~flags & finite).double().mean()) if flags.numel() else 0.0
+    values = values[finite]
     if values.numel():
         levels = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
         q10, q50, q90 = torch.quantile(values, levels).tolist()
