@@ -145,6 +145,10 @@ class PoissonBatchSampler:
         self._position = 0  # index of the next draw
         self._handed_out = 0  # position after the last batch handed to the training loop
         self._sink: Optional[Deque[Tuple[int, int]]] = None
+        #: Called with each batch's size as the sampler yields it (which may be ahead of the training loop,
+        #: in a loader's prefetch): how a loop that cannot wrap the loader (the plain-Trainer callback) learns
+        #: of the draws in the order the loop will train on them.
+        self.listener: Optional[Callable[[Optional[int]], None]] = None
 
     def __len__(self) -> int:
         return self.steps
@@ -222,6 +226,8 @@ class PoissonBatchSampler:
                 self.hand_out(position)
             else:
                 sink.append((position, len(batch)))
+            if self.listener is not None:
+                self.listener(len(batch))
             yield batch
 
     def state_dict(self) -> Dict[str, Any]:

@@ -20,7 +20,14 @@ What a callback cannot do, and how each gap is handled (the same list is in
    been a Poisson sample of rate ``q = per_device_train_batch_size * gradient_accumulation_steps
    / len(train_dataset)``. That number is *not* a guarantee for the batches actually used
    (shuffling can leak more). A loader whose batch sampler is a dptorch Poisson sampler is
-   accounted exactly and reported as ``epsilon``.
+   accounted exactly and reported as ``epsilon``, provided it draws once per optimizer step: a
+   ``PoissonBatchSampler`` needs ``gradient_accumulation_steps=1`` (each of its batches is a draw),
+   a ``PoissonMicroBatchSampler`` ``micro_batches == gradient_accumulation_steps``; anything else
+   is refused at ``on_train_begin``. The plan's draw ledger then checks every step as the engine
+   does: the sampler reports each draw as it yields it, the callback hands it to the plan at the
+   training forward that consumes it, and a step fed by several draws, or whose backward passes saw
+   another number of rows than its draw (a collator that adds rows), is refused before it changes
+   anything.
 2. **Loss.** It sees the loss only through the model call. A ``compute_loss_func`` and label
    smoothing take the labels away from the model: refused (the first training forward without
    labels raises). A Trainer subclass whose ``compute_loss`` recomputes the loss from the outputs
@@ -43,7 +50,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, List, Optional
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional
 
 import torch
 from transformers import TrainerCallback
@@ -111,6 +119,8 @@ class DPCallback(TrainerCallback):
         self._model: Any = None
         self._loss_hooks: List[Any] = []
         self._labels: List[Any] = []
+        self._sampler: Any = None  # the dptorch Poisson sampler of the Trainer's loader (Poisson batches only)
+        self._yielded: Deque[Optional[int]] = deque()  # per micro-batch it yielded: the rows of the draw it opens
 
     # ------------------------------------------------------------------ privacy state
 
@@ -150,7 +160,14 @@ class DPCallback(TrainerCallback):
             self._build_plan(args, state, train_dataloader)
         elif self._sampling_of(args, train_dataloader)[:2] != (self.plan.sample_rate, self.plan.num_units):
             raise ValueError("the train dataset or batch size changed since the last train(): the plan no longer holds")
+        sampler = _poisson_sampler(train_dataloader) if self.poisson else None
+        if sampler is not None:
+            _check_one_draw_per_step(sampler, args.gradient_accumulation_steps)
         self._attach(args, model, optimizer)
+        if sampler is not None:  # the draw ledger: the sampler tells of its draws, the training forwards consume them
+            self._yielded.clear()
+            sampler.listener = self._yielded.append
+            self._sampler = sampler
         self._budget_callback.on_train_begin(args, state, control)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -173,6 +190,10 @@ class DPCallback(TrainerCallback):
         for handle in self._loss_hooks:
             handle.remove()
         self._loss_hooks = []
+        if self._sampler is not None:
+            self._sampler.listener = None
+        self._sampler = None
+        self._yielded.clear()
         if self.optimizer is not None:
             self.optimizer.detach()
             if self._holder is not None and self._holder.optimizer is self.optimizer:
@@ -216,7 +237,8 @@ class DPCallback(TrainerCallback):
         options = p.clipping_options() if hasattr(p, "clipping_options") else {}
         fields = dict(sample_rate=sample_rate, steps_per_epoch=steps_per_epoch, num_units=num_units,
                       max_grad_norm=p.per_sample_max_grad_norm, clipping=p.clipping, accountant=p.accountant,
-                      secure_mode=p.secure_mode, sampling="poisson" if poisson else None, **options)
+                      secure_mode=p.secure_mode, sampling="poisson" if poisson else None, track_draws=poisson,
+                      **options)
         if p.target_epsilon is not None:
             self.plan = PrivacyPlan.calibrated(target_epsilon=p.target_epsilon, target_delta=p.target_delta,
                                                steps=state.max_steps, **fields)
@@ -275,6 +297,10 @@ class DPCallback(TrainerCallback):
             kwargs.pop("num_items_in_batch", None)  # the batch's token count couples the samples' losses
             if causal:
                 kwargs["use_cache"] = False
+            if self._sampler is not None and self._yielded:  # the micro-batch this forward trains on, in order
+                opened = self._yielded.popleft()
+                if opened is not None:
+                    self.plan.on_draw(opened)
             self._labels.append(labels)
             return args, kwargs
 
@@ -318,6 +344,29 @@ def _refuse_setups(args: Any, state: Any) -> None:
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ValueError(f"DPCallback cannot train privately with this set-up:\n{listed}")
+
+
+def _check_one_draw_per_step(sampler: Any, accumulation: int) -> None:
+    """Refuse a Poisson sampler that does not draw exactly once per optimizer step of the Trainer."""
+    if isinstance(sampler, PoissonMicroBatchSampler):
+        if sampler.micro_batches == accumulation:
+            return
+        problem = (f"the PoissonMicroBatchSampler deals each draw into {sampler.micro_batches} micro-batches, but the "
+                   f"Trainer steps after gradient_accumulation_steps={accumulation} of them")
+        fix = f"build it with micro_batches={accumulation}"
+    elif accumulation == 1:
+        return
+    else:
+        problem = (f"each batch of the PoissonBatchSampler is a Poisson draw, and gradient_accumulation_steps="
+                   f"{accumulation} sums {accumulation} of them into one noised step")
+        fix = ("use gradient_accumulation_steps=1 (raise the sample rate for larger steps), or a "
+               f"PoissonMicroBatchSampler(..., micro_batches={accumulation}), which deals one draw into "
+               f"{accumulation} micro-batches")
+    raise ValueError(
+        f"DPCallback: {problem}. A step would not be the one Poisson draw of rate q the accountant records (with "
+        "several draws in one step a row can count twice: 2 C under one noise draw). To keep the guarantee, "
+        f"{fix}"
+    )
 
 
 def _poisson_sampler(loader: Any) -> Optional[Any]:

@@ -81,6 +81,9 @@ class PoissonMicroBatchSampler:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.units = units
         self.micro_batches = int(micro_batches)
+        #: Called as each micro-batch is yielded: with the rows of the logical draw it opens (its first
+        #: micro-batch), None for the others (see ``PoissonBatchSampler.listener``).
+        self.listener: Optional[Callable[[Optional[int]], None]] = None
         options = dict(steps=steps, seed=seed, secure=secure, rank=rank, world_size=world_size)
         if bands is None:
             self.logical = PoissonBatchSampler(units.num_units, sample_rate, **options)
@@ -138,8 +141,12 @@ class PoissonMicroBatchSampler:
 
     def __iter__(self) -> Iterator[List[int]]:
         for logical_units in self.logical:
-            for group in np.array_split(np.asarray(logical_units, dtype=np.int64), self.micro_batches):
-                yield self.units.rows_of(group)
+            groups = [self.units.rows_of(group)
+                      for group in np.array_split(np.asarray(logical_units, dtype=np.int64), self.micro_batches)]
+            for index, rows in enumerate(groups):
+                if self.listener is not None:  # the draw's rows with its first micro-batch, None with the others
+                    self.listener(sum(map(len, groups)) if index == 0 else None)
+                yield rows
 
 
 class IndexedDataset(Dataset):
