@@ -26,7 +26,7 @@ def test_cleanup_leaves_model_exactly_as_before():
     model = mlp()
     before = snapshot(model)
     state = copy.deepcopy(model.state_dict())
-    with GradSampleHooks(model) as hooks:
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
         model(torch.randn(5, 4)).sum().backward()
         assert all(hasattr(p, "grad_sample") for p in model.parameters())
         assert snapshot(model) != before
@@ -39,7 +39,7 @@ def test_cleanup_leaves_model_exactly_as_before():
 def test_non_wrapping_keeps_identity_and_state_dict_keys():
     model = mlp()
     keys = list(model.state_dict())
-    hooks = GradSampleHooks(model)
+    hooks = GradSampleHooks(model, loss_reduction="sum")
     assert isinstance(model, nn.Sequential) and list(model.state_dict()) == keys
     model(torch.randn(2, 4)).sum().backward()
     assert hooks.grad_samples[model[0].weight].shape == (2, 8, 4)
@@ -49,7 +49,7 @@ def test_non_wrapping_keeps_identity_and_state_dict_keys():
 def test_wrapper_composes_and_unwraps():
     model = mlp()
     before = snapshot(model)
-    wrapped = GradSampleModule(model)
+    wrapped = GradSampleModule(model, loss_reduction="sum")
     assert wrapped._module is model and not isinstance(wrapped, GradSampleHooks)
     wrapped(torch.randn(3, 4)).sum().backward()
     assert wrapped.grad_samples[model[2].bias].shape == (3, 3)
@@ -59,7 +59,7 @@ def test_wrapper_composes_and_unwraps():
 
 def test_attaching_twice_raises():
     model = mlp()
-    hooks = GradSampleHooks(model)
+    hooks = GradSampleHooks(model, loss_reduction="sum")
     with pytest.raises(RuntimeError, match="already has GradSampleHooks"):
         GradSampleHooks(model)
     hooks.cleanup()
@@ -68,7 +68,7 @@ def test_attaching_twice_raises():
 
 def test_eval_mode_and_no_grad_capture_nothing():
     model = mlp()
-    with GradSampleHooks(model) as hooks:
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
         with torch.no_grad():
             model(torch.randn(3, 4))
         model.eval()
@@ -191,14 +191,14 @@ def test_random_ops_in_fallback_name_the_module_and_fix():
             return nn.functional.dropout(x * self.w, 0.5, self.training)
 
     model = Noisy()
-    with GradSampleHooks(model):
+    with GradSampleHooks(model, loss_reduction="sum"):
         with pytest.raises(PerSampleGradientError, match="Noisy.*random.*register_grad_sampler"):
             model(torch.randn(3, 4)).sum().backward()
 
 
 def test_second_backward_without_clearing_raises():
     model = mlp()
-    with GradSampleHooks(model) as hooks:
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
         model(torch.randn(3, 4)).sum().backward()
         with pytest.raises(PerSampleGradientError, match="second backward"):
             model(torch.randn(3, 4)).sum().backward()
@@ -210,14 +210,14 @@ def test_second_backward_without_clearing_raises():
 def test_backward_of_a_forward_made_before_attaching_raises():
     model = mlp()
     loss = model(torch.randn(3, 4)).sum()
-    with GradSampleHooks(model):
+    with GradSampleHooks(model, loss_reduction="sum"):
         with pytest.raises(PerSampleGradientError, match="no per-sample gradient"):
             loss.backward()
 
 
 def test_module_added_after_attach_is_an_error_not_a_silent_gradient():
     model = mlp()
-    hooks = GradSampleHooks(model)
+    hooks = GradSampleHooks(model, loss_reduction="sum")
     model.append(nn.Linear(3, 2))
     with pytest.raises(PerSampleGradientError, match=r"3\.weight.*no per-sample gradient"):
         model(torch.randn(3, 4)).sum().backward()
@@ -227,7 +227,7 @@ def test_module_added_after_attach_is_an_error_not_a_silent_gradient():
 def test_listener_consumes_each_round():
     model = mlp()
     seen = []
-    with GradSampleHooks(model) as hooks:
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
         hooks.add_backward_listener(lambda h: seen.append(h.grad_samples[model[0].weight].shape[0]))
         for n in (3, 5):
             model(torch.randn(n, 4)).sum().backward()
@@ -244,7 +244,7 @@ def test_shared_output_is_refused():
             return self.lin(x.transpose(0, 1).reshape(-1, 4))
 
     model = Flat()
-    with GradSampleHooks(model):
+    with GradSampleHooks(model, loss_reduction="sum"):
         with pytest.raises(PerSampleGradientError, match=r"lin \(Linear\).*\(6, 4\)"):
             model(torch.randn(3, 2, 4))
 
