@@ -157,10 +157,12 @@ def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:
 
 def backward_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     """``backward`` / ``torch.autograd.grad``: refuse a root that mixes samples; then run it."""
-    name = op_name(func)
-    roots = _as_list(arg(args, kwargs, 0, "tensors" if name == "backward" and "tensors" in kwargs else "outputs",
-                         kwargs.get("self")))
-    grads = _as_list(arg(args, kwargs, 1, "gradient", kwargs.get("grad_tensors", kwargs.get("grad_outputs"))))
+    if func is Tensor.backward:
+        roots, grads = [arg(args, kwargs, 0, "self")], _as_list(arg(args, kwargs, 1, "gradient"))
+    elif op_name(func) == "grad":  # torch.autograd.grad(outputs, inputs, grad_outputs)
+        roots, grads = _as_list(arg(args, kwargs, 0, "outputs")), _as_list(arg(args, kwargs, 2, "grad_outputs"))
+    else:  # torch.autograd.backward(tensors, grad_tensors)
+        roots, grads = _as_list(arg(args, kwargs, 0, "tensors")), _as_list(arg(args, kwargs, 1, "grad_tensors"))
     try:
         for i, root in enumerate(roots if tr.rows_are_units() else ()):
             grad = grads[i] if i < len(grads) else None
