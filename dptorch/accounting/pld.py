@@ -383,7 +383,11 @@ class PLDAccountant(Accountant):
 
     Pessimistic rounding makes the reported epsilon an upper bound; with the automatic
     discretisation (``value_discretization_interval=None``) it is within ~0.03% of exact.
-    Self-composition is done by FFT, so 10^5 steps take well under a second.
+    Self-composition is done by FFT, so 10^5 steps take well under a second. The FFT moves every
+    delta by rounding, measured ~1e-14 at 600 steps and ~3e-12 at 10^5: at a delta within a few
+    times that, the epsilon is set by the rounding. It came out pessimistic in every case measured
+    against an exact composition (tests/accounting/exact_delta.py), but is not proven so there;
+    the 'rdp' accountant has no such floor.
     """
 
     mechanism = "pld"
