@@ -7,6 +7,9 @@ the cheaper ("mixed ghost clipping"). The clipped sum ``sum_i c_i G_i`` is the o
 gradient with each sample's ``b`` scaled by ``c_i`` (book-keeping: no second backward pass).
 Norms and clipped sums are computed in float32 at least: bf16 activations and output gradients
 are upcast, so the clip factors are never rounded to bf16 and nothing is accumulated in it.
+Every norm formed by a sum that can cancel (Gram sums, an embedding row's summed output gradients,
+the cross terms of shared uses) is formed in float64 and certified (``certified``): it bounds the
+norm of what the clipped sum adds for the sample, both roundings included.
 
 A norm sampler is ``(module, activations, backprops) -> {param: squared norm per sample}``;
 its clipped-sum partner takes backprops already scaled per sample and returns batch gradients.
@@ -14,6 +17,7 @@ its clipped-sum partner takes backprops already scaled per sample and returns ba
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -21,12 +25,16 @@ from torch import nn
 
 from dataclasses import dataclass
 
+from dptorch.grad_sample.certified import certified_norms_sq, gamma, magnitudes, wide_dtype
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding
 from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
-from dptorch.grad_sample.layers.linear import flatten_middle_dims
+from dptorch.grad_sample.layers.linear import flatten_middle_dims, flatten_per_sample
 from dptorch.grad_sample.registry import register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
+#: Roundings a term of a clipped sum undergoes besides its own tokens' summation: the factor times
+#: the call's scale, the factor's cast, its product with ``a`` or ``b``, and the product ``b a``.
+CLIP_ROUNDINGS = 4
 
 
 @dataclass
@@ -45,22 +53,65 @@ class LinearForm:
         return not self.left.is_floating_point()
 
 
-def _left_gram(x: LinearForm, y: LinearForm) -> torch.Tensor:
+    @property
+    def tokens(self) -> int:
+        return self.left.shape[1]
+
+    @property
+    def width(self) -> int:
+        """Features of both factors (one for an index): the length of the Gram dot products."""
+        return (1 if self.indexed else self.left.shape[-1]) + self.right.shape[-1]
+
+    def magnitudes(self) -> torch.Tensor:
+        """``sum_t ||left_t|| ||right_t||`` per sample (a one-hot row has norm 1): see ``certified``."""
+        return magnitudes(None if self.indexed else self.left, self.right)
+
+
+def _left_gram(x: LinearForm, y: LinearForm, dtype: torch.dtype) -> torch.Tensor:
     """``(left_x[t] . left_y[t'])`` for each sample: ``(B, T_x, T_y)``."""
     if x.indexed and y.indexed:
-        return (x.left.unsqueeze(2) == y.left.unsqueeze(1)).float()
+        return (x.left.unsqueeze(2) == y.left.unsqueeze(1)).to(dtype)
     if x.indexed:
-        return _left_gram(y, x).transpose(1, 2)
+        return _left_gram(y, x, dtype).transpose(1, 2)
     if y.indexed:  # one-hot rows pick columns of the dense factor
         index = y.left.unsqueeze(1).expand(-1, x.left.shape[1], -1)
-        return x.left.float().gather(2, index)
-    return torch.bmm(x.left.float(), y.left.float().transpose(1, 2))
+        return x.left.to(dtype).gather(2, index)
+    return torch.bmm(x.left.to(dtype), y.left.to(dtype).transpose(1, 2))
 
 
-def form_inner_products(x: LinearForm, y: LinearForm) -> torch.Tensor:
-    """``<G_i, H_i>`` (Frobenius) for each sample, from the factors alone."""
-    right = torch.bmm(x.right.float(), y.right.float().transpose(1, 2))
-    return frobenius_per_sample(_left_gram(x, y), right)
+def form_inner_products(x: LinearForm, y: LinearForm, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``<G_i, H_i>`` (Frobenius) for each sample, from the factors alone, computed in ``dtype``."""
+    right = torch.bmm(x.right.to(dtype), y.right.to(dtype).transpose(1, 2))
+    return frobenius_per_sample(_left_gram(x, y, dtype), right)
+
+
+def shared_form_norms(uses) -> torch.Tensor:
+    """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and ``LinearForm``.
+
+    ``||sum_k s_k G_k||^2 = sum_{k,l} s_k s_l <G_k, G_l>``: the cross terms can cancel, so the sum
+    is formed in float64 and certified with the magnitude ``sum_k |s_k| M_k`` (``certified``); the
+    clipped sum adds the uses' sums (one more rounding per use). Float32, shape ``(B,)``.
+    """
+    dtype = wide_dtype(uses[0][1].right.device)
+    total = None
+    for k, (scale_k, form_k) in enumerate(uses):
+        for scale_l, form_l in uses[k:]:
+            weight = scale_k * scale_l * (1.0 if form_l is form_k else 2.0)
+            term = weight * form_inner_products(form_k, form_l, dtype)
+            total = term if total is None else total + term
+    forms = [form for _, form in uses]
+    tokens = max(form.tokens for form in forms)
+    magnitude = sum(abs(scale) * form.magnitudes() for scale, form in uses)
+    sum_dtype = at_least_float32_dtype(forms[0].right.dtype)
+    for form in forms:
+        if not form.indexed:
+            sum_dtype = torch.promote_types(sum_dtype, form.left.dtype)
+    squared = certified_norms_sq(
+        total, magnitude,
+        norm_terms=max(form.width for form in forms) + tokens * tokens + len(uses) ** 2 + 4, norm_dtype=dtype,
+        sum_terms=tokens + CLIP_ROUNDINGS + len(uses), sum_dtype=sum_dtype,
+    )
+    return squared.sqrt().float()
 
 
 def frobenius_per_sample(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -91,8 +142,8 @@ def _hf_conv1d_form(module: nn.Module, activations: Tensors, backprops: torch.Te
 def _embedding_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
     if not module.weight.requires_grad:
         return {}
-    ids = activations[0].reshape(activations[0].shape[0], -1)
-    right = backprops.reshape(ids.shape[0], ids.shape[1], -1)
+    ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
+    right = backprops.reshape(ids.shape[0], ids.shape[1], backprops.shape[-1])
     if module.padding_idx is not None:  # the padding row gets no gradient
         right = right * (ids != module.padding_idx).unsqueeze(-1)
     return {module.weight: LinearForm(ids, right)}
@@ -103,15 +154,39 @@ def _trainable(param: Optional[nn.Parameter]) -> bool:
 
 
 def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-    """Squared norms of ``sum_t b_t a_t^T`` per sample, ghost or instantiated, whichever is cheaper."""
-    a = flatten_middle_dims(inputs).float()
-    b = flatten_middle_dims(backprops).float()
+    """Certified squared norms of ``sum_t b_t a_t^T`` per sample (ghost or instantiated, whichever
+    is cheaper, in float64), for a clipped sum formed over the tokens (``linear_weight_sum``)."""
+    a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
+    wide = wide_dtype(a.device)
+    a64, b64 = a.to(wide), b.to(wide)
+    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
+    if tokens * (d + p) < d * p or tokens == 1:
+        gram = torch.bmm(a64, a64.transpose(1, 2)) if tokens > 1 else None
+        computed, terms = gram_norms_sq(a64, gram, b64)
+    else:
+        computed, terms = squared_norms(torch.bmm(b64.transpose(1, 2), a64)), 2 * tokens + d * p + 1
+    return certify_linear(computed, a, b, terms, wide)
+
+
+def gram_norms_sq(a: torch.Tensor, gram: Optional[torch.Tensor], b: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """``sum_{t,s} gram[t,s] (b_t . b_s)`` (``||a||^2 ||b||^2`` for one token, where ``gram`` may be
+    None) in the dtype of ``b``, and the roundings of each of its terms (for ``certified_norms_sq``)."""
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     if tokens == 1:
-        return squared_norms(a) * squared_norms(b)
-    if tokens * (d + p) < d * p:
-        return frobenius_per_sample(torch.bmm(a, a.transpose(1, 2)), torch.bmm(b, b.transpose(1, 2)))
-    return squared_norms(torch.bmm(b.transpose(1, 2), a))
+        return squared_norms(a).to(b.dtype) * squared_norms(b), d + p + 1
+    return frobenius_per_sample(gram.to(b.dtype), torch.bmm(b, b.transpose(1, 2))), d + p + 1 + tokens * tokens
+
+
+def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, norm_terms: int, norm_dtype: torch.dtype,
+                   sum_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``certified_norms_sq`` of ``sum_t b_t a_t^T`` (``a=None``: a bias) whose clipped sum is a
+    matmul over the tokens in ``sum_dtype`` (default: float32 or the factors' wider dtype)."""
+    if sum_dtype is None:
+        sum_dtype = at_least_float32_dtype(b.dtype if a is None else torch.promote_types(a.dtype, b.dtype))
+    return certified_norms_sq(
+        computed, magnitudes(a, b), norm_terms=norm_terms, norm_dtype=norm_dtype,
+        sum_terms=b.shape[1] + CLIP_ROUNDINGS, sum_dtype=sum_dtype,
+    )
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor:
@@ -135,8 +210,10 @@ def _linear_norms(weight, bias, inputs, backprops) -> Dict[nn.Parameter, torch.T
     norms = {}
     if _trainable(weight):
         norms[weight] = linear_weight_norms_sq(inputs, backprops)
-    if _trainable(bias):
-        norms[bias] = squared_norms(flatten_middle_dims(backprops).float().sum(1))
+    if _trainable(bias):  # the clipped sum adds the scaled output gradients of every token
+        b = flatten_middle_dims(backprops)
+        wide = wide_dtype(b.device)
+        norms[bias] = certify_linear(squared_norms(b.to(wide).sum(1)), None, b, b.shape[1] + b.shape[2] + 1, wide)
     return norms
 
 
@@ -179,7 +256,7 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     if not weight.requires_grad:
         return {}
     ids = activations[0].reshape(-1)
-    values = _at_least_float32(scaled_backprops.reshape(ids.shape[0], -1))
+    values = _at_least_float32(scaled_backprops.reshape(ids.shape[0], scaled_backprops.shape[-1]))
     summed = values.new_zeros(weight.shape).index_add_(0, ids, values)
     if module.padding_idx is not None:
         summed[module.padding_idx] = 0
@@ -191,22 +268,34 @@ def _not_scaled_by_frequency(module: nn.Module) -> bool:
 
 
 def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
-    """Per-sample squared norms from the rows each sample touches: ``sum_v ||sum_{t: x_t = v} b_t||^2``.
+    """Certified per-sample squared norms from the rows each sample touches: ``sum_v ||sum_{t: x_t = v} b_t||^2``.
 
     Only the (sample, row) pairs that occur are formed, so the cost is about ``B T d`` whatever
-    the vocabulary size, against ``B V d`` for the instantiated gradient.
+    the vocabulary size, against ``B V d`` for the instantiated gradient. A row's output gradients
+    can cancel over its repeated ids: the rows are summed in float64 and the result is certified
+    (``certified``) with the magnitude ``sqrt(sum_v (sum_{t: x_t = v} ||b_t||)^2)``, for a clipped
+    sum that adds each row's scaled output gradients (``_embedding_clipped_sum``).
     """
-    ids = indices.reshape(indices.shape[0], -1)
-    batch, tokens = ids.shape
-    b = backprops.reshape(batch * tokens, -1).float()
+    batch = indices.shape[0]
+    ids = indices.reshape(batch, math.prod(indices.shape[1:]))
+    tokens, width = ids.shape[1], backprops.shape[-1]
+    wide = wide_dtype(backprops.device)
+    b = backprops.reshape(batch * tokens, width).to(wide)
     sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
     keys = sample * (int(ids.max()) + 1 if ids.numel() else 1) + ids.reshape(-1)
     if padding_idx is not None:
         b = b * (ids.reshape(-1) != padding_idx).unsqueeze(1)
     pairs, pair_of_token = torch.unique(keys, return_inverse=True)
-    summed = b.new_zeros(len(pairs), b.shape[1]).index_add_(0, pair_of_token, b)
+    summed = b.new_zeros(len(pairs), width).index_add_(0, pair_of_token, b)
+    row_magnitude = b.new_zeros(len(pairs)).index_add_(0, pair_of_token, torch.linalg.vector_norm(b, dim=1))
     sample_of_pair = b.new_zeros(len(pairs), dtype=torch.long).index_copy_(0, pair_of_token, sample) if len(pairs) else sample[:0]
-    return b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
+    computed = b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
+    magnitude = b.new_zeros(batch).index_add_(0, sample_of_pair, row_magnitude.square()).sqrt()
+    return certified_norms_sq(
+        computed, magnitude * (1 + gamma(2 * tokens + width + 4, wide)),  # its sums of non-negative terms
+        norm_terms=2 * tokens + width + 2, norm_dtype=wide,
+        sum_terms=tokens + CLIP_ROUNDINGS, sum_dtype=at_least_float32_dtype(backprops.dtype),
+    )
 
 
 @register_norm_sampler(
@@ -280,7 +369,8 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
     bias's (``B p`` numbers), and the weights' where instantiating was cheaper.
 
     Per group of uses reading the same ``a`` (``T`` tokens of ``d`` features), weight norms are
-    ghost (``<a a^T, b_k b_k^T>``) or instantiated (``||b_k^T a||^2``). Once the Gram is paid a
+    ghost (``<a a^T, b_k b_k^T>``, float64 and certified: ``certify_linear``) or instantiated
+    (``||b_k^T a||^2``, exact for the kept gradient the clipped sum then reads). Once the Gram is paid a
     ghost norm costs ``T^2 p_k`` against ``T d p_k`` instantiated, so the group goes ghost when
     ``T < d`` and ``sum_k (T d - T^2) p_k > T^2 d`` (for one use: the usual ``T (d + p) < d p``).
     An instantiated gradient (``B d p`` numbers, no more than the ``B T (d + p)`` of ``a`` and
@@ -297,18 +387,19 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
         tokens, d = a.shape[1], a.shape[2]
         saving = sum((tokens * d - tokens * tokens) * uses[i].backprops.shape[-1] for i in weighted)
         ghost = tokens > 1 and tokens < d and saving > tokens * tokens * d
-        gram = torch.bmm(a, a.transpose(1, 2)) if ghost and weighted else None
-        a_sq = squared_norms(a) if tokens == 1 and weighted else None
+        # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
+        wide = wide_dtype(a.device)
+        a_wide = a.to(wide) if weighted and (ghost or tokens == 1) else None
+        gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if ghost and weighted else None
         for i in group:
             use = uses[i]
             b = flatten_middle_dims(use.backprops)
             if use.weight is not None:
                 dtype = torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype))
                 b = b.to(dtype)
-                if tokens == 1:
-                    results[i][use.weight] = a_sq.to(dtype) * squared_norms(b)
-                elif gram is not None:
-                    results[i][use.weight] = frobenius_per_sample(gram.to(dtype), torch.bmm(b, b.transpose(1, 2)))
+                if a_wide is not None:
+                    computed, terms = gram_norms_sq(a_wide, gram, b.to(wide))
+                    results[i][use.weight] = certify_linear(computed, a, b, terms, wide, dtype)
                 else:
                     a_cast = a.to(dtype)
                     grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
@@ -323,7 +414,7 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
 def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
     """``sum_i factor_i per_sample_i`` in float32 (or wider): one pass over the per-sample tensor."""
     dtype = at_least_float32_dtype(per_sample.dtype)
-    return (factor.to(dtype) @ per_sample.to(dtype).reshape(per_sample.shape[0], -1)).view(per_sample.shape[1:])
+    return (factor.to(dtype) @ flatten_per_sample(per_sample.to(dtype))).view(per_sample.shape[1:])
 
 
 def shared_affine_clipped_sums(uses, factors) -> list:

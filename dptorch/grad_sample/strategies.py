@@ -46,7 +46,7 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.ghost import (
     AffineUse,
     affine_layout,
-    form_inner_products,
+    shared_form_norms,
     memory_key,
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
@@ -54,7 +54,7 @@ from dptorch.grad_sample.ghost import (
 )
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
-from dptorch.grad_sample.layers.linear import linear_grad_sampler
+from dptorch.grad_sample.layers.linear import flatten_per_sample, linear_grad_sampler
 from dptorch.grad_sample.registry import GradSampler, NormSampler
 
 NameOf = Callable[[nn.Parameter], str]
@@ -181,7 +181,7 @@ class Instantiate:
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad():
             return {
-                p: torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
+                p: torch.linalg.vector_norm(flatten_per_sample(g), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
                 for p, g in self.grads.items()
             }
 
@@ -481,14 +481,9 @@ def _factors_cheaper(call: LayerCall) -> bool:
 
 
 def shared_norm(uses) -> torch.Tensor:
-    """Per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form ``G_k``."""
-    total = None
-    for k, (scale_k, form_k) in enumerate(uses):
-        for scale_l, form_l in uses[k:]:
-            weight = scale_k * scale_l * (1.0 if form_l is form_k else 2.0)
-            term = weight * form_inner_products(form_k, form_l)
-            total = term if total is None else total + term
-    return total.clamp(min=0).sqrt()
+    """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form
+    ``G_k`` (cross terms included: ``ghost.shared_form_norms``)."""
+    return shared_form_norms(uses)
 
 
 def _group_by_factor(params, factors: Dict[nn.Parameter, torch.Tensor]):

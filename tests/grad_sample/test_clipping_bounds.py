@@ -56,14 +56,14 @@ def step_contributions(model, inputs, mode, *, max_grad_norm=C, clipping="flat",
     clipped_sums = hooks.clipped_sums
     seen = {}
 
-    def recording(factors):
+    def recording(factors, *rest):
         seen["factors"] = factors
         alone = []
         for i in range(n):
             only_i = {p: f * (torch.arange(n) == i).to(f) for p, f in factors.items()}
             alone.append({p: s.double() for p, s in clipped_sums(only_i).items()})
         seen["alone"] = alone
-        summed = clipped_sums(factors)
+        summed = clipped_sums(factors, *rest)
         seen["summed"] = {p: s.double() for p, s in summed.items()}
         return summed
 

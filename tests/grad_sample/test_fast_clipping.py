@@ -180,7 +180,7 @@ def test_ghost_loss_arithmetic_refuses_mismatched_batches():
 def test_tied_embedding_is_not_instantiated_in_bk():
     torch.manual_seed(0)
     model = tiny_gpt2(tie=True)
-    with GradSampleHooks(model, grad_sample_mode="bk") as hooks:
+    with GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum") as hooks:
         logits_loss(model(input_ids=torch.randint(0, 61, (2, 5)))).sum().backward()
         assert model.lm_head.weight not in hooks.grad_samples  # norm from the factors (cross terms)
         assert model.lm_head.weight in hooks.per_sample_norms()

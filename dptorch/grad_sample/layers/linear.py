@@ -17,6 +17,11 @@ def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0], middle, tensor.shape[-1])
 
 
+def flatten_per_sample(tensor: torch.Tensor) -> torch.Tensor:
+    """View ``(B, *rest)`` as ``(B, prod(rest))``: ``(B, 1)`` for a 0-d parameter's, and for ``B == 0`` too."""
+    return tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
+
+
 def common_dtype(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Cast the tensors to their promoted dtype (activations and backprops may differ under autocast)."""
     dtype = tensors[0].dtype
