@@ -10,8 +10,9 @@ reads (and only the optimizer writes) one plan:
   Poisson sampler the run iterates (``for_sampler``) or handed to the sampler the run builds
   (the Trainer), never recomputed elsewhere;
 * the mechanism: ``mechanism`` ("gaussian": independent Gaussian noise, DP-SGD),
-  ``noise_multiplier``, ``max_grad_norm`` and ``clipping``; the optimizer's noise std and
-  ``expected_batch_size`` come from here. With adaptive clipping (or private clipping
+  ``noise_multiplier``, ``max_grad_norm`` and ``clipping``; the optimizer's noise std and the
+  ``divisor`` of the update (``expected_batch_size``, a constant fixed at construction, never a
+  drawn batch's size) come from here; ``sample_rate``, ``num_units`` and ``divisor`` are read-only. With adaptive clipping (or private clipping
   statistics) each step also releases a noised count of unclipped units (std
   ``count_noise_std``): the gradient noise is then ``gradient_noise_multiplier`` (raised so that
   the two Gaussian queries compose to ``noise_multiplier``, see :mod:`dptorch.optim.adaptive`),
@@ -265,6 +266,17 @@ def _count_message(rows: int, size: int, batch_first: Optional[bool]) -> str:
     return message + " If one sample spans several rows on purpose, group them with hooks.set_privacy_units(unit_ids)."
 
 
+def _divisor(given: Optional[float], sample_rate: Optional[float], num_units: Optional[int], bands: int) -> Optional[float]:
+    """The plan's constant divisor: ``given``, else ``q * N / bands``; None when neither is known."""
+    if given is not None:
+        if not _is_number(given) or not (given > 0 and math.isfinite(given)):
+            raise ValueError(f"expected_batch_size must be a finite number > 0, got {given!r}")
+        return float(given)
+    if sample_rate is None or num_units is None:
+        return None
+    return sample_rate * num_units / bands
+
+
 def _check_strategy(mechanism: str, strategy: Any) -> Any:
     """The banded strategy of a "bandmf" plan (normalised columns), None for independent noise."""
     if mechanism != "bandmf":
@@ -333,8 +345,8 @@ class PrivacyPlan:
         self.noise_multiplier = noise_multiplier  # validated by the setter
         self.max_grad_norm = max_grad_norm if max_grad_norm is None or _is_number(max_grad_norm) else list(max_grad_norm)
         self.clipping = clipping
-        self.sample_rate = None if sample_rate is None else float(sample_rate)
-        self.num_units = None if num_units is None else int(num_units)
+        self._sample_rate = None if sample_rate is None else float(sample_rate)
+        self._num_units = None if num_units is None else int(num_units)
         self.steps_per_epoch = None if steps_per_epoch is None else int(steps_per_epoch)
         self.accountant: Optional[Accountant] = (
             create_accountant(accountant) if isinstance(accountant, str) else accountant
@@ -342,7 +354,7 @@ class PrivacyPlan:
         self.mechanism = mechanism
         self.sampling = sampling
         self.secure_mode = bool(secure_mode)
-        self._expected_batch_size = expected_batch_size
+        self._divisor = _divisor(expected_batch_size, self._sample_rate, self._num_units, self.bands)
         self.planned_steps = planned_steps
         self.target_epsilon = target_epsilon
         self.target_delta = target_delta
@@ -507,14 +519,28 @@ class PrivacyPlan:
         return self._noise_multiplier > 0 and self.unprotected_steps == 0
 
     @property
+    def sample_rate(self) -> Optional[float]:
+        """The Poisson rate q every step samples with (public, fixed at construction)."""
+        return self._sample_rate
+
+    @property
+    def num_units(self) -> Optional[int]:
+        """N, the number of privacy units the sampler draws from (public, fixed at construction)."""
+        return self._num_units
+
+    @property
+    def divisor(self) -> Optional[float]:
+        """What the noised clipped sum is divided by under ``loss_reduction="mean"``: a constant fixed when
+        the plan is built (given ``expected_batch_size``, else ``sample_rate * num_units / bands``), never
+        the size of a drawn batch, so the division is post-processing of the mechanism the accountant
+        analyses (docs/privacy.md, "What is public"). None when the plan has neither."""
+        return self._divisor
+
+    @property
     def expected_batch_size(self) -> Optional[float]:
-        """Expected units per logical batch: given, else ``sample_rate * num_units / bands`` (bandmf: a
-        step samples one of b partitions at rate q_p)."""
-        if self._expected_batch_size is not None:
-            return self._expected_batch_size
-        if self.sample_rate is None or self.num_units is None:
-            return None
-        return self.sample_rate * self.num_units / self.bands
+        """Expected units per logical batch, the plan's ``divisor``: given, else ``sample_rate * num_units /
+        bands`` (bandmf: a step samples one of b partitions at rate q_p), fixed at construction."""
+        return self._divisor
 
     @property
     def sensitivity(self) -> float:

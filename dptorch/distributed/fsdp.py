@@ -240,8 +240,8 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
         for i, piece in zip(replicated, flat.split([locals_[i].numel() for i in replicated])):
             locals_[i] = piece.view_as(locals_[i])
     for p, local in zip(params, locals_):
-        if optimizer.loss_reduction == "mean":
-            local = local / optimizer.expected_batch_size
+        if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
+            local = local / optimizer.plan.divisor
         if is_sharded(p):
             from torch.distributed.tensor import DTensor
 

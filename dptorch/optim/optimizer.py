@@ -438,8 +438,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 part.add_(clipped.reshape(-1).to(device))  # z + s: the same bits as s + z
         if self._world_size > 1:
             torch.distributed.all_reduce(flat)
-        if self.loss_reduction == "mean":
-            flat.div_(self.expected_batch_size)
+        if self.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
+            flat.div_(self.plan.divisor)
         for param, grad in zip(params, flat.split(sizes)):
             param.grad = grad.view_as(param).to(param.dtype)
 
