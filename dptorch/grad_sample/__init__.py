@@ -4,6 +4,7 @@ from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModule
 from dptorch.grad_sample.hooks import GradSampleHooks
 from dptorch.grad_sample.module import GradSampleModule
 from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
+from dptorch.grad_sample.tracking import register_batch_rule, remove_batch_rule
 from dptorch.grad_sample.validation import incompatibilities, register_module_check
 
 __all__ = [
@@ -13,7 +14,9 @@ __all__ = [
     "UnsupportedModuleError",
     "find_grad_sampler",
     "incompatibilities",
+    "register_batch_rule",
     "register_duck_grad_sampler",
     "register_grad_sampler",
     "register_module_check",
+    "remove_batch_rule",
 ]

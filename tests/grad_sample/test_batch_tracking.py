@@ -15,11 +15,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dptorch import DPLoss, ModuleValidator
+from dptorch import ModuleValidator
 from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
 from dptorch.grad_sample.tracking import INNER, WEAK, BatchTracker, Lost
 from dptorch.layers import DPMultiheadAttention
-from tests.helpers import call, projection_loss, snapshot
+from tests.grad_sample.oracle import assert_exact
+from tests.helpers import projection_loss, snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,56 +28,6 @@ MODES = ["hooks", "bk", "ghost", "functorch"]
 # (n, T) with T == n among the draws; hypothesis varies them, the examples pin the coincidence
 SIZES = st.integers(1, 4).flatmap(lambda n: st.tuples(st.just(n), st.sampled_from([n, n, 1, n + 1])))
 FEW = settings(max_examples=3, deadline=None, derandomize=True)
-
-
-def sample(inputs, dims, i):
-    """Sample ``i`` of a batch as a batch of one; ``dims`` gives each input's batch dim (None: shared)."""
-    pick = lambda t, d: t if d is None else t.narrow(d, i, 1)  # noqa: E731
-    if isinstance(inputs, dict):
-        return {k: pick(v, dims[k]) for k, v in inputs.items()}
-    return tuple(pick(t, d) for t, d in zip(inputs, dims))
-
-
-def oracle(model, inputs, dims, loss_fn, n):
-    """Each sample's gradient, computed on the sample alone."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    rows = {p: [] for p in params}
-    for i in range(n):
-        model.zero_grad(set_to_none=True)
-        loss_fn(call(model, sample(inputs, dims, i))).sum().backward()
-        for p in params:
-            rows[p].append(torch.zeros_like(p) if p.grad is None else p.grad.clone())
-    model.zero_grad(set_to_none=True)
-    return {p: torch.stack(r) for p, r in rows.items()}
-
-
-def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True):
-    """Per-sample gradients (hooks, functorch), or per-sample norms and clipped sums (bk, ghost),
-    equal the oracle's."""
-    want = oracle(model, inputs, dims, loss_fn, n)
-    names = {p: name for name, p in model.named_parameters()}
-    hooks = GradSampleHooks(model, grad_sample_mode=mode, batch_first=batch_first, loss_reduction="sum")
-    try:
-        output = call(model, inputs)
-        loss = DPLoss(loss_fn, hooks)(output) if mode == "ghost" else loss_fn(output).sum()
-        loss.backward()
-        scale = max(float(g.abs().max()) for g in want.values())
-        close = dict(rtol=1e-4, atol=1e-5 * scale + 1e-7)
-        if mode in ("hooks", "functorch"):
-            got = hooks.grad_samples
-            for p, g in want.items():
-                torch.testing.assert_close(got[p], g, **close, msg=lambda m: f"{mode} {names[p]}: {m}")
-            return
-        norms = hooks.per_sample_norms()
-        factor = torch.rand(n, generator=torch.Generator().manual_seed(n))
-        sums = hooks.clipped_sums({p: factor for p in want})
-        for p, g in want.items():
-            torch.testing.assert_close(norms[p], g.flatten(1).norm(dim=1), **close, msg=lambda m: f"{mode} norm {names[p]}: {m}")
-            torch.testing.assert_close(sums[p], torch.einsum("i,i...->...", factor, g), **close,
-                                       msg=lambda m: f"{mode} clipped sum {names[p]}: {m}")
-    finally:
-        hooks.cleanup()
-        model.zero_grad(set_to_none=True)
 
 
 # ------------------------------------------------------------------------------------ models
@@ -171,7 +122,7 @@ def test_t5_step_leaves_no_trace():
     torch.manual_seed(0)
     model = tiny_t5()
     before = snapshot(model)
-    with GradSampleHooks(model) as hooks:
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:  # the loss below is a sum over the batch
         hidden_loss(model(input_ids=torch.randint(0, 40, (3, 3)))).sum().backward()
         assert hooks.grad_samples
     assert snapshot(model) == before

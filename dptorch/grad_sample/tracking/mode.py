@@ -24,6 +24,7 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.metadata import skip
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
     """Follows the batch dimension through the torch operations of one root forward.
@@ -50,6 +51,8 @@ class BatchTracker(TorchFunctionMode):
         self.totals = 0
         self.escaped: Optional[str] = None
         self.done = False
+        self.forward_done = False  # the root forward returned (escapes are refused only inside it)
+        self.writes = Writes()  # in-place writes that made aliased memory dirty (writes.py)
 
     # ---------------------------------------------------------------- table
 
@@ -57,7 +60,13 @@ class BatchTracker(TorchFunctionMode):
         entry = self._table.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
+        if self.writes.dirty and isinstance(t, Tensor):
+            return self.writes.untagged(t)
         return None
+
+    def wrote(self, target: Tensor, old: Any, new: Any, reason: Optional[str] = None) -> None:
+        """An in-place write changed ``target``'s tag from ``old`` to ``new`` (see ``writes.py``)."""
+        self.writes.wrote(self, target, old, new, reason)
 
     def put(self, t: Any, tag: Any) -> None:
         if isinstance(t, Tensor):
@@ -115,10 +124,14 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(a, Tensor) and id(a) in table:
                     break
             else:
-                return func(*args, **kwargs)
+                if not (self.writes.dirty and self.writes.touches(args, kwargs)):
+                    return func(*args, **kwargs)
         self._out = _NOT_RUN
+        out_arg = kwargs.get("out")
         try:
-            return rule(self, func, args, kwargs)
+            if out_arg is None:
+                return rule(self, func, args, kwargs)
+            return self._with_out(rule, func, args, kwargs, out_arg)
         except PerSampleGradientError:
             raise
         except Exception as err:
@@ -130,10 +143,22 @@ class BatchTracker(TorchFunctionMode):
             if out is _NOT_RUN:
                 out = func(*args, **kwargs)
             UNFOLLOWED[f"{op_name(func)} (rule failed: {type(err).__name__})"] += 1
-            self.put_all(out, self.lost(f"{op_name(func)}, which the batch tracker failed to follow ({err!r})"))
+            lost = self.lost(f"{op_name(func)}, which the batch tracker failed to follow ({err!r})")
+            self.put_all(out, lost)
+            for target in written(func, args, kwargs):
+                self.wrote(target, self.get(target), lost)
             return out
         finally:
             self._out = _NOT_RUN
+
+    def _with_out(self, rule: Callable, func, args: tuple, kwargs: dict, out_arg: Any) -> Any:
+        """An operation writing into ``out=``: the rule tags the result, then the write is checked."""
+        targets = [t for t in (out_arg if isinstance(out_arg, (list, tuple)) else (out_arg,)) if isinstance(t, Tensor)]
+        old = [self.get(t) for t in targets]
+        result = rule(self, func, args, kwargs)
+        for t, g in zip(targets, old):
+            self.wrote(t, g, self.get(t))
+        return result
 
     def run(self, func, args: tuple, kwargs: dict) -> Any:
         """Run the operation (rules call it through here, so that its own errors are told apart)."""
@@ -221,6 +246,7 @@ class BatchTracker(TorchFunctionMode):
         """End of the root forward: origins drop the graph edge they held for the meetings, and the
         tensors derived only from them are shared again (their uses past the forward are checked
         against the layer's total gradient); batch tags stay, for the loss."""
+        self.forward_done = True
         for origin in self._origins:
             origin.edge = None
         self._origins.clear()
@@ -239,6 +265,7 @@ class BatchTracker(TorchFunctionMode):
         """The end of this tracker: nothing is followed any more."""
         self.end_forward()
         self._table.clear()
+        self.writes.clear()
         self.done = True
 
     def unsupported_meeting(self, origins: Any, where: str) -> PerSampleGradientError:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Dict
+from typing import TYPE_CHECKING, Callable, Dict
 
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import arg, replace_arg, tensors_of
-from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
+from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
+from dptorch.grad_sample.tracking.tags import WEAK
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
 def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name: str = ""):
     """Elementwise operations, broadcasting their tensor arguments."""
-    if not inplace:  # fast path: one tagged argument (the others shared), nothing meets
+    if not inplace and not tr.writes.dirty:  # fast path: one tagged argument (the others shared), nothing meets
         table = tr._table
         single = None
         for a in args if not kwargs else (*args, *kwargs.values()):
@@ -51,27 +52,10 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
     out = tr.run(func, args, kwargs)
     if inplace:
         target = args[0]
-        old = tags[0] if name != "copy_" else tr.get(target)
-        tr.put(target, tag)
-        if tag is not None and type(tag) is int and type(old) is not int:
-            to_base(tr, target, tag)
+        tr.wrote(target, tags[0] if name != "copy_" else tr.get(target), tag)
     else:
         tr.put_all(out, tag)
     return out
-
-
-def to_base(tr: BatchTracker, view: Tensor, tag: Any) -> None:
-    """An in-place write made ``view`` batched: tell its base, if the stride of the batch dim says where."""
-    base = view._base
-    if base is None:
-        return
-    d = tag & DIM
-    old = tr.get(base)
-    candidates = [j for j in range(base.ndim) if base.stride(j) == view.stride(d) and base.shape[j] == view.shape[d]]
-    if len(candidates) == 1 and (old is None or type(old) is tuple or (type(old) is int and old & DIM == candidates[0])):
-        tr.put(base, (tag & KEEP) | candidates[0])
-    elif not (type(old) is int and old & DIM in candidates):
-        tr.put(base, tr.lost("an in-place write of batched values into a view of a shared tensor", tag))
 
 
 def _self_only(tr, func, args, kwargs):
@@ -85,7 +69,16 @@ def _self_only(tr, func, args, kwargs):
 
 
 def inplace_rule(base: str, tr, func, args, kwargs):
+    """The in-place variant of the elementwise operation ``base`` (``x.add_(y)``, ``x += y``)."""
     return broadcast(tr, func, args, kwargs, inplace=True, name=base + "_")
+
+
+def _where(tr, func, args, kwargs):
+    """``where(cond, x, y)`` is elementwise; ``where(cond)`` is ``nonzero``: positions, not rows."""
+    if len(list(tensors_of(args, kwargs))) == 1 and len(args) + len(kwargs) == 1:
+        return lost_if_tagged(tr, func, args, kwargs, "where(condition), the positions of a batch-derived mask")
+    return broadcast(tr, func, args, kwargs)
+
 
 _BROADCAST = """
 abs absolute neg negative exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sin cos tan tanh sigmoid relu relu6 gelu silu
@@ -95,11 +88,10 @@ arcsinh arccosh arctanh isnan isinf isfinite isneginf isposinf isreal logical_no
 clamp_min clamp_max dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout clone contiguous detach
 float double half bfloat16 int long short bool char byte cpu cuda pin_memory requires_grad_ conj resolve_conj
 resolve_neg tril triu threshold hardshrink softshrink rrelu logit sinc deg2rad rad2deg digamma lgamma polygamma i0
-sigmoid_ silu_ bernoulli fill zero normal uniform fill_ zero_ normal_ uniform_ exponential_ random_ geometric_ cauchy_
-log_normal_ add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power maximum
+bernoulli fill zero normal uniform exponential random geometric cauchy log_normal add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power maximum
 minimum fmax fmin where masked_fill lerp addcmul addcdiv eq ne lt le gt ge equal greater less greater_equal less_equal
 not_equal logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor bitwise_left_shift bitwise_right_shift
-atan2 arctan2 hypot copysign xlogy heaviside nextafter ldexp isclose rsub copy_ masked_scatter prelu
+atan2 arctan2 hypot copysign xlogy heaviside nextafter ldexp isclose rsub prelu
 __add__ __radd__ __sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __div__ __rdiv__ __floordiv__
 __rfloordiv__ __mod__ __rmod__ __pow__ __rpow__ __and__ __rand__ __or__ __ror__ __xor__ __rxor__ __lshift__
 __rlshift__ __rshift__ __rrshift__ __eq__ __ne__ __lt__ __le__ __gt__ __ge__ __neg__ __pos__ __abs__ __invert__
@@ -113,4 +105,5 @@ INPLACE_ALIASES = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__i
 
 
 RULES: Dict[str, Callable] = {n: broadcast for n in _BROADCAST.split()}
-RULES.update({"to": _self_only, "type": _self_only, "type_as": _self_only, "copy_": partial(inplace_rule, "copy")})
+RULES.update({"to": _self_only, "type": _self_only, "type_as": _self_only, "copy_": partial(inplace_rule, "copy"),
+              "where": _where})

@@ -10,6 +10,7 @@ from torch import Tensor
 from dptorch.grad_sample.tracking.args import arg
 from dptorch.grad_sample.tracking.rules.structural import structural
 from dptorch.grad_sample.tracking.tags import DIM
+from dptorch.grad_sample.tracking.writes import derived
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -30,6 +31,11 @@ def _embedding_bag(tr: BatchTracker, func, args, kwargs):
     else:
         otag = tr.get(offsets) if isinstance(offsets, Tensor) else None
         new = otag if type(otag) is int and otag & DIM == 0 else (tag if tag is None or type(tag) is tuple else tr.lost("embedding_bag of flat indices", tag))
+    weights = [tr.get(t) for t in (arg(args, kwargs, 1, "weight"), arg(args, kwargs, 8, "per_sample_weights"))
+               if isinstance(t, Tensor)]
+    mixed = [g for g in weights if derived(g) and g != tag]
+    if mixed:
+        new = tr.lost_from("embedding_bag with weights derived from the batch (not batched as its input is)", mixed)
     tr.put(result, new)
     return out
 

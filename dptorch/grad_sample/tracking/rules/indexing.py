@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name, tensors_of
-from dptorch.grad_sample.tracking.rules.elementwise import to_base
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK, Lost
+from dptorch.grad_sample.tracking.writes import derived
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -26,10 +26,15 @@ def _gather(tr: BatchTracker, func, args, kwargs):
         dim = arg(args, kwargs, 1, "dim")
     dim = None if dim is None else norm_dim(int(dim), max(x.ndim, 1))
     parts = [t for _, t in tensors_of(args, kwargs)]
-    if name.startswith("index_"):
-        parts = [t for t in parts if t.ndim == x.ndim or t is x]  # the 1-D index does not align
-    out_ndim = x.ndim
     items = []
+    if name.startswith("index_"):
+        # the 1-D index and a 0-d fill value do not align with x: derived from the batch, they mix it
+        loose = [tr.get(t) for t in parts if t.ndim != x.ndim and t is not x]
+        if any(derived(g) for g in loose):
+            items.append((tr.lost_from(f"{name} by an index or value derived from the batch", loose), 0, 0))
+        parts = [t for t in parts if t.ndim == x.ndim or t is x]
+    out_ndim = x.ndim
+    old = tr.get(x)
     for t in parts:
         tag = tr.get(t)
         if type(tag) is int and (dim is None or (tag & DIM) + out_ndim - t.ndim == dim):
@@ -39,7 +44,10 @@ def _gather(tr: BatchTracker, func, args, kwargs):
     if meeting:
         raise tr.unsupported_meeting(items[meeting[0]][0], name)
     out = tr.run(func, args, kwargs)
-    tr.put(x if inplace else out, tag)
+    if inplace:
+        tr.wrote(x, old, tag)
+    else:
+        tr.put(out, tag)
     return out
 
 
@@ -194,6 +202,11 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
     x, index, value = args[0], args[1], args[2]
     xtag = tr.get(x)
     vtag = tr.get(value) if isinstance(value, Tensor) else None
+    itags = [tr.get(t) for t in _index_tensors(index)]
+    if any(derived(g) for g in itags):  # which elements are written depends on the batch
+        out = tr.run(func, args, kwargs)
+        tr.wrote(x, xtag, tr.lost_from("an indexed assignment whose index derives from the batch", [xtag, vtag, *itags]))
+        return out
     if vtag is None:
         out = tr.run(func, args, kwargs)
         return out
@@ -226,10 +239,13 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
         elif xtag is None or type(xtag) is tuple:
             new = vtag if xtag is None else tuple(dict.fromkeys(xtag + vtag))
     out = tr.run(func, args, kwargs)
-    tr.put(x, new)
-    if type(new) is int and type(xtag) is not int:
-        to_base(tr, x, new)
+    tr.wrote(x, xtag, new)
     return out
+
+
+def _index_tensors(index: Any) -> List[Tensor]:
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    return [it for it in items if isinstance(it, Tensor)]
 
 
 def _index_select(tr: BatchTracker, func, args, kwargs):
@@ -238,6 +254,16 @@ def _index_select(tr: BatchTracker, func, args, kwargs):
     tag = tr.get(x)
     dim = norm_dim(int(arg(args, kwargs, 1, "dim")), max(x.ndim, 1))
     index = arg(args, kwargs, 2, "index")
+    itag = tr.get(index) if isinstance(index, Tensor) else None
+    if itag is not None:  # rows chosen by the batch: row i of the result is x's row index[i]
+        if type(tag) is tuple and type(itag) is int and x.requires_grad and tr.n > 1:
+            raise tr.unsupported_meeting(tag, "index_select with indices derived from the batch")
+        out = tr.run(func, args, kwargs)
+        if type(itag) is int and itag & DIM == 0 and index.ndim == 1 and (tag is None or type(tag) is tuple):
+            tr.put(out, (itag & KEEP) | dim)
+        else:
+            tr.put(out, tr.lost_from("index_select of rows chosen by the batch", [tag, itag]))
+        return out
     out = tr.run(func, args, kwargs)
     if tag is None:
         return out

@@ -62,4 +62,6 @@ RULES.update({
     "argsort": structural(dim_is_batch(1, "dim", -1)), "msort": structural(dim_is_batch(1, "dim", 0)),
     "topk": structural(dim_is_batch(2, "dim", -1)), "kthvalue": reduction,
     "diff": structural(dim_is_batch(2, "dim", -1)),
+    "cumsum_": structural(dim_is_batch(1, "dim"), inplace=True, writes=True),
+    "cumprod_": structural(dim_is_batch(1, "dim"), inplace=True, writes=True),
 })

@@ -7,30 +7,44 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from dptorch.grad_sample.tracking.args import arg, dims_arg, norm_dim, op_name, shape_args
+from dptorch.grad_sample.tracking.args import arg, dims_arg, norm_dim, op_name, shape_args, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, INNER, KEEP, WEAK
+from dptorch.grad_sample.tracking.writes import derived
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
-def structural(dimfn: Callable, inplace: bool = False):
-    """Operations moving ``x``'s dims: ``dimfn(d, shape, args, kwargs, out)`` is the new dim or a reason."""
+def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, shape_only: bool = False):
+    """Operations moving ``x``'s dims: ``dimfn(d, shape, args, kwargs, out)`` is the new dim or a reason.
+
+    Other tensor arguments (a norm's weight, a grid, prepended rows) must not derive from the batch,
+    unless they are batched exactly as ``x`` is; ``shape_only``: they give only a shape (``expand_as``).
+    ``inplace``: the operation changes ``x`` itself, its data too if ``writes`` (``x.cumsum_(1)``).
+    """
 
     def rule(tr: BatchTracker, func, args, kwargs):
         x = args[0] if args else next(iter(kwargs.values()))
         tag = tr.get(x)
+        others = [] if shape_only else [tr.get(t) for _, t in tensors_of(args, kwargs) if t is not x]
         shape = tuple(x.shape)
         out = tr.run(func, args, kwargs)
-        if tag is None:
+        mixed = [g for g in others if derived(g) and g != tag]
+        if tag is None and not mixed:
             return out
+        new_tag = tag
         if type(tag) is int:
             new = dimfn(tag & DIM, shape, args, kwargs, out if not inplace else x)
-            tag = (tag & KEEP) | new if type(new) is int else tr.lost(f"{op_name(func)} ({new})", tag)
-        if inplace:
-            tr.put(x, tag)
+            new_tag = (tag & KEEP) | new if type(new) is int else tr.lost(f"{op_name(func)} ({new})", tag)
+        if mixed:
+            new_tag = tr.lost_from(f"{op_name(func)} with another argument derived from the batch (not batched as "
+                                   "its input is)", [tag, *mixed])
+        if inplace and writes:
+            tr.wrote(x, tag, new_tag)
+        elif inplace:
+            tr.put(x, new_tag)
         else:
-            tr.put_all(out, tag)
+            tr.put_all(out, new_tag)
         return out
 
     return rule
@@ -250,7 +264,7 @@ RULES: Dict[str, Callable] = {
     "unsqueeze": structural(_d_unsqueeze), "squeeze": structural(_d_squeeze),
     "view": _reshape, "reshape": _reshape, "view_as": _reshape, "reshape_as": _reshape, "flatten": _reshape,
     "unflatten": _reshape, "ravel": _reshape,
-    "expand": structural(_d_expand), "expand_as": structural(_d_expand), "broadcast_to": structural(_d_expand),
+    "expand": structural(_d_expand), "expand_as": structural(_d_expand, shape_only=True), "broadcast_to": structural(_d_expand),
     "repeat": structural(_d_repeat), "tile": structural(_d_repeat),
     "repeat_interleave": structural(_d_repeat_interleave), "narrow": structural(_d_narrow),
     "select": structural(_d_select), "unfold": structural(_d_unfold),
