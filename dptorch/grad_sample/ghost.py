@@ -93,15 +93,17 @@ def shared_form_norms(uses) -> torch.Tensor:
     clipped sum adds the uses' sums (one more rounding per use). Float32, shape ``(B,)``.
     """
     dtype = wide_dtype(uses[0][1].right.device)
+    forms = [form for _, form in uses]
+    # Each factor is cast to the wide dtype once, whatever the number of pairs it enters.
+    wide = {id(f): LinearForm(f.left if f.indexed else f.left.to(dtype), f.right.to(dtype)) for f in forms}
     total = None
     for k, (scale_k, form_k) in enumerate(uses):
         for scale_l, form_l in uses[k:]:
             weight = scale_k * scale_l * (1.0 if form_l is form_k else 2.0)
-            term = weight * form_inner_products(form_k, form_l, dtype)
+            term = weight * form_inner_products(wide[id(form_k)], wide[id(form_l)], dtype)
             total = term if total is None else total + term
-    forms = [form for _, form in uses]
     tokens = max(form.tokens for form in forms)
-    magnitude = sum(abs(scale) * form.magnitudes() for scale, form in uses)
+    magnitude = sum(abs(scale) * wide[id(form)].magnitudes() for scale, form in uses)
     sum_dtype = at_least_float32_dtype(forms[0].right.dtype)
     for form in forms:
         if not form.indexed:
