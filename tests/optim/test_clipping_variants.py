@@ -132,7 +132,7 @@ def test_adaptive_accounting_records_the_stated_sigma_and_the_gradient_gets_the_
                                                        data_loader=data, noise_multiplier=1.3, max_grad_norm=1.0,
                                                        clipping=clipping, **options)
         for x, y in loader:
-            ((model(x) - y) ** 2).sum().backward()
+            ((model(x) - y) ** 2).sum(1).mean().backward()  # loss_reduction="mean" (the default)
             optimizer.step()
             optimizer.zero_grad()
         return engine
@@ -289,7 +289,8 @@ def test_clipping_statistics_are_off_by_default_raw_when_asked_and_flagged_as_no
     assert raw.noise_std == 1.0  # raw statistics cost nothing: they are not private
     assert raw.plan.report(1e-5)["clipping_stats"] == "raw (not covered by epsilon)"
     assert set(raw.clipping_logs()) == {"raw_units", "raw_clipped_fraction", "raw_norm_p10", "raw_norm_p50",
-                                        "raw_norm_p90", "raw_norm_max"}
+                                        "raw_norm_p90", "raw_norm_max", "raw_nonfinite_units"}
+    assert stats["nonfinite_units"] == 0
     automatic = stats_run("raw", clipping="automatic").last_clipping_stats
     assert automatic["clipped_fraction"] is None and automatic["units"] == 8
 
@@ -299,8 +300,11 @@ def test_private_clipping_statistics_are_noised_and_paid_for_by_the_gradient_noi
         stats_run("private")  # default sigma_b = 8 / 20: too little noise to fit in sigma = 1
     private = stats_run("private", unclipped_num_std=2.0)
     stats = private.last_clipping_stats
-    assert stats["covered_by_epsilon"] is True and set(stats) == {"covered_by_epsilon", "clipped_fraction", "max_grad_norm"}
+    assert stats["covered_by_epsilon"] is True
+    assert set(stats) == {"covered_by_epsilon", "clipped_fraction", "nonfinite_units", "max_grad_norm"}
+    assert stats["nonfinite_units"] >= 0  # the noised count of dropped units (none here; clamped at 0)
     assert 0 <= stats["clipped_fraction"] <= 1 and stats["clipped_fraction"] != 5 / 8
     assert private.noise_multiplier == 1.0
     assert private.noise_std == pytest.approx((1 - 4.0**-2) ** -0.5)  # raised so that both compose to sigma = 1
-    assert private.clipping_logs() == {"clipped_fraction": stats["clipped_fraction"]}
+    assert private.clipping_logs() == {"clipped_fraction": stats["clipped_fraction"],
+                                       "nonfinite_units": stats["nonfinite_units"]}
