@@ -19,8 +19,8 @@ entry), with the magnitude ``M = sum_t ||a_t|| ||b_t||`` (Cauchy-Schwarz). Hence
 
 and ``certified_norms_sq`` returns the square of ``sqrt(max(computed, 0) + gamma_n M^2) + gamma_m M``:
 a clip factor formed from it keeps what is summed for the sample within ``C``. Norms are formed in
-float64 (``wide_dtype``), so on ordinary data the bound moves a norm by about ``m u sqrt(T)`` (float32
-``u``): below 1e-4 relative at a few hundred tokens.
+float64 (``wide_dtype``), so on ordinary data the bound moves a norm by about ``(T + 4) u sqrt(T)``
+(float32 ``u``; the clipped sum's worst case): 9e-5 relative at T = 128, 7e-4 at T = 512.
 """
 
 from __future__ import annotations
