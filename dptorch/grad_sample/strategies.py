@@ -1,7 +1,9 @@
 """Strategies: what the controller keeps of each layer call, and how it answers the optimizer.
 
 Every strategy answers the same two questions (the seam of the design): each parameter's
-per-sample gradient norms, and ``sum_i c_i g_i`` for given clip factors ``c``.
+per-sample gradient norms, and ``sum_i c_i g_i`` for given clip factors ``c``. Units named in
+``dropped`` (their gradient is not finite) contribute exactly zero: their rows of every operand are
+zeroed by ``torch.where`` (``zero_rows``) before any product, since ``0 * inf`` is NaN.
 
 - ``Instantiate`` (modes "hooks", "functorch", "ew"): per-sample gradients are built in backward.
 - ``BookKeeping`` (modes "bk" and "ghost"): keeps each call's activations and output gradients,
