@@ -22,7 +22,10 @@ clipping. Private clipping statistics (``clipping_stats="private"``) release the
 count and cost the same (once, when adaptive clipping already releases it).
 
 Counting the centred ``b_i - 1/2`` (sensitivity 1/2) rather than ``b_i`` (sensitivity 1) is what
-the factor 2 in the formula assumes.
+the factor 2 in the formula assumes. A unit whose gradient is not finite is dropped (it contributes
+zero to the update): it adds 0 to the centred count and 1/2 to a second coordinate, the count of
+dropped units, released (noised alike) only with private statistics. Every unit's vector has norm
+1/2, so the released pair costs what the count alone cost.
 """
 
 from __future__ import annotations
