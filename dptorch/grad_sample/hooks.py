@@ -391,6 +391,8 @@ class GradSampleHooks:
         tracker = self._loss_tracker
         if tracker is None or (finished_only and not tracker.done):
             return
+        if torch._C._current_graph_task_id() != -1:  # in backward's callbacks torch's mode stack is not the
+            return  # caller's: the tracker would stay on it for good; it leaves at the next chance instead
         self._loss_tracker = None
         remove_mode(tracker)
         tracker.close()
