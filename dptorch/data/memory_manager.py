@@ -32,6 +32,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
+from dptorch.grad_sample.tracking import drawn
 from dptorch.data.poisson import check_map_style, worker_settings
 
 
@@ -192,6 +193,7 @@ class PhysicalBatchLoader:
             if opened is not None and hand_out is not None:
                 hand_out(*opened)  # the first physical batch of a logical one: one Poisson draw
             self.optimizer.signal_skip_step(do_skip=not closes_logical)
+            drawn.hand_out(batch)
             yield batch
 
 

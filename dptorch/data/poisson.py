@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
+from dptorch.grad_sample.tracking import drawn
 from dptorch.noise import secure_bernoulli
 
 _MASK64 = (1 << 64) - 1
@@ -657,6 +658,7 @@ class _HandingOutIterator:
         if not self._ordered:
             size = None  # the sizes queue is in draw order, the batches may not be
         self._loader.hand_out(position, size)
+        drawn.hand_out(batch)
         return batch
 
 

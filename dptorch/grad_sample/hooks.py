@@ -47,6 +47,7 @@ from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
+from dptorch.grad_sample.tracking import drawn
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
 from dptorch.grad_sample.validation import incompatibilities
@@ -357,6 +358,10 @@ class GradSampleHooks:
                 tracker.adopt(previous)
             previous.close()
         dim = self._batch_dim
+        if dim == 0:  # the DP loader's latest batch, collated along dim 0: labels the loss may use
+            for t in drawn.latest():
+                if t.dim() and t.shape[0] == n and tracker.get(t) is None:
+                    tracker.put(t, 0)
         primary = _primary_input(args, kwargs, dim)
         named = [(None, a) for a in args] + list(kwargs.items())
         for name, value in named:

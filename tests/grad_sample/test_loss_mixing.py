@@ -268,3 +268,21 @@ def test_user_modes_entered_around_the_forward_stay_balanced():
         assert torch._C._len_torch_function_stack() == depth + 1  # following the loss, below the device mode
         F.cross_entropy(out, y, reduction="sum").backward()
     assert torch._C._len_torch_function_stack() == depth
+
+
+def test_labels_the_model_never_sees_are_followed_into_the_loss():
+    """``loss / (y != ignore).sum()``: the divisor comes from labels outside the model; the DP loader's
+    batch is tagged when the forward starts, so the count is a total and the division is refused."""
+    model = _model()
+    x, y = _data()
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N),
+        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum",  # q = 1: every row drawn
+    )
+    xb, yb = next(iter(loader))
+    per_sample = F.cross_entropy(model(xb), yb, reduction="none")
+    with pytest.raises(PerSampleGradientError, match="couples"):
+        (per_sample.sum() / (yb != 0).sum()).backward()  # divided by a count of the batch's labels
+    F.cross_entropy(model(xb), yb, reduction="none").sum().backward()  # the same labels in a per-sample loss train

@@ -1,0 +1,29 @@
+"""The tensors of the batch a DP data loader handed out last.
+
+The loss may use parts of the batch the model never sees (the labels of ``loss_fn(model(x), y)``,
+a count of them as divisor). The DP loaders record each batch here as they hand it out, and the
+controller tags its tensors as batched along dim 0 (the dim they were collated along) when the
+next root forward starts, so that the tracker follows them into the loss too. Weak references
+only: nothing of the data is kept alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, List
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+_LATEST: List["weakref.ref[torch.Tensor]"] = []
+
+
+def hand_out(batch: Any) -> None:
+    """Record ``batch`` (any nesting of tensors) as the latest batch handed to the training loop."""
+    leaves = tree_flatten(batch)[0]
+    _LATEST[:] = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def latest() -> List[torch.Tensor]:
+    """The latest batch's tensors that are still alive."""
+    return [t for t in (ref() for ref in _LATEST) if t is not None]
