@@ -1,7 +1,8 @@
 """The fuzzer's verdicts as a list: which compositions still leak, crash or are refused.
 
 ``python -m tests.privacy.fuzz_report OUT.md [EXAMPLES]`` runs
-``test_fuzzed_composition_is_refused_or_exact`` with ``DPTORCH_FUZZ_RECORD`` set (every verdict
+``test_fuzzed_composition_is_refused_or_exact`` and the explicit cases (mixing after the last
+layer and in the loss, HF's built-in loss, the labels-given positive case) with ``DPTORCH_FUZZ_RECORD`` set (every verdict
 is recorded instead of asserted, so the drawn compositions are the test's own, past the first
 failure too) and writes the failing compositions (operation, position, mode, measured move),
 then the false refusals of row-wise compositions, to ``OUT.md``.
@@ -23,7 +24,7 @@ def run(examples: int) -> list:
         record = f.name
     env = {**os.environ, "DPTORCH_FUZZ_RECORD": record, "DPTORCH_FUZZ_EXAMPLES": str(examples), "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                    "tests/privacy/test_sensitivity.py", "-k", "fuzzed"], env=env, check=False)
+                    "tests/privacy/test_sensitivity.py", "-k", "fuzzed or mixing_after or hf_"], env=env, check=False)
     with open(record) as f:
         verdicts = [json.loads(line) for line in f]
     os.unlink(record)
@@ -42,7 +43,8 @@ def markdown(verdicts: list, examples: int, seconds: float) -> str:
         "# Fuzzer: compositions that are neither refused nor exact",
         "",
         f"Written by `python -m tests.privacy.fuzz_report` at {time.strftime('%H:%M UTC', time.gmtime())}: "
-        f"{len(verdicts)} verdicts ({examples} drawn compositions per mode plus the issue's measured cases), "
+        f"{len(verdicts)} verdicts ({examples} drawn compositions per mode, the issue's measured cases and the "
+        "explicit tests), "
         f"{seconds:.0f} s. Outcomes: {dict(counts)}.",
         "Moves are the measured move of the noiseless clipped sum over its bound (replace-one: 2C, add/remove: C);"
         " > 1.00x is a leak. 'inexact' with moves <= 1 still differs from the batch-of-one reference.",
@@ -64,7 +66,7 @@ def markdown(verdicts: list, examples: int, seconds: float) -> str:
 
 def main() -> None:
     out = sys.argv[1]
-    examples = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    examples = int(sys.argv[2]) if len(sys.argv) > 2 else 40
     start = time.time()
     verdicts = run(examples)
     with open(out, "w") as f:

@@ -55,10 +55,11 @@ def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     loader = DPDataLoader(TensorDataset(*batch), sample_rate=1.0, steps=1)
+    engine, depth = PrivacyEngine(), torch._C._len_torch_function_stack()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # noise_multiplier=0: "not private", on purpose
-            private, optimizer, loader = PrivacyEngine().make_private(
+            private, optimizer, loader = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
                 noise_multiplier=0.0, max_grad_norm=max_grad_norm, loss_reduction="sum", grad_sample_mode=mode)
             for drawn in loader:
@@ -72,6 +73,15 @@ def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max
         return Step(refused=f"{type(e).__name__}: {e}")
     except Exception as e:  # noqa: BLE001 - a crash is a verdict too (neither refused nor a result)
         return Step(error=f"{type(e).__name__}: {e}")
+    finally:
+        # Detached as a careful user would: a refused step's tracker otherwise stays on torch's mode
+        # stack and would judge the next steps too.
+        engine.detach()
+        left = torch._C._len_torch_function_stack() - depth
+        while torch._C._len_torch_function_stack() > depth:
+            torch._C._pop_torch_function_stack()
+        if left:
+            return Step(error=f"the step left {left} torch function mode(s) on the stack after engine.detach()")
     return Step(sums={n: (torch.zeros_like(p) if p.grad is None else p.grad).detach().double()
                       for n, p in model.named_parameters()})
 
