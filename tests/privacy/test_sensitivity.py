@@ -8,6 +8,12 @@ hypothesis (``T == n`` included):
 - where the model is supported, the clipped sum ``sum_i c_i g_i`` equals the one built from the
   batch-of-one reference gradients, and replacing one sample moves it by at most ``2 C``;
 - where it is not, the controller refuses it (attach or backward), never a silent answer.
+
+Then a fuzzer: random compositions of row-wise and mixing torch operations around trainable layers
+and in the loss (``compositions.py``), each step run through ``make_private`` and judged by one
+oracle (``step_oracle.py``): refused before any parameter changes, or exact against the float64
+batch-of-one reference with replace-one <= 2C and add/remove <= C. The issue's measured leaks are
+its examples and explicit tests, with HF GPT-2's built-in loss and the labels-given positive case.
 """
 
 from __future__ import annotations
