@@ -17,6 +17,7 @@ mode's strategy (``strategies.py``); the capture itself is the same for every mo
 from __future__ import annotations
 
 import contextlib
+import sys
 import dataclasses
 import inspect
 import weakref
@@ -49,6 +50,7 @@ from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking import drawn
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
+from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
 from dptorch.grad_sample.validation import incompatibilities
 
@@ -332,6 +334,8 @@ class GradSampleHooks:
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
             self._drop_loss_tracker(finished_only=True)
+            if torch._C._current_graph_task_id() == -1:  # outside backward, where the stack is the caller's
+                remove_finished_trackers()  # other controllers' too: they only pass calls through
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
             self.last_batch_size = self._batch_size
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:
@@ -347,10 +351,12 @@ class GradSampleHooks:
         batch along ``batch_dim`` for certain; any other argument with ``n`` rows there is taken as
         batched too, but gives way where it contradicts them (a ``(T, T)`` mask when ``T == n``).
         """
-        tracker = BatchTracker(n, skip=lambda: self._suspended, quiet=self._capture_suspended)
+        owner = weakref.ref(self)  # the mode stack must not keep a dropped controller (and its model) alive
+        tracker = BatchTracker(n, skip=lambda: owner()._suspended, quiet=lambda: owner()._capture_suspended())
         tracker.loss_reduction = self.loss_reduction
-        tracker.on_backward = partial(self._loss_phase_over, tracker)
-        tracker.rows_are_units = lambda: self._unit_ids is None  # grouped rows: see docs/privacy.md
+        tracker.owner = owner
+        tracker.on_backward = lambda: getattr(owner(), "_loss_phase_over", lambda t: None)(tracker)
+        tracker.rows_are_units = lambda: getattr(owner(), "_unit_ids", None) is None  # grouped rows: docs/privacy.md
         previous, self._loss_tracker = self._loss_tracker, None
         if previous is not None:  # a second forward before backward: the loss may combine both
             remove_mode(previous)
@@ -382,6 +388,10 @@ class GradSampleHooks:
             return
         self._tracking_off = False
         tracker.paused = False
+        if sys.exc_info()[1] is not None:  # the forward raised (a refusal, say): no loss will follow it
+            remove_mode(tracker)
+            tracker.close()
+            return
         tracker.end_forward()
         sink_mode(tracker)
         self._loss_tracker = tracker

@@ -36,6 +36,7 @@ _DIVIDING = set("div divide true_divide __truediv__ __itruediv__ div_ __div__ __
 _LINEAR = set("""clone contiguous detach detach_ float double half bfloat16 to type type_as view reshape view_as
 reshape_as squeeze unsqueeze flatten ravel expand expand_as broadcast_to neg negative __neg__ __pos__ positive alias
 requires_grad_ sum mean __getitem__ get:data cpu cuda""".split())
+_LINEAR_PROPERTIES = {"data", "T", "mT", "H", "mH", "real"}
 _JOINS = set("cat concat concatenate stack".split())
 _ESCAPES = set("item tolist numpy __float__ __int__ __index__ __array__".split())
 _BACKWARD = {"backward", "grad"}
@@ -132,12 +133,16 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
         keep = len(tagged) == 1 and (tr.escaped is None or not _has_plain_factor(args, kwargs))
     else:
         keep = name in _LINEAR and alone
+    if name == "__get__":  # a property: .data, .T and .real read the total itself; others (.grad, .shape) no data
+        keep = getattr(getattr(func, "__self__", None), "__name__", "") in _LINEAR_PROPERTIES
+        if not keep:
+            return tr.run(func, args, kwargs)
     out = tr.run(func, args, kwargs)
     if keep:
         tag = Lost(first.reason, first.kind)
     else:
         tag = Lost(_mixing_reason(name, first, tr.escaped if scaling else None))
-    if name.endswith("_") or name.startswith("__i"):
+    if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
         tr.put(args[0], tag)
     tr.put_all(out, tag)
     return out

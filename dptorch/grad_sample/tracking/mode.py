@@ -22,6 +22,7 @@ from dptorch.grad_sample.tracking.args import op_name
 from dptorch.grad_sample.tracking.loss import has_total, total_rule
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
+from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import skip
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import Writes, written
@@ -47,6 +48,7 @@ class BatchTracker(TorchFunctionMode):
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
         self.loss_reduction: Optional[str] = None
         self.rows_are_units: Callable[[], bool] = lambda: True
+        self.owner: Callable[[], Any] = lambda: True  # the controller (a weak reference): gone, the tracker idles
         self.on_backward: Callable[[], None] = lambda: None
         self.totals = 0
         self.escaped: Optional[str] = None
@@ -104,11 +106,11 @@ class BatchTracker(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if self.paused or self.done:
+        if self.paused or self.done or (self.forward_done and self.owner() is None):
             return func(*args, **kwargs)
-        if self.totals and has_total(self, args, kwargs):
-            return total_rule(self, func, args, kwargs)
         rule = rule_of(func)
+        if self.totals and (self.forward_done or rule is not escape) and has_total(self, args, kwargs):
+            return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
         if rule is skip:
             return func(*args, **kwargs)
         table = self._table

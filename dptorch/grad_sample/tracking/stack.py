@@ -35,3 +35,10 @@ def remove(mode: TorchFunctionMode) -> None:
     modes = _modes()
     if any(m is mode for m in modes):
         _replace_stack([m for m in modes if m is not mode])
+
+
+def remove_finished() -> None:
+    """Take off the stack every mode that says it is ``done`` (trackers whose loss was checked)."""
+    modes = _modes()
+    if any(getattr(m, "done", False) for m in modes):
+        _replace_stack([m for m in modes if not getattr(m, "done", False)])

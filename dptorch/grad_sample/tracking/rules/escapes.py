@@ -32,7 +32,7 @@ _READS = """item tolist numpy __array__ __float__ __int__ __index__ __complex__ 
 untyped_storage storage""".split()
 
 
-def _escape(tr: BatchTracker, func, args, kwargs):
+def escape(tr: BatchTracker, func, args, kwargs):
     name = op_name(func)
     x = args[0] if args else None
     tag = tr.get(x) if isinstance(x, Tensor) else None
@@ -77,7 +77,7 @@ def _keep(tr: BatchTracker, func, args, kwargs):  # setting an attribute that ho
     return tr.run(func, args, kwargs)
 
 
-RULES: Dict[str, Callable] = {n: _escape for n in _READS}
-RULES.update({"register_hook": _escape, "__deepcopy__": _copy, "tensor": _copy, "as_tensor": _copy, "asarray": _copy,
+RULES: Dict[str, Callable] = {n: escape for n in _READS}
+RULES.update({"register_hook": escape, "__deepcopy__": _copy, "tensor": _copy, "as_tensor": _copy, "asarray": _copy,
               "new_tensor": _copy, "set:data": _set_data, "set:requires_grad": _keep, "set:grad": _keep,
               "set:retains_grad": _keep, "set:names": _keep, "set:name": _keep})
