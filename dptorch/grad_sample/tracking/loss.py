@@ -17,6 +17,7 @@ mode stack, so that the user's own modes open and close above it).
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from torch import Tensor
@@ -29,6 +30,10 @@ if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
 
 TOTALS = ("sum", "mean")
+
+
+class ReductionMismatchWarning(UserWarning):
+    """The loss reduces the samples otherwise than the controller's ``loss_reduction`` says."""
 
 _ADDITIVE = set("add sub subtract rsub __add__ __radd__ __sub__ __rsub__ __iadd__ __isub__ add_ sub_".split())
 _SCALING = set("mul multiply __mul__ __rmul__ __imul__ mul_".split())
@@ -199,13 +204,14 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
            "size with loss_reduction='mean'. Nothing was updated.")
     if is_total(tag) and gtag is None:
         reduction = tr.loss_reduction
-        if tag.kind == reduction or reduction is None:
-            return None
-        other = {"sum": "mean", "mean": "sum"}[tag.kind]
-        return (f"{_call(root)} is {tag.reason}, but the per-sample gradients are rescaled for "
-                f"loss_reduction={reduction!r}: each sample's gradient would be off by the batch size, so its "
-                f"clipping would depend on how many others were drawn. Pass loss_reduction={tag.kind!r} to "
-                f"make_private (or GradSampleHooks), or take the {other} of the per-sample losses instead.")
+        if tag.kind != reduction and reduction is not None and not tr.warned_reduction:
+            tr.warned_reduction = True
+            warnings.warn(
+                f"{_call(root)} is {tag.reason}, but the per-sample gradients are rescaled for loss_reduction="
+                f"{reduction!r}: each sample's gradient is off by the batch size, so its clipping depends on how "
+                f"many others were drawn. Pass loss_reduction={tag.kind!r} to make_private (or GradSampleHooks). "
+                "This will be refused in a later release.", ReductionMismatchWarning, stacklevel=4)
+        return None
     if type(tag) is int and (gtag is None or (type(gtag) is int and gtag & ~WEAK == tag & ~WEAK)):
         return None
     what = gtag if tag is None or (type(tag) is int and gtag is not None) else tag

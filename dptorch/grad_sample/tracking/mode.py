@@ -47,6 +47,7 @@ class BatchTracker(TorchFunctionMode):
         # the loss (loss.py): the controller's reduction, what backward() tells it, totals formed so far,
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
         self.loss_reduction: Optional[str] = None
+        self.warned_reduction = False
         self.rows_are_units: Callable[[], bool] = lambda: True
         self.owner: Callable[[], Any] = lambda: True  # the controller (a weak reference): gone, the tracker idles
         self.on_backward: Callable[[], None] = lambda: None
