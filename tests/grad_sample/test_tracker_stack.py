@@ -18,6 +18,7 @@ def test_the_mode_stack_does_not_grow_over_dp_steps():
     opt = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=1.0, max_grad_norm=0.5,
                       loss_reduction="sum")
     x = torch.randn(6, 3)
+    base = torch._C._len_torch_function_stack()  # earlier tests' idle trackers may sit there (and leave)
     depths = []
     for _ in range(5):
         model(x).sum().backward()
@@ -25,4 +26,5 @@ def test_the_mode_stack_does_not_grow_over_dp_steps():
         opt.zero_grad()
         depths.append(torch._C._len_torch_function_stack())
     hooks.cleanup()
-    assert depths == [0] * 5 and torch._C._len_torch_function_stack() == 0
+    assert all(d <= base for d in depths) and len(set(depths[1:])) == 1
+    assert torch._C._len_torch_function_stack() <= base
