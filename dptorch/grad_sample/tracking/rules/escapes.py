@@ -17,6 +17,7 @@ the gradient in backward, where nothing is followed).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Callable, Dict
 
 from torch import Tensor
@@ -37,6 +38,8 @@ def escape(tr: BatchTracker, func, args, kwargs):
     x = args[0] if args else None
     tag = tr.get(x) if isinstance(x, Tensor) else None
     if derived(tag) and tr.n > 1:
+        if name == "register_hook" and _registered_by_torch():  # FSDP2's pre-backward hooks, DDP's sink
+            return tr.run(func, args, kwargs)
         if not tr.forward_done:
             what = "registers a hook on" if name == "register_hook" else f"calls {name}() on"
             why = ("the hook could change its gradient in backward, where the batch tracker cannot follow it"
@@ -49,6 +52,18 @@ def escape(tr: BatchTracker, func, args, kwargs):
             )
         tr.escaped = tr.escaped or f"{name}() of a tensor derived from the batch"
     return tr.run(func, args, kwargs)
+
+
+def _registered_by_torch() -> bool:
+    """Whether the hook being registered comes from torch itself (its distributed wrappers), which
+    moves gradients without changing them; the first frame outside torch's dispatch says."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")):
+            return module == "torch" or module.startswith("torch.")
+        frame = frame.f_back
+    return False
 
 
 def _copy(tr: BatchTracker, func, args, kwargs):
