@@ -413,11 +413,13 @@ class PrivateTrainerMixin:
 
     def _phantom_step(self, model: Any) -> None:
         """Forward and backward of the phantom micro-batch: the collectives run, nothing is added or counted."""
-        self.dp_hooks.set_privacy_units(None)
+        inputs = self._dp_phantom()
+        inputs.pop(UNIT_IDS_KEY, None)
+        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(None, inputs))  # rows as a real batch's
         self._dp_in_phantom = True
         try:
             with _find_dp_optimizer(self.optimizer).phantom():
-                super().training_step(model, self._dp_phantom(), None)
+                super().training_step(model, inputs, None)
         finally:
             self._dp_in_phantom = False
 

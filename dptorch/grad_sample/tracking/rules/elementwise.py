@@ -82,7 +82,7 @@ def _where(tr, func, args, kwargs):
 
 _BROADCAST = """
 abs absolute neg negative exp exp2 expm1 log log2 log10 log1p sqrt rsqrt sin cos tan tanh sigmoid relu relu6 gelu silu
-mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink logsigmoid sign sgn floor ceil
+mish elu selu celu leaky_relu hardtanh hardswish hardsigmoid softplus softsign tanhshrink logsigmoid log_sigmoid sign sgn floor ceil
 round trunc frac fix reciprocal square erf erfc erfinv sinh cosh asin acos atan arcsin arccos arctan asinh acosh atanh
 arcsinh arccosh arctanh isnan isinf isfinite isneginf isposinf isreal logical_not bitwise_not nan_to_num clamp clip
 clamp_min clamp_max dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout clone contiguous detach
