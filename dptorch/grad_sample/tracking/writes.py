@@ -31,10 +31,10 @@ def storage_key(t: Tensor) -> Optional[int]:
     """The address of ``t``'s memory (None when it has none to alias: no storage, or no elements)."""
     try:
         storage = t.untyped_storage()
+        ptr = storage.data_ptr()  # raises for storage freed under it (FSDP2's resharded parameters)
+        return ptr if ptr and storage.nbytes() else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    ptr = storage.data_ptr()
-    return ptr if ptr and storage.nbytes() else None
 
 
 def is_inplace(name: str) -> bool:
