@@ -149,8 +149,16 @@ def test_a_loss_that_couples_samples_is_refused_at_backward(mode, name):
         assert not hooks.grad_samples
 
 
-@pytest.mark.parametrize("reduction, loss_of", [("sum", lambda out, y: F.cross_entropy(out, y)),
-                                                 ("mean", lambda out, y: F.cross_entropy(out, y, reduction="sum"))])
+def test_a_mean_under_loss_reduction_sum_is_refused_naming_the_keyword():
+    model = _model()
+    x, y = _data()
+    with GradSampleHooks(model, loss_reduction="sum"):
+        loss = F.cross_entropy(model(x), y)
+        with pytest.raises(PerSampleGradientError, match="loss_reduction='mean'"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("reduction, loss_of", [("mean", lambda out, y: F.cross_entropy(out, y, reduction="sum"))])
 def test_a_reduction_that_is_not_the_controllers_is_warned_naming_the_keyword(reduction, loss_of):
     from dptorch.grad_sample.tracking.loss import ReductionMismatchWarning
 

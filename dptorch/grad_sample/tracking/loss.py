@@ -204,6 +204,10 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
            "size with loss_reduction='mean'. Nothing was updated.")
     if is_total(tag) and gtag is None:
         reduction = tr.loss_reduction
+        if tag.kind == "mean" and reduction == "sum":  # a mean under "sum": a divisor of the drawn batch's size
+            return (f"{_call(root)} is {tag.reason}, but loss_reduction='sum': each unit's gradient is divided "
+                    "by the drawn batch size before clipping, so it depends on how many others were drawn. Pass "
+                    "loss_reduction='mean' to make_private (or GradSampleHooks), or sum the per-sample losses.")
         if tag.kind != reduction and reduction is not None and not tr.warned_reduction:
             tr.warned_reduction = True
             warnings.warn(
