@@ -172,32 +172,19 @@ def test_a_reduction_that_is_not_the_controllers_is_warned_naming_the_keyword(re
 
 # ------------------------------------------------------------------------------- the engine and HF
 
-def _step_through_engine(loss_of, loss_reduction="sum"):
+def _private():
+    """A model made private with noise 0 on a loader of all N rows (q = 1), loss_reduction="sum"."""
     model = _model()
     x, y = _data()
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N)
-    engine = PrivacyEngine()
-    model, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=loader,
-        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction=loss_reduction,
-    )
-    before = [p.detach().clone() for p in model.parameters()]
-    for xb, yb in loader:
-        optimizer.zero_grad()
-        loss_of(model(xb), yb).backward()
-        optimizer.step()
-    return before, list(model.parameters())
-
-
-def test_the_engine_refuses_a_coupling_loss_before_any_parameter_changes():
-    model = _model()
-    x, y = _data()
-    engine = PrivacyEngine()
-    model, optimizer, loader = engine.make_private(
+    return PrivacyEngine().make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
         data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N),
         noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum",
     )
+
+
+def test_the_engine_refuses_a_coupling_loss_before_any_parameter_changes():
+    model, optimizer, loader = _private()
     before = [p.detach().clone() for p in model.parameters()]
     xb, yb = next(iter(loader))
     while len(xb) < 2:  # a Poisson batch of one cannot couple anything
@@ -283,14 +270,7 @@ def test_user_modes_entered_around_the_forward_stay_balanced():
 def test_labels_the_model_never_sees_are_followed_into_the_loss():
     """``loss / (y != ignore).sum()``: the divisor comes from labels outside the model; the DP loader's
     batch is tagged when the forward starts, so the count is a total and the division is refused."""
-    model = _model()
-    x, y = _data()
-    engine = PrivacyEngine()
-    model, optimizer, loader = engine.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N),
-        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum",  # q = 1: every row drawn
-    )
+    model, optimizer, loader = _private()
     xb, yb = next(iter(loader))
     per_sample = F.cross_entropy(model(xb), yb, reduction="none")
     with pytest.raises(PerSampleGradientError, match="couples"):
