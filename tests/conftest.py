@@ -8,7 +8,7 @@ for every later test in the same process.
 import pytest
 import torch
 
-from dptorch.grad_sample.tracking import drawn
+from dptorch.data import drawn
 from dptorch.grad_sample.tracking.mode import BatchTracker
 
 

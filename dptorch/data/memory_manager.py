@@ -32,7 +32,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from torch.utils.data import DataLoader
 
-from dptorch.grad_sample.tracking import drawn
+from dptorch.data import drawn
 from dptorch.data.poisson import check_map_style, worker_settings
 
 

@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data._utils.collate import default_collate
 
-from dptorch.grad_sample.tracking import drawn
+from dptorch.data import drawn
 from dptorch.noise import secure_bernoulli
 
 _MASK64 = (1 << 64) - 1

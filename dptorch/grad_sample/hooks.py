@@ -30,6 +30,9 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from dptorch.data import drawn
+from dptorch.distributed.ddp import keep_out_of_gradient_sync
+from dptorch.distributed.fsdp import is_fully_sharded_module
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -48,7 +51,6 @@ from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
 from dptorch.grad_sample.tap import tap
-from dptorch.grad_sample.tracking import drawn
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
@@ -218,8 +220,6 @@ class GradSampleHooks:
             self._watch(param)
         self._attach_wrapper_input_tags()
         if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
-            from dptorch.distributed.ddp import keep_out_of_gradient_sync
-
             self._handles.append(keep_out_of_gradient_sync(self.module, when=lambda: self._suppressing))
         _ATTACHED[self.module] = self
         self._attached = True
@@ -551,8 +551,6 @@ class GradSampleHooks:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
         (its post-backward Function), which the batch tracker never saw being made: hooks around
         it hand each input's batch tag to its replacement."""
-        from dptorch.distributed.fsdp import is_fully_sharded_module
-
         for sub in self.module.modules():
             if is_fully_sharded_module(sub):
                 self._handles.append(sub.register_forward_pre_hook(self._note_wrapper_inputs, prepend=True, with_kwargs=True))
