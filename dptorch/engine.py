@@ -39,9 +39,9 @@ from dptorch.grad_sample.hooks import _name_list, is_attached
 from dptorch.loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.optimizer import DPOptimizer
-from dptorch.optim.adaptive import clipping_plan_fields
-from dptorch.optim.clipping import CLIPPING_MODES
-from dptorch.plan import PrivacyPlan, check_clipping, check_delta_for_units
+from dptorch.clipping import CLIPPING_MODES, check_clipping
+from dptorch.clipping.adaptive import clipping_plan_fields
+from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
 from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, auto_bands, cyclic_data_loader

@@ -43,7 +43,7 @@ from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
 from dptorch.loss import DPLoss
 from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
-from dptorch.optim.clipping import CLIPPING_MODES
+from dptorch.clipping.factors import CLIPPING_MODES
 from dptorch.validate import ModuleValidator, register_module_fixer
 
 

@@ -15,7 +15,7 @@ reads (and only the optimizer writes) one plan:
   drawn batch's size) come from here; ``sample_rate``, ``num_units`` and ``divisor`` are read-only. With adaptive clipping (or private clipping
   statistics) each step also releases a noised count of unclipped units (std
   ``count_noise_std``): the gradient noise is then ``gradient_noise_multiplier`` (raised so that
-  the two Gaussian queries compose to ``noise_multiplier``, see :mod:`dptorch.optim.adaptive`),
+  the two Gaussian queries compose to ``noise_multiplier``, see :mod:`dptorch.clipping.adaptive`),
   and the accountant still records one Gaussian of ``noise_multiplier`` per step. Adaptive
   clipping moves ``max_grad_norm`` (the optimizer writes it after every step; checkpoints keep it);
 * calibration: ``PrivacyPlan.calibrated`` chooses the noise multiplier for exactly the plan's
@@ -50,13 +50,15 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
+from dptorch.accounting.validation import is_number
+from dptorch.clipping.adaptive import CLIPPING_STATS, AdaptiveClipping, default_unclipped_num_std, gradient_noise_multiplier
+from dptorch.clipping.checks import MaxGradNorm, check_clipping
+from dptorch.clipping.factors import DEFAULT_GAMMA, total_norm_bound
 
 #: Noise mechanisms a plan can describe. "gaussian": independent Gaussian noise per step (DP-SGD);
 #: "bandmf": banded matrix-factorisation noise (correlated across steps, ``dptorch.noise_mechanisms``),
 #: accounted by the amplified banded MF theorem under b-min-separated cyclic Poisson sampling.
 MECHANISMS = ("gaussian", "bandmf")
-
-MaxGradNorm = Union[float, Sequence[float]]
 
 _STATE_VERSION = 1
 
@@ -65,13 +67,9 @@ class SamplingMismatchError(RuntimeError):
     """The training loop did not use the Poisson draws the way the accountant records them."""
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def check_noise_multiplier(value: Any) -> float:
     """A finite noise multiplier >= 0 (0: clipping only, no privacy)."""
-    if not _is_number(value) or not (value >= 0 and math.isfinite(value)):
+    if not is_number(value) or not (value >= 0 and math.isfinite(value)):
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
     return float(value)
 
@@ -83,7 +81,7 @@ def check_delta_for_units(delta: Any, num_units: Optional[int], name: str = "del
     unit chosen at random meets it. The engine and the private Trainer refuse such a delta for
     calibration (``target_delta``) and for reporting (``get_epsilon``) alike.
     """
-    if not _is_number(delta) or not 0 < delta < 1:
+    if not is_number(delta) or not 0 < delta < 1:
         raise ValueError(f"{name} must be a number in (0, 1), got {delta!r}")
     if num_units is not None and num_units > 0 and delta >= 1 / num_units:
         raise ValueError(
@@ -94,46 +92,6 @@ def check_delta_for_units(delta: Any, num_units: Optional[int], name: str = "del
     return float(delta)
 
 
-def check_clipping(
-    clipping: str,
-    max_grad_norm: MaxGradNorm,
-    params: Optional[Sequence[Any]] = None,
-    names: Optional[Sequence[str]] = None,
-) -> None:
-    """Refuse a clipping mode or bound the optimizer could not use, before anything is attached.
-
-    ``params`` (the optimizer's trainable parameters, in order) lets a per-layer list be checked
-    for one threshold per parameter; ``names`` are their names for the message.
-    """
-    from dptorch.optim.clipping import CLIPPING_MODES, FLAT_MODES  # here: dptorch.optim imports this module
-
-    if clipping not in CLIPPING_MODES:
-        raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got {clipping!r}")
-    if _is_number(max_grad_norm):
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-        return
-    if clipping in FLAT_MODES:
-        raise ValueError(f"{clipping} clipping takes one max_grad_norm (a float); a list is for clipping='per_layer'")
-    try:
-        thresholds = list(max_grad_norm)
-    except TypeError:
-        raise ValueError(f"max_grad_norm must be a number or a list of numbers, got {max_grad_norm!r}") from None
-    bad = [c for c in thresholds if not _is_number(c) or not (c > 0 and math.isfinite(c))]
-    if bad or not thresholds:
-        raise ValueError(f"per-layer max_grad_norm must be a non-empty list of numbers > 0, got {thresholds!r}")
-    if params is not None and len(thresholds) != len(params):
-        listed = ""
-        if names:
-            shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
-            listed = f" ({shown})"
-        raise ValueError(
-            f"clipping='per_layer' needs one max_grad_norm per trainable parameter of the optimizer, in order: got "
-            f"{len(thresholds)} thresholds for {len(params)} parameters{listed}. Give {len(params)} thresholds, or "
-            "one float to split evenly across them"
-        )
-
-
 def planned_steps(steps_per_epoch: Optional[int], epochs: Optional[float] = None, steps: Optional[int] = None) -> int:
     """The steps a run will take: ``steps``, or ``epochs`` passes of ``steps_per_epoch`` draws."""
     if (epochs is None) == (steps is None):
@@ -142,7 +100,7 @@ def planned_steps(steps_per_epoch: Optional[int], epochs: Optional[float] = None
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be a whole number >= 1, got {steps!r}")
         return steps
-    if not _is_number(epochs) or not (epochs > 0 and math.isfinite(epochs)):
+    if not is_number(epochs) or not (epochs > 0 and math.isfinite(epochs)):
         raise ValueError(f"epochs must be a finite number > 0, got {epochs!r}")
     if not steps_per_epoch:
         raise ValueError("epochs needs the sampler's steps per epoch; give steps instead")
@@ -269,7 +227,7 @@ def _count_message(rows: int, size: int, batch_first: Optional[bool]) -> str:
 def _divisor(given: Optional[float], sample_rate: Optional[float], num_units: Optional[int], bands: int) -> Optional[float]:
     """The plan's constant divisor: ``given``, else ``q * N / bands``; None when neither is known."""
     if given is not None:
-        if not _is_number(given) or not (given > 0 and math.isfinite(given)):
+        if not is_number(given) or not (given > 0 and math.isfinite(given)):
             raise ValueError(f"expected_batch_size must be a finite number > 0, got {given!r}")
         return float(given)
     if sample_rate is None or num_units is None:
@@ -300,10 +258,10 @@ class PrivacyPlan:
     "poisson" when the batches come from a Poisson sampler with ``sample_rate``, None when unknown.
 
     Clipping options: ``gamma`` (automatic clipping, default 0.01), ``adaptive``
-    (:class:`~dptorch.optim.adaptive.AdaptiveClipping`, for ``clipping="adaptive"``; default
+    (:class:`~dptorch.clipping.adaptive.AdaptiveClipping`, for ``clipping="adaptive"``; default
     settings when None), ``clipping_stats`` (None, "raw" or "private") and ``unclipped_num_std``
     (the noise of the released count; default ``expected_batch_size / 20``);
-    :func:`~dptorch.optim.adaptive.clipping_plan_fields` builds them from keyword options.
+    :func:`~dptorch.clipping.adaptive.clipping_plan_fields` builds them from keyword options.
     """
 
     def __init__(
@@ -338,12 +296,12 @@ class PrivacyPlan:
         self.bands = self.strategy.bands if self.strategy is not None else 1
         self._closing = 1  # draws accounted by the step being privatised (set by close_step)
         self._warned_horizon = False
-        if sample_rate is not None and not (_is_number(sample_rate) and 0 < sample_rate <= 1):
+        if sample_rate is not None and not (is_number(sample_rate) and 0 < sample_rate <= 1):
             raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate!r}")
         if max_grad_norm is not None:
             check_clipping(clipping, max_grad_norm)
         self.noise_multiplier = noise_multiplier  # validated by the setter
-        self.max_grad_norm = max_grad_norm if max_grad_norm is None or _is_number(max_grad_norm) else list(max_grad_norm)
+        self.max_grad_norm = max_grad_norm if max_grad_norm is None or is_number(max_grad_norm) else list(max_grad_norm)
         self.clipping = clipping
         self._sample_rate = None if sample_rate is None else float(sample_rate)
         self._num_units = None if num_units is None else int(num_units)
@@ -414,9 +372,6 @@ class PrivacyPlan:
                    target_delta=target_delta, **fields)
 
     def _set_clipping_options(self, gamma, adaptive, clipping_stats, unclipped_num_std) -> None:
-        from dptorch.optim.adaptive import CLIPPING_STATS, AdaptiveClipping
-        from dptorch.optim.clipping import DEFAULT_GAMMA
-
         clipping = self.clipping
         if gamma is not None and clipping != "automatic":
             raise ValueError(f"gamma is an option of clipping='automatic', not of clipping={clipping!r}")
@@ -432,7 +387,7 @@ class PrivacyPlan:
         #: gamma of automatic clipping (None for other modes).
         self.gamma: Optional[float] = None
         if clipping == "automatic":
-            if gamma is not None and not (_is_number(gamma) and gamma > 0 and math.isfinite(gamma)):
+            if gamma is not None and not (is_number(gamma) and gamma > 0 and math.isfinite(gamma)):
                 raise ValueError(f"gamma of automatic clipping must be a finite number > 0, got {gamma!r}")
             self.gamma = DEFAULT_GAMMA if gamma is None else float(gamma)
             if self.max_grad_norm is not None and self.max_grad_norm != 1:
@@ -455,7 +410,7 @@ class PrivacyPlan:
                 "unclipped_num_std is the noise of the count of unclipped units, released only with "
                 "clipping='adaptive' or clipping_stats='private'"
             )
-        if unclipped_num_std is not None and not (_is_number(unclipped_num_std) and unclipped_num_std > 0
+        if unclipped_num_std is not None and not (is_number(unclipped_num_std) and unclipped_num_std > 0
                                                   and math.isfinite(unclipped_num_std)):
             raise ValueError(f"unclipped_num_std must be a finite number > 0, got {unclipped_num_std!r}")
         self.unclipped_num_std = None if unclipped_num_std is None else float(unclipped_num_std)
@@ -477,8 +432,6 @@ class PrivacyPlan:
     def noise_multiplier(self, value: float) -> None:
         value = check_noise_multiplier(value)
         if getattr(self, "clipping_stats", None) is not None or getattr(self, "adaptive", None) is not None:
-            from dptorch.optim.adaptive import gradient_noise_multiplier
-
             gradient_noise_multiplier(value, self.count_noise_std)  # refuses a sigma the count cannot share
         held = getattr(self, "_noise_multiplier", None)
         if getattr(self, "strategy", None) is not None and getattr(self, "steps", 0) and held != value:
@@ -501,16 +454,12 @@ class PrivacyPlan:
             return None
         if self.unclipped_num_std is not None:
             return self.unclipped_num_std
-        from dptorch.optim.adaptive import default_unclipped_num_std
-
         return default_unclipped_num_std(self.expected_batch_size)
 
     @property
     def gradient_noise_multiplier(self) -> float:
         """The noise multiplier of the clipped sum: ``noise_multiplier``, or with a count released,
         ``(sigma^-2 - (2 sigma_b)^-2)^-1/2`` so that both queries together compose to ``noise_multiplier``."""
-        from dptorch.optim.adaptive import gradient_noise_multiplier
-
         return gradient_noise_multiplier(self._noise_multiplier, self.count_noise_std)
 
     @property
@@ -545,8 +494,6 @@ class PrivacyPlan:
     @property
     def sensitivity(self) -> float:
         """Bound on one unit's whole clipped contribution to a step."""
-        from dptorch.optim.clipping import total_norm_bound
-
         if self.max_grad_norm is None:
             raise ValueError("this plan has no max_grad_norm")
         return total_norm_bound(self.clipping, self.max_grad_norm)
@@ -768,7 +715,6 @@ __all__ = [
     "DrawLedger",
     "PrivacyPlan",
     "SamplingMismatchError",
-    "check_clipping",
     "check_delta_for_units",
     "check_noise_multiplier",
     "planned_steps",

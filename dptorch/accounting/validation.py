@@ -10,6 +10,11 @@ import math
 from numbers import Integral
 
 
+def is_number(value: object) -> bool:
+    """An int or float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")

@@ -28,7 +28,7 @@ Arithmetic: norms and clipped sums are formed in float32 at least, whatever the 
 (bf16 activations and output gradients are upcast; the clip factors stay float32), and with
 float32 matmuls at full precision (``float32_matmuls_at_full_precision``: no TF32 or bf16 passes,
 whatever the user's global setting), so that a sample's clipped contribution is ``c_i g_i`` to
-float32 rounding, which the clip factor's margin covers (``dptorch.optim.clipping``).
+float32 rounding, which the clip factor's margin covers (``dptorch.clipping.factors``).
 """
 
 from __future__ import annotations

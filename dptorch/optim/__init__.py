@@ -1,8 +1,7 @@
-"""DP optimizers and clipping."""
+"""DP optimizers: the clipped sum, the noise and the inner step (clip-factor rules: ``dptorch.clipping``)."""
 
+from dptorch.clipping import CLIPPING_MODES, AdaptiveClipping, NonFiniteGradientWarning, clip_factors
 from dptorch.optim.adaclip import AdaClipDPOptimizer
-from dptorch.optim.adaptive import AdaptiveClipping
-from dptorch.optim.clipping import CLIPPING_MODES, NonFiniteGradientWarning, clip_factors
 from dptorch.optim.optimizer import DPOptimizer
 
 __all__ = [

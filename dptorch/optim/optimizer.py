@@ -11,9 +11,9 @@ The noise multiplier, clipping bound and expected batch size are read from a
 logical step is reported to it: the plan checks the step against the Poisson draws the DP data
 loader handed out, then accounts it.
 
-Clipping modes (``dptorch.optim.clipping``): "flat", "per_layer", "automatic" (every unit
+Clipping modes (``dptorch.clipping.factors``): "flat", "per_layer", "automatic" (every unit
 normalised by ``1 / (||g_i|| + gamma)``, sensitivity 1, noise std ``noise_multiplier``) and
-"adaptive" (``dptorch.optim.adaptive``: the bound follows a target quantile of the norms through
+"adaptive" (``dptorch.clipping.adaptive``: the bound follows a target quantile of the norms through
 a noised count of unclipped units, accumulated over the backward passes of a logical step and
 released once, at ``step()``, after the gradient noise). ``clipping_stats`` ("raw" or "private")
 fills ``last_clipping_stats`` at every logical step; off by default (raw norms are private data).
@@ -29,13 +29,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
-from dptorch.distributed.noise import ShardedNoise
-from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
-from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
-from dptorch.optim.adaptive import clipping_plan_fields, unclipped_fraction
-from dptorch.optim.clipping import (
+from dptorch.clipping.adaptive import clipping_plan_fields, unclipped_fraction
+from dptorch.clipping.checks import check_clipping
+from dptorch.clipping.factors import (
     NonFiniteGradientWarning,
     _wide,
     automatic_factors,
@@ -45,7 +41,12 @@ from dptorch.optim.clipping import (
     nonfinite_units,
     per_layer_thresholds,
 )
-from dptorch.plan import PrivacyPlan, check_clipping
+from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
+from dptorch.distributed.noise import ShardedNoise
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
+from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.plan import PrivacyPlan
 
 StepHook = Callable[["DPOptimizer"], None]
 
@@ -301,7 +302,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
         The released count is the vector ``sum_i v_i``: ``(1/2, 0)`` for an unclipped unit, ``(-1/2, 0)``
         for a clipped one, ``(0, 1/2)`` for a dropped one (non-finite gradient). Every ``||v_i|| = 1/2``:
-        the sensitivity, and so the cost, of the count of unclipped units alone (``dptorch.optim.adaptive``).
+        the sensitivity, and so the cost, of the count of unclipped units alone (``dptorch.clipping.adaptive``).
         """
         if self.plan.counts_unclipped and within is not None:
             if dropped is not None:

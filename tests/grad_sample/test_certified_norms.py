@@ -32,7 +32,7 @@ from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError
 from dptorch.grad_sample.certified import certified_norms_sq, gamma, magnitudes
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.optim import DPOptimizer
-from dptorch.optim.clipping import ROUNDING_MARGIN, flat_norms
+from dptorch.clipping.factors import ROUNDING_MARGIN, flat_norms
 from tests.helpers import call, reference_per_sample_grads
 
 C = 1.0

@@ -36,7 +36,7 @@ from dptorch.grad_sample.layers.linear import linear_grad_sampler
 from dptorch.grad_sample.registry import find_norm_sampler
 from dptorch.loss import DPLoss
 from dptorch.optim import DPOptimizer
-from dptorch.optim.clipping import ROUNDING_MARGIN, clip_factors, flat_norms
+from dptorch.clipping.factors import ROUNDING_MARGIN, clip_factors, flat_norms
 from tests.helpers import call, check_per_sample_grads, projection_loss, reference_per_sample_grads
 
 SOME = settings(max_examples=6, deadline=None)

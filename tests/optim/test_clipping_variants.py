@@ -14,8 +14,8 @@ from dptorch.data.poisson import DPDataLoader
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.noise import NoiseGenerator
 from dptorch.optim import AdaClipDPOptimizer, AdaptiveClipping, DPOptimizer
-from dptorch.optim.adaptive import composed_noise_multiplier, gradient_noise_multiplier
-from dptorch.optim.clipping import automatic_factors, clip_factors
+from dptorch.clipping.adaptive import composed_noise_multiplier, gradient_noise_multiplier
+from dptorch.clipping.factors import automatic_factors, clip_factors
 from dptorch.plan import PrivacyPlan
 
 # Norms over 16 orders of magnitude, and exactly at / next to a threshold of 1.

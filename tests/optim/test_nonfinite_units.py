@@ -21,7 +21,7 @@ from dptorch.grad_sample import GradSampleHooks, register_grad_sampler
 from dptorch.grad_sample.registry import register_norm_sampler
 from dptorch.noise import NoiseGenerator
 from dptorch.optim import DPOptimizer, NonFiniteGradientWarning
-from dptorch.optim.clipping import ROUNDING_MARGIN
+from dptorch.clipping.factors import ROUNDING_MARGIN
 from tests.helpers import projection_loss, single_thread  # noqa: F401  (autouse fixture)
 
 MODES = ["hooks", "bk", "ghost", "functorch", "ew"]

@@ -33,7 +33,7 @@ from torch import nn
 
 from dptorch import DPLoss, ModuleValidator
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.optim.clipping import clip_factors, flat_norms
+from dptorch.clipping.factors import clip_factors, flat_norms
 from tests.helpers import call, projection_loss, reference_per_sample_grads, sample_of
 from tests.privacy import compositions as comp
 from tests.privacy import step_oracle as oracle

@@ -14,8 +14,8 @@ from typing import Any, Dict, Optional, Union
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
 from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
 from dptorch.noise_mechanisms.wiring import NOISE_MECHANISMS, _check_mechanism
-from dptorch.optim.adaptive import CLIPPING_STATS, clipping_plan_fields
-from dptorch.optim.clipping import CLIPPING_MODES
+from dptorch.clipping.adaptive import CLIPPING_STATS, clipping_plan_fields
+from dptorch.clipping.factors import CLIPPING_MODES
 
 #: "auto" (the default: the fastest exact mode for the model) and every controller mode; "ghost" is
 #: book-keeping under Opacus' name (one backward pass).

@@ -15,7 +15,7 @@ Automatic clipping (Bu et al. 2022, "AUTO-S"): ``c_i = 1 / (||g_i|| (1 + 2^-16) 
 the noise std is ``noise_multiplier`` (the bound's scale lives in the learning rate).
 
 Adaptive clipping (Andrew et al. 2021) clips flat with a bound ``C`` that the optimizer moves
-towards a quantile of the norms between steps (:mod:`dptorch.optim.adaptive`); its factors are
+towards a quantile of the norms between steps (:mod:`dptorch.clipping.adaptive`); its factors are
 the flat ones at the current ``C``.
 
 Non-finite units: a unit whose norm is inf or NaN (an inf feature, a ``log(0)`` in its loss term)
