@@ -5,7 +5,7 @@ trains the digits CNN of :mod:`dptorch.examples.digits` (1437 training images, b
 epochs = 240 steps, SGD lr 0.1 momentum 0.9, flat clipping 1.0, delta 1e-5, PLD) once with
 independent noise and once per band count with ``noise_mechanism="bandmf"``; only the mechanism
 (and so the sampling and the calibrated sigma) differs. ``auto`` takes the b of
-:func:`dptorch.noise_mechanisms.choose_bands` (DP-SGD when it picks 1). ``--workload momentum``
+:func:`dptorch.noise.banded.choose_bands` (DP-SGD when it picks 1). ``--workload momentum``
 optimises the band (and the ``auto`` choice) for SGD with the run's momentum instead of plain
 prefix sums. Prints and saves (``--out``) one JSON line per run, then the table.
 
@@ -33,7 +33,7 @@ from dptorch.accounting import get_noise_multiplier
 from dptorch.data.cyclic_poisson import CyclicPoissonDataLoader
 from dptorch.data.poisson import DPDataLoader
 from dptorch.examples.digits import accuracy, digits_cnn, load_digits_splits
-from dptorch.noise_mechanisms import SGDWorkload, accounted_steps, choose_bands, optimal_banded_strategy
+from dptorch.noise.banded import SGDWorkload, accounted_steps, choose_bands, optimal_banded_strategy
 
 
 def one_run(epsilon, mechanism, bands, seed, epochs=20, batch_size=128, lr=0.1, momentum=0.9, delta=1e-5,

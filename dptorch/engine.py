@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
+from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.poisson import (
     DPDataLoader,
     check_map_style,
@@ -44,7 +45,7 @@ from dptorch.clipping.adaptive import clipping_plan_fields
 from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
-from dptorch.noise_mechanisms.wiring import _check_mechanism, _mechanism_fields, auto_bands, cyclic_data_loader
+from dptorch.noise.banded.mechanism import _check_mechanism, _mechanism_fields
 from dptorch.validate import ModuleValidator
 
 
@@ -179,7 +180,7 @@ class PrivacyEngine:
         ``make_private`` returns for the same arguments (with ``criterion=``: four items).
         ``noise_mechanism="bandmf", bands="auto"`` picks the bands of lowest expected prefix-sum error
         at the target, b = 1 (DP-SGD's noise) where no banded strategy is lower
-        (:func:`~dptorch.noise_mechanisms.choose_bands`).
+        (:func:`~dptorch.noise.banded.choose_bands`).
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")

@@ -35,7 +35,7 @@ draw handed to the loop is accounted.
 With ``mechanism="bandmf"`` (banded matrix-factorisation noise, ``strategy`` a normalised
 ``BandedToeplitz`` of b bands, sampled by a b-min-separated cyclic Poisson loader at the partition
 rate ``sample_rate``) the accountant records ``ceil(steps / b)`` Poisson-subsampled Gaussian steps
-(the amplified banded MF theorem, :mod:`dptorch.noise_mechanisms.accounting`); ``noise_step_index``
+(the amplified banded MF theorem, :mod:`dptorch.noise.banded.accounting`); ``noise_step_index``
 tells the banded noise which step it privatises and ``check_partition`` refuses a draw whose
 partition is not the step's.
 
@@ -54,9 +54,10 @@ from dptorch.accounting.validation import is_number
 from dptorch.clipping.adaptive import CLIPPING_STATS, AdaptiveClipping, default_unclipped_num_std, gradient_noise_multiplier
 from dptorch.clipping.checks import MaxGradNorm, check_clipping
 from dptorch.clipping.factors import DEFAULT_GAMMA, total_norm_bound
+from dptorch.noise.banded.toeplitz import BandedToeplitz
 
 #: Noise mechanisms a plan can describe. "gaussian": independent Gaussian noise per step (DP-SGD);
-#: "bandmf": banded matrix-factorisation noise (correlated across steps, ``dptorch.noise_mechanisms``),
+#: "bandmf": banded matrix-factorisation noise (correlated across steps, ``dptorch.noise.banded``),
 #: accounted by the amplified banded MF theorem under b-min-separated cyclic Poisson sampling.
 MECHANISMS = ("gaussian", "bandmf")
 
@@ -241,10 +242,8 @@ def _check_strategy(mechanism: str, strategy: Any) -> Any:
         if strategy is not None:
             raise ValueError(f"a strategy was given with mechanism={mechanism!r}; it is for mechanism='bandmf'")
         return None
-    from dptorch.noise_mechanisms.banded import BandedToeplitz
-
     if not isinstance(strategy, BandedToeplitz):
-        raise ValueError("mechanism='bandmf' needs strategy=BandedToeplitz(...) (see dptorch.noise_mechanisms)")
+        raise ValueError("mechanism='bandmf' needs strategy=BandedToeplitz(...) (see dptorch.noise.banded)")
     strategy.check_normalised()  # the reduction assumes column norms <= 1
     return strategy
 
@@ -290,7 +289,7 @@ class PrivacyPlan:
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
-        #: mechanism "bandmf": the banded strategy C (``dptorch.noise_mechanisms.BandedToeplitz``); else None.
+        #: mechanism "bandmf": the banded strategy C (``dptorch.noise.banded.BandedToeplitz``); else None.
         self.strategy = _check_strategy(mechanism, strategy)
         #: Bands b of the strategy (1 for independent noise): the reduction accounts ceil(steps / b) steps.
         self.bands = self.strategy.bands if self.strategy is not None else 1

@@ -46,6 +46,7 @@ from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.noise.banded.mechanism import attach_banded_noise
 from dptorch.plan import PrivacyPlan
 
 StepHook = Callable[["DPOptimizer"], None]
@@ -136,9 +137,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ):
             setattr(self, name, OrderedDict())
         self._rank, self._world_size = _distributed_rank_and_size()
-        if getattr(plan, "strategy", None) is not None:  # bandmf: the noise is C^{-1} z, streamed (dptorch.noise_mechanisms)
-            from dptorch.noise_mechanisms.wiring import attach_banded_noise
-
+        if getattr(plan, "strategy", None) is not None:  # bandmf: the noise is C^{-1} z, streamed (dptorch.noise.banded)
             attach_banded_noise(self, plan)
         self._listen(hooks)
 

@@ -12,7 +12,7 @@ from transformers import HfArgumentParser, TrainingArguments  # noqa: E402
 
 from dptorch.integrations.hf import PRIVACY_STATE_NAME, PrivacyArguments  # noqa: E402
 from dptorch.integrations.hf.trainer import PRIVACY_REPORT_KEY  # noqa: E402
-from dptorch.noise_mechanisms import choose_bands  # noqa: E402
+from dptorch.noise.banded import choose_bands  # noqa: E402
 from tests.integrations.test_trainer_bandmf import ROWS, bandmf, make_trainer  # noqa: E402
 
 STEPS, DELTA = 8, 1e-3

@@ -19,7 +19,7 @@ from dptorch.integrations.hf import (  # noqa: E402
     PrivacyArguments,
 )
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY  # noqa: E402
-from dptorch.noise_mechanisms import BandedNoise  # noqa: E402
+from dptorch.noise.banded import BandedNoise  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     cpu_training_args,
     lm_dataset,

@@ -44,7 +44,7 @@ One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
 calibrated for exactly those), the clipping bound and the accountant; the Poisson sampler, the
 optimizer, the budget callback, ``privacy_report`` and the checkpoints all read it. Before it is
-built, ``bands="auto"`` (bandmf) becomes the b that :func:`~dptorch.noise_mechanisms.choose_bands`
+built, ``bands="auto"`` (bandmf) becomes the b that :func:`~dptorch.noise.banded.choose_bands`
 picks for DP-SGD's sample rate and the run's steps; ``trainer.privacy_args`` is a copy with that b.
 """
 
@@ -86,7 +86,7 @@ from dptorch.integrations.hf.sampling import (
 )
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
-from dptorch.noise_mechanisms.wiring import _mechanism_fields, resolve_auto_bands
+from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.report import privacy_report, write_model_card

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.data.cyclic_poisson import CyclicPoissonDataLoader
-from dptorch.noise_mechanisms import choose_bands
+from dptorch.noise.banded import choose_bands
 
 N, BATCH, STEPS, DELTA = 240, 20, 48, 1e-5
 

@@ -16,7 +16,7 @@ from dptorch.data.cyclic_poisson import CyclicPoissonBatchSampler, CyclicPoisson
 from dptorch.data.poisson import DPDataLoader, PoissonBatchSampler
 from dptorch.engine import PrivacyEngine
 from dptorch.noise import NoiseGenerator
-from dptorch.noise_mechanisms import (
+from dptorch.noise.banded import (
     BandedNoise,
     BandedToeplitz,
     banded_noise_matrix,
@@ -24,7 +24,7 @@ from dptorch.noise_mechanisms import (
     prefix_sum_error,
     reduction_event,
 )
-from dptorch.noise_mechanisms.optimize import square_root_start
+from dptorch.noise.banded.optimize import square_root_start
 from dptorch.plan import PrivacyPlan, SamplingMismatchError
 
 # ------------------------------------------------------------------ strategy

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dptorch.accounting import get_noise_multiplier
-from dptorch.noise_mechanisms import (
+from dptorch.noise.banded import (
     BandedToeplitz,
     SGDWorkload,
     choose_bands,

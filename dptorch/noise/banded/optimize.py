@@ -28,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dptorch.noise_mechanisms.banded import BandedToeplitz, _polymul, series_inverse
+from dptorch.noise.banded.toeplitz import BandedToeplitz, _polymul, series_inverse
 
 
 def prefix_sum_error(coefficients: torch.Tensor, n: int) -> torch.Tensor:

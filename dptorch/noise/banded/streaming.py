@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from dptorch.noise_mechanisms.banded import BandedToeplitz
+from dptorch.noise.banded.toeplitz import BandedToeplitz
 
 
 class BandedNoise:

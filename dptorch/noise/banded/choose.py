@@ -21,8 +21,9 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from dptorch.noise_mechanisms.accounting import accounted_steps
-from dptorch.noise_mechanisms.optimize import SGDWorkload, optimal_banded_strategy
+from dptorch.accounting import get_noise_multiplier
+from dptorch.noise.banded.accounting import accounted_steps
+from dptorch.noise.banded.optimize import SGDWorkload, optimal_banded_strategy
 
 DEFAULT_CANDIDATES = (1, 2, 3, 4, 6, 8, 12, 16)
 
@@ -52,8 +53,6 @@ def choose_bands(
     ``sample_rate`` is DP-SGD's q (expected batch over dataset size); b bands sample at ``b q``, so a
     candidate with ``b q > 1`` or ``b > steps`` is skipped. ``workload`` defaults to the prefix sum.
     """
-    from dptorch.accounting import get_noise_multiplier
-
     if not 0 < sample_rate <= 1:
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     workload = workload or SGDWorkload()

@@ -91,7 +91,7 @@ def test_zero_std_and_invalid_std():
 def test_large_cpu_draws_are_parallel_chunks_that_replay_whatever_the_threads():
     from scipy import stats
 
-    from dptorch.noise import _CPU_CHUNK
+    from dptorch.noise.gaussian import _CPU_CHUNK
 
     reference = torch.zeros(3 * _CPU_CHUNK + 5)
     threads = torch.get_num_threads()

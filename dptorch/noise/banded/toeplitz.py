@@ -9,7 +9,7 @@ Here ``C`` is lower-triangular Toeplitz with ``b`` bands: ``C[t, s] = c_{t-s}`` 
 with ``||c||_2 = 1`` every column norm is at most 1: one participation of a unit moves ``C x`` by at
 most the clipping bound (sensitivity 1 per participation). Under b-min-separated participation the
 participations of one unit touch disjoint row blocks of C, which is what the amplification theorem
-(:mod:`dptorch.noise_mechanisms.accounting`) needs.
+(:mod:`dptorch.noise.banded.accounting`) needs.
 
 ``C^{-1}`` is lower-triangular Toeplitz too: its first column ``d`` is the power series of
 ``1 / c(x)`` (``c(x) = sum_k c_k x^k``) truncated to n terms. Pure tensor code, differentiable.
