@@ -130,7 +130,7 @@ class FloorStep:
 
         import torch
 
-        from dptorch.grad_sample.ghost import AffineUse, memory_key, shared_affine_norms_and_grads
+        from dptorch.grad_sample.shared_inputs import AffineUse, memory_key, shared_affine_norms_and_grads
         from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 
         self.optimizer, self.affine, self.embeddings, shared = optimizer, [], [], {}
@@ -166,7 +166,9 @@ class FloorStep:
     def step(self):
         import torch
 
-        from dptorch.grad_sample.ghost import embedding_norms_sq_by_rows, shared_affine_norms_sq, squared_norms, weighted_sum
+        from dptorch.grad_sample.layers.embedding import embedding_norms_sq_by_rows
+        from dptorch.grad_sample.linear_forms import squared_norms, weighted_sum
+        from dptorch.grad_sample.shared_inputs import shared_affine_norms_sq
         from dptorch.noise import gaussian_noise
 
         self.optimizer.step()

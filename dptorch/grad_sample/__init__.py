@@ -1,7 +1,11 @@
-"""Per-sample gradients: the GradSampleHooks controller, the optional wrapper and the registry."""
+"""Per-sample gradients: the GradSampleHooks controller, the optional wrapper and the registry.
+
+Importing the package registers the built-in layer families (``layers``) into the registry.
+"""
 
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.hooks import GradSampleHooks
+from dptorch.grad_sample import layers  # noqa: F401  (import registers the built-in layer families)
 from dptorch.grad_sample.module import GradSampleModule
 from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
 from dptorch.grad_sample.tracking import register_batch_rule, remove_batch_rule

@@ -8,7 +8,8 @@ direct parameter of ``module`` that requires grad, a tensor of shape ``(batch, *
 
 Lookup order: exact type, then along the type's MRO, then duck-typed rules (predicates over the
 module instance, such as the HF RMSNorm family). Registration may happen at any time before a
-controller attaches.
+controller attaches. The registry imports no layer: the built-in layer families
+(``dptorch.grad_sample.layers``) register themselves when the package ``dptorch.grad_sample`` loads.
 
 A sampler knows its layer's forward, not a subclass's: a subclass that overrides ``forward`` (a
 scaled or masked ``nn.Linear``) may compute anything from the same parameters. Such a class gets
@@ -29,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import nn
+
+from dptorch.grad_sample.linear_forms import form_inner_products
 
 GradSampler = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
 ModulePredicate = Callable[[nn.Module], bool]
@@ -84,7 +87,6 @@ def register_duck_grad_sampler(predicate: ModulePredicate, *, verify: Optional[M
 def find_grad_sampler(module: nn.Module) -> Optional[GradSampler]:
     """The sampler for ``module``: exact type, then MRO (checked if ``forward`` is overridden),
     then duck rules; None if none (the torch.func fallback)."""
-    _load_builtin_samplers()
     found = _registered_base(_GRAD_SAMPLERS, module)
     if found is not None:
         base, sampler = found
@@ -117,7 +119,6 @@ def overrides_forward(cls: Type[nn.Module], base: Type[nn.Module]) -> bool:
 
 def registered_probe(cls: Type[nn.Module]) -> Optional[Probe]:
     """The probe registered for ``cls`` (built-in layers register one), else None."""
-    _load_builtin_samplers()
     return _PROBES.get(cls)
 
 
@@ -222,11 +223,6 @@ def find_norm_sampler(module: nn.Module) -> Optional[NormSampler]:
     return None
 
 
-def _load_builtin_samplers() -> None:
-    """Import the built-in layer and norm samplers once (they register themselves)."""
-    from dptorch.grad_sample import ghost, layers  # noqa: F401  (import registers)
-
-
 # ----------------------------------------------------------------------------- numerical check
 
 
@@ -325,7 +321,5 @@ def _norm_sampler_matches(norm_sampler, module, inputs, backprops, expected, ran
         return False
     if norm_sampler.linear_form is None:
         return True
-    from dptorch.grad_sample.ghost import form_inner_products
-
     forms = norm_sampler.linear_form(module, inputs, backprops)
     return set(forms) <= set(expected) and all(_close(form_inner_products(f, f), want_squared[p]) for p, f in forms.items())

@@ -14,7 +14,7 @@ Layers without a norm sampler, and parameters used by several calls (tied weight
 instantiated inside ``BookKeeping`` too: the norm of a shared parameter is the norm of the sum of
 its uses. Built-in ``nn.Linear`` / HF ``Conv1D`` calls that read one input tensor (q/k/v,
 gate/up: the same memory, never merely equal values) share its Gram matrix and its
-clip-factor-scaled copy (``ghost.shared_affine_norms_and_grads`` / ``shared_affine_clipped_sums``).
+clip-factor-scaled copy (``shared_inputs.shared_affine_norms_and_grads`` / ``shared_affine_clipped_sums``).
 ``Instantiate`` keeps ``nn.Embedding`` calls as rows until the round ends and adds them into the
 weight's other per-sample gradient (a tied output head) instead of a dense ``(B, V, d)`` of its own,
 in place when that gradient is memory it owns (``FRESH_RESULT_SAMPLERS``). A call's scale (the
@@ -45,19 +45,17 @@ from torch import nn
 
 from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.ghost import (
+from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
+from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_clipped_sum, hf_conv1d_grad_sampler, hf_conv1d_norm_sampler
+from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler
+from dptorch.grad_sample.linear_forms import at_least_float32, flatten_per_sample, shared_form_norms, weighted_sum
+from dptorch.grad_sample.registry import GradSampler, NormSampler
+from dptorch.grad_sample.shared_inputs import (
     AffineUse,
-    affine_layout,
-    shared_form_norms,
     memory_key,
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
-    weighted_sum,
 )
-from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
-from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
-from dptorch.grad_sample.layers.linear import flatten_per_sample, linear_grad_sampler
-from dptorch.grad_sample.registry import GradSampler, NormSampler
 
 NameOf = Callable[[nn.Parameter], str]
 #: Built-in samplers whose results are new tensors that nothing else references.
@@ -274,7 +272,7 @@ class BookKeeping:
         for call in self.calls:
             own = [p for p in call.params.values() if p not in self._shared]
             use = _affine_use(call, own)
-            if use is not None:  # Linear / Conv1D: one Gram per shared input (ghost.shared_affine_norms_sq)
+            if use is not None:  # Linear / Conv1D: one Gram per shared input (shared_inputs.shared_affine_norms_sq)
                 affine_calls.append(call)
                 affine_uses.append(use)
             elif own:
@@ -407,6 +405,17 @@ def _plain_embedding(call: LayerCall) -> bool:
     )
 
 
+def affine_layout(norm_sampler) -> Optional[bool]:
+    """``in_by_out`` for the built-in ``nn.Linear`` / HF ``Conv1D`` norm samplers, None for any other."""
+    if norm_sampler is None:
+        return None
+    if norm_sampler.norms_sq is linear_norm_sampler and norm_sampler.clipped_sum is linear_clipped_sum:
+        return False
+    if norm_sampler.norms_sq is hf_conv1d_norm_sampler and norm_sampler.clipped_sum is hf_conv1d_clipped_sum:
+        return True
+    return None
+
+
 def _affine_use(call: LayerCall, wanted) -> Optional[AffineUse]:
     """The call as an ``AffineUse`` of its wanted params, if its layer is a built-in Linear / Conv1D."""
     if not wanted:
@@ -424,13 +433,6 @@ def _affine_use(call: LayerCall, wanted) -> Optional[AffineUse]:
         bias if bias is not None and any(p is bias for p in wanted) else None,
         in_by_out,
     )
-
-
-def at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in float32, or in its own dtype if that is wider (float64); integer tensors unchanged."""
-    if not t.is_floating_point():
-        return t
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 @contextlib.contextmanager
@@ -484,7 +486,7 @@ def _factors_cheaper(call: LayerCall) -> bool:
 
 def shared_norm(uses) -> torch.Tensor:
     """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form
-    ``G_k`` (cross terms included: ``ghost.shared_form_norms``)."""
+    ``G_k`` (cross terms included: ``linear_forms.shared_form_norms``)."""
     return shared_form_norms(uses)
 
 

@@ -30,9 +30,8 @@ from dptorch import ModuleValidator
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError, find_grad_sampler
 from dptorch.grad_sample import registry
 from dptorch.grad_sample.expanded_weights import zero_padding_rows
-from dptorch.grad_sample.ghost import linear_norm_sampler
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
-from dptorch.grad_sample.layers.linear import linear_grad_sampler
+from dptorch.grad_sample.layers.linear import linear_grad_sampler, linear_norm_sampler
 from dptorch.grad_sample.registry import find_norm_sampler
 from dptorch.loss import DPLoss
 from dptorch.optim import DPOptimizer

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptorch.grad_sample.ghost import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
+from dptorch.grad_sample.shared_inputs import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
 from tests.grad_sample.test_fast_clipping import assert_modes_agree
 from tests.helpers import projection_loss
 

@@ -1,6 +1,7 @@
-"""Per-sample gradients of ``nn.Embedding`` and ``nn.EmbeddingBag``, and their data-independent ``max_norm``.
+"""``nn.Embedding`` and ``nn.EmbeddingBag``: per-sample gradients, and their data-independent ``max_norm``;
+for ``nn.Embedding`` also the norms (from the rows each sample touches), clipped sum and linear form.
 
-Both scatter (``index_add_``) each looked-up row's output gradient into a dense
+Both grad samplers scatter (``index_add_``) each looked-up row's output gradient into a dense
 ``(B, num_embeddings, embedding_dim)`` tensor, at row ``sample * num_embeddings + index``.
 
 torch's ``max_norm`` renormalises, in place, the rows a batch looks up, so the weights record
@@ -19,7 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.certified import certified_norms_sq, gamma, wide_dtype
+from dptorch.grad_sample.linear_forms import CLIP_ROUNDINGS, LinearForm, at_least_float32, at_least_float32_dtype
+from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sampler
+
+Tensors = Tuple[torch.Tensor, ...]
 
 
 def scatter_rows_per_sample(
@@ -222,3 +227,75 @@ def renormalising_every_row(module: nn.Module) -> nn.Module:
 # The renormalisation happens under no_grad before the lookup: the gradients are the plain layers'.
 register_grad_sampler(RenormedEmbedding, probe=index_probe)(embedding_grad_sampler)
 register_grad_sampler(RenormedEmbeddingBag, probe=index_probe)(embedding_bag_grad_sampler)
+
+
+# ----------------------------------------------------------------------------- norms and clipped sums
+
+
+def _embedding_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    if not module.weight.requires_grad:
+        return {}
+    ids = activations[0].reshape(activations[0].shape[0], math.prod(activations[0].shape[1:]))
+    right = backprops.reshape(ids.shape[0], ids.shape[1], backprops.shape[-1])
+    if module.padding_idx is not None:  # the padding row gets no gradient
+        right = right * (ids != module.padding_idx).unsqueeze(-1)
+    return {module.weight: LinearForm(ids, right)}
+
+
+def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    weight = module.weight
+    if not weight.requires_grad:
+        return {}
+    ids = activations[0].reshape(-1)
+    values = at_least_float32(scaled_backprops.reshape(ids.shape[0], scaled_backprops.shape[-1]))
+    summed = values.new_zeros(weight.shape).index_add_(0, ids, values)
+    if module.padding_idx is not None:
+        summed[module.padding_idx] = 0
+    return {weight: summed.float()}
+
+
+def _not_scaled_by_frequency(module: nn.Module) -> bool:
+    return not module.scale_grad_by_freq
+
+
+def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    """Certified per-sample squared norms from the rows each sample touches: ``sum_v ||sum_{t: x_t = v} b_t||^2``.
+
+    Only the (sample, row) pairs that occur are formed, so the cost is about ``B T d`` whatever
+    the vocabulary size, against ``B V d`` for the instantiated gradient. A row's output gradients
+    can cancel over its repeated ids: the rows are summed in float64 and the result is certified
+    (``certified``) with the magnitude ``sqrt(sum_v (sum_{t: x_t = v} ||b_t||)^2)``, for a clipped
+    sum that adds each row's scaled output gradients (``_embedding_clipped_sum``).
+    """
+    batch = indices.shape[0]
+    ids = indices.reshape(batch, math.prod(indices.shape[1:]))
+    tokens, width = ids.shape[1], backprops.shape[-1]
+    wide = wide_dtype(backprops.device)
+    b = backprops.reshape(batch * tokens, width).to(wide)
+    sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
+    keys = sample * (int(ids.max()) + 1 if ids.numel() else 1) + ids.reshape(-1)
+    if padding_idx is not None:
+        b = b * (ids.reshape(-1) != padding_idx).unsqueeze(1)
+    pairs, pair_of_token = torch.unique(keys, return_inverse=True)
+    summed = b.new_zeros(len(pairs), width).index_add_(0, pair_of_token, b)
+    row_magnitude = b.new_zeros(len(pairs)).index_add_(0, pair_of_token, torch.linalg.vector_norm(b, dim=1))
+    sample_of_pair = b.new_zeros(len(pairs), dtype=torch.long).index_copy_(0, pair_of_token, sample) if len(pairs) else sample[:0]
+    computed = b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
+    magnitude = b.new_zeros(batch).index_add_(0, sample_of_pair, row_magnitude.square()).sqrt()
+    return certified_norms_sq(
+        computed, magnitude * (1 + gamma(2 * tokens + width + 4, wide)),  # its sums of non-negative terms
+        norm_terms=2 * tokens + width + 2, norm_dtype=wide,
+        sum_terms=tokens + CLIP_ROUNDINGS, sum_dtype=at_least_float32_dtype(backprops.dtype),
+    )
+
+
+@register_norm_sampler(
+    nn.Embedding, RenormedEmbedding, predicate=_not_scaled_by_frequency, clipped_sum=_embedding_clipped_sum, token_wise=True,
+    linear_form=_embedding_form,
+)
+def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """``nn.Embedding``: sums over the rows each sample touches (neither ghost nor instantiated)."""
+    weight = module.weight
+    if not weight.requires_grad:
+        return {}
+    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx)}

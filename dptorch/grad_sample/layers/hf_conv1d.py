@@ -1,4 +1,5 @@
-"""Per-sample gradients of HuggingFace's GPT-2 style ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(in, out)``).
+"""HuggingFace's GPT-2 style ``Conv1D`` (``x @ W + b`` with ``W`` of shape ``(in, out)``): its per-sample
+gradients, norms, clipped sums and linear form, those of ``nn.Linear`` with the weight transposed.
 
 The class is recognised by shape, so ``transformers`` is never imported here; the rule is checked
 against torch.func once per class before use (see ``norms.verify_duck_sampler``).
@@ -11,8 +12,12 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.layers.linear import linear_map_grad_samples
+from dptorch.grad_sample.layers.linear import affine_forms, linear_map_grad_samples, linear_norms, linear_sums
 from dptorch.grad_sample.layers.norms import register_verified_duck_sampler
+from dptorch.grad_sample.linear_forms import LinearForm
+from dptorch.grad_sample.registry import register_norm_sampler
+
+Tensors = Tuple[torch.Tensor, ...]
 
 
 def looks_like_hf_conv1d(module: nn.Module) -> bool:
@@ -42,3 +47,17 @@ def hf_conv1d_grad_sampler(
     return linear_map_grad_samples(
         module.weight, module.bias, activations[0], backprops, weight_is_in_by_out=True, empty=empty, scale=scale
     )
+
+
+def _hf_conv1d_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    return affine_forms(module, activations[0], backprops, in_by_out=True)
+
+
+def hf_conv1d_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    return linear_sums(module.weight, module.bias, activations[0], scaled_backprops, in_by_out=True)
+
+
+@register_norm_sampler(predicate=looks_like_hf_conv1d, clipped_sum=hf_conv1d_clipped_sum, token_wise=True, linear_form=_hf_conv1d_form)
+def hf_conv1d_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """transformers' ``Conv1D``: the same norms as a Linear layer (the layout does not matter)."""
+    return linear_norms(module.weight, module.bias, activations[0], backprops)

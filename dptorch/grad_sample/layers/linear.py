@@ -1,25 +1,30 @@
-"""Per-sample gradients of ``nn.Linear`` (and the shared math for linear maps over features)."""
+"""``nn.Linear``: its per-sample gradients, norms, clipped sums and linear form (and the shared math
+of linear maps over features, which HF ``Conv1D`` and the DP RNN cells reuse).
+
+Norms are ghost or instantiated per call, whichever is cheaper (``linear_forms``), in float64 and
+certified; the clipped sum is the ordinary weight gradient with each sample's output gradient
+scaled by its clip factor (book-keeping: no second backward pass).
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.certified import wide_dtype
+from dptorch.grad_sample.linear_forms import (
+    LinearForm,
+    at_least_float32,
+    certify_linear,
+    flatten_middle_dims,
+    gram_norms_sq,
+    squared_norms,
+)
+from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sampler
 
-
-def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
-    """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
-    middle = math.prod(tensor.shape[1:-1])
-    return tensor.reshape(tensor.shape[0], middle, tensor.shape[-1])
-
-
-def flatten_per_sample(tensor: torch.Tensor) -> torch.Tensor:
-    """View ``(B, *rest)`` as ``(B, prod(rest))``: ``(B, 1)`` for a 0-d parameter's, and for ``B == 0`` too."""
-    return tensor.reshape(tensor.shape[0], math.prod(tensor.shape[1:]))
+Tensors = Tuple[torch.Tensor, ...]
 
 
 def common_dtype(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -86,3 +91,83 @@ def linear_grad_sampler(
 ) -> Dict[nn.Parameter, torch.Tensor]:
     """``nn.Linear`` on inputs ``(B, *middle, in_features)``: one batched matmul over the middle dims."""
     return linear_map_grad_samples(module.weight, module.bias, activations[0], backprops, empty=empty, scale=scale)
+
+
+# ----------------------------------------------------------------------------- norms and clipped sums
+
+
+def affine_forms(module: nn.Module, inputs: torch.Tensor, backprops: torch.Tensor, in_by_out: bool) -> Dict[nn.Parameter, LinearForm]:
+    """Weight ``sum_t b_t a_t^T`` (or its transpose) and bias ``sum_t b_t (x) 1``."""
+    a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
+    forms = {}
+    if _trainable(module.weight):
+        forms[module.weight] = LinearForm(a, b) if in_by_out else LinearForm(b, a)
+    if _trainable(module.bias):
+        forms[module.bias] = LinearForm(b, b.new_ones(b.shape[0], b.shape[1], 1))
+    return forms
+
+
+def _linear_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    return affine_forms(module, activations[0], backprops, in_by_out=False)
+
+
+def _trainable(param: Optional[nn.Parameter]) -> bool:
+    return param is not None and param.requires_grad
+
+
+def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
+    """Certified squared norms of ``sum_t b_t a_t^T`` per sample (ghost or instantiated, whichever
+    is cheaper, in float64), for a clipped sum formed over the tokens (``linear_weight_sum``)."""
+    a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
+    wide = wide_dtype(a.device)
+    a64, b64 = a.to(wide), b.to(wide)
+    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
+    if tokens * (d + p) < d * p or tokens == 1:
+        gram = torch.bmm(a64, a64.transpose(1, 2)) if tokens > 1 else None
+        computed, terms = gram_norms_sq(a64, gram, b64)
+    else:
+        computed, terms = squared_norms(torch.bmm(b64.transpose(1, 2), a64)), 2 * tokens + d * p + 1
+    return certify_linear(computed, a, b, terms, wide)
+
+
+def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:
+    """``sum_i sum_t b_it a_it^T`` as ``(out, in)``: one matmul over all tokens of the batch.
+
+    Both factors are upcast to float32 at least (bf16 activations included): the scaled backprops
+    carry the clip factors, which a bf16 matmul would round (up as often as down).
+    """
+    dtype = torch.promote_types(torch.promote_types(inputs.dtype, scaled_backprops.dtype), torch.float32)
+    a = inputs.reshape(-1, inputs.shape[-1]).to(dtype)
+    b = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).to(dtype)
+    return b.t() @ a
+
+
+def linear_norms(weight, bias, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor]:
+    norms = {}
+    if _trainable(weight):
+        norms[weight] = linear_weight_norms_sq(inputs, backprops)
+    if _trainable(bias):  # the clipped sum adds the scaled output gradients of every token
+        b = flatten_middle_dims(backprops)
+        wide = wide_dtype(b.device)
+        norms[bias] = certify_linear(squared_norms(b.to(wide).sum(1)), None, b, b.shape[1] + b.shape[2] + 1, wide)
+    return norms
+
+
+def linear_sums(weight, bias, inputs, scaled_backprops, in_by_out=False) -> Dict[nn.Parameter, torch.Tensor]:
+    sums = {}
+    if _trainable(weight):
+        w = linear_weight_sum(inputs, scaled_backprops)
+        sums[weight] = (w.t() if in_by_out else w).float()
+    if _trainable(bias):
+        sums[bias] = at_least_float32(scaled_backprops).reshape(-1, scaled_backprops.shape[-1]).sum(0).float()
+    return sums
+
+
+def linear_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    return linear_sums(module.weight, module.bias, activations[0], scaled_backprops)
+
+
+@register_norm_sampler(nn.Linear, clipped_sum=linear_clipped_sum, token_wise=True, linear_form=_linear_form)
+def linear_norm_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor):
+    """``nn.Linear``: ghost or instantiated norms per call, bias from the summed backprops."""
+    return linear_norms(module.weight, module.bias, activations[0], backprops)
