@@ -66,7 +66,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     import torch
 
     from dptorch.grad_sample import GradSampleHooks
-    from dptorch.loss import DPLoss
+    from dptorch.grad_sample.dp_loss import DPLoss
     from dptorch.optim import DPOptimizer
 
     family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]

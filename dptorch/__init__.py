@@ -6,6 +6,8 @@ Public names load on first use, so ``import dptorch.grad_sample`` stays light.
 from importlib import import_module
 from typing import Any
 
+from dptorch.compat import paths as _paths
+
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -17,8 +19,10 @@ _EXPORTS = {
     "GradSampleModule": "dptorch.grad_sample",
     "register_grad_sampler": "dptorch.grad_sample",
     "ModuleValidator": "dptorch.validate",
-    "DPLoss": "dptorch.loss",
+    "DPLoss": "dptorch.grad_sample.dp_loss",
 }
+
+_paths.install()  # Opacus' import paths and dptorch's earlier ones (dptorch.compat)
 
 __all__ = sorted(_EXPORTS)
 

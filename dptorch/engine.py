@@ -2,7 +2,7 @@
 
 ``make_private`` returns ``(module, optimizer, data_loader)`` in every mode, and
 ``(module, optimizer, criterion, data_loader)`` when the caller passes ``criterion=`` (wrapped in
-:class:`~dptorch.loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the module returned is the
+:class:`~dptorch.grad_sample.dp_loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the module returned is the
 very object passed in and the controller is ``engine.hooks``; ``engine.detach()`` removes it
 without a trace.
 
@@ -37,13 +37,13 @@ from dptorch.data.poisson import (
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.hooks import _name_list, is_attached
-from dptorch.loss import DPLoss
+from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.clipping import CLIPPING_MODES, check_clipping
 from dptorch.clipping.adaptive import clipping_plan_fields
 from dptorch.plan import PrivacyPlan, check_delta_for_units
-from dptorch.report import privacy_report
+from dptorch.accounting.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
 from dptorch.noise.banded.mechanism import _check_mechanism, _mechanism_fields
 from dptorch.validate import ModuleValidator
@@ -132,7 +132,7 @@ class PrivacyEngine:
         "private") records clipping statistics per step (docs/clipping.md).
 
         With ``criterion=`` (Opacus' argument) it returns ``(module, optimizer, criterion,
-        data_loader)``, the criterion wrapped in :class:`~dptorch.loss.DPLoss` (one loss per sample,
+        data_loader)``, the criterion wrapped in :class:`~dptorch.grad_sample.dp_loss.DPLoss` (one loss per sample,
         ``loss.backward()`` is one backward pass), in every ``grad_sample_mode``; the mode alone
         never changes the shape. ``grad_sample_mode="auto"`` (the default) runs the fastest exact
         mode for the optimizer's parameters: ``"bk"`` when one of them is in a layer with a norm
@@ -366,7 +366,7 @@ class PrivacyEngine:
         return self.plan.epsilon(delta)
 
     def privacy_report(self, delta: float) -> Dict[str, Any]:
-        """What a model card needs, in the private Trainer's vocabulary (``dptorch.report``): epsilon,
+        """What a model card needs, in the private Trainer's vocabulary (``dptorch.accounting.report``): epsilon,
         delta, accountant, noise multiplier, clipping bound (``max_grad_norm``), sample rate, steps,
         privacy unit and number of units, the per-sample gradient mode that ran, dptorch's version."""
         if self.plan is None:

@@ -27,7 +27,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "DifferentiallyPrivateDistributedDataParallel": "dptorch.opacus_compat",
+    "DifferentiallyPrivateDistributedDataParallel": "dptorch.distributed.ddp",
     "ShardedNoise": "dptorch.distributed.noise",
     "rank_and_world_size": "dptorch.distributed.ddp",
     "is_ddp": "dptorch.distributed.ddp",
@@ -38,7 +38,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:  # lazy: dptorch.grad_sample imports this package
+def __getattr__(name: str) -> Any:  # lazy: the package's modules load on first use
     if name in _EXPORTS:
         return getattr(import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'dptorch.distributed' has no attribute {name!r}")

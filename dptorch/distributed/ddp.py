@@ -133,4 +133,14 @@ def ddp_wrappers(model: Any) -> List[nn.parallel.DistributedDataParallel]:
     return found
 
 
-__all__ = ["ddp_wrappers", "is_ddp", "keep_out_of_gradient_sync", "rank_and_world_size"]
+#: Opacus' name (``opacus.distributed.DifferentiallyPrivateDistributedDataParallel``). Opacus' wrapper only makes all
+#: ranks start from rank 0's weights and leaves gradient synchronisation to its distributed optimizer;
+#: dptorch's DPOptimizer does that synchronisation itself and works with torch's own
+#: DistributedDataParallel (which broadcasts rank 0's weights at construction), so that is the class.
+DifferentiallyPrivateDistributedDataParallel = nn.parallel.DistributedDataParallel
+
+
+__all__ = [
+    "DifferentiallyPrivateDistributedDataParallel", "ddp_wrappers", "is_ddp", "keep_out_of_gradient_sync",
+    "rank_and_world_size",
+]

@@ -33,7 +33,7 @@ from dptorch.grad_sample.expanded_weights import zero_padding_rows
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
 from dptorch.grad_sample.layers.linear import linear_grad_sampler, linear_norm_sampler
 from dptorch.grad_sample.registry import find_norm_sampler
-from dptorch.loss import DPLoss
+from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.optim import DPOptimizer
 from dptorch.clipping.factors import ROUNDING_MARGIN, clip_factors, flat_norms
 from tests.helpers import call, check_per_sample_grads, projection_loss, reference_per_sample_grads

@@ -17,7 +17,7 @@ from dptorch.integrations.hf import (  # noqa: E402
     DPTrainer,
     PrivacyArguments,
 )
-from dptorch.report import MODEL_CARD_HEADING, add_to_model_card  # noqa: E402
+from dptorch.accounting.report import MODEL_CARD_HEADING, add_to_model_card  # noqa: E402
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, word_tokenizer  # noqa: E402
 
 TOKENIZER = word_tokenizer()

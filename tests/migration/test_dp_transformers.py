@@ -178,7 +178,7 @@ def test_dry_run_training_arguments_train_two_steps_and_log_every_step(tmp_path)
 
 
 def test_dp_transformers_names_without_a_counterpart_name_the_replacement():
-    from dptorch.opacus_compat import OpacusCompatibilityError
+    from dptorch.compat.opacus import OpacusCompatibilityError
 
     with pytest.raises(ImportError, match="author_mapping"):
         from dptorch.integrations.hf.dp_utils import ShuffledAuthorSampler  # noqa: F401

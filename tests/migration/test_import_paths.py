@@ -23,7 +23,7 @@ from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad_sampler
 from dptorch.grad_sample.registry import find_grad_sampler
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
-from dptorch.opacus_compat import OpacusCompatibilityError
+from dptorch.compat.opacus import OpacusCompatibilityError
 from dptorch.optim import DPOptimizer
 from dptorch.validate import ModuleValidator
 from dptorch.validate.fixers import find_module_fixer

@@ -69,7 +69,7 @@ from dptorch.integrations.hf.sampling import PoissonMicroBatchSampler
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan
-from dptorch.report import privacy_report
+from dptorch.accounting.report import privacy_report
 
 #: Log key of the epsilon reported for shuffled batches (a Poisson assumption, not a guarantee).
 EPSILON_IF_POISSON = "epsilon_if_poisson"

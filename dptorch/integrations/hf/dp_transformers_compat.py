@@ -21,7 +21,7 @@ A script written for dp-transformers (its ``fine-tune-dp.py`` examples) runs aft
   ``from dp_transformers.grad_sample... import ...`` lines of newer scripts are simply dropped).
 
 ``dptorch.integrations.hf`` and ``dptorch.integrations.hf.dp_utils`` re-export these names. Names
-with no counterpart raise :class:`~dptorch.opacus_compat.OpacusCompatibilityError` naming the
+with no counterpart raise :class:`~dptorch.compat.unmapped.OpacusCompatibilityError` naming the
 replacement. What differs on purpose: Poisson sampling of authors instead of shuffled batches
 (dp-transformers' ``ShuffledAuthorSampler``), so epsilon is a proven bound; ``target_delta``
 defaults to 1e-5 and must be below 1/N (dp-transformers defaults it to 1/N, which allows releasing
@@ -39,13 +39,13 @@ import transformers
 from transformers.trainer_utils import IntervalStrategy
 
 from dptorch.accounting import create_accountant
+from dptorch.compat.unmapped import unmapped_names as _unmapped_names
 from dptorch.grad_sample import GradSampleModule
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.callback import DPCallback
 from dptorch.integrations.hf.collator import DataCollatorForPrivateCausalLanguageModeling
 from dptorch.integrations.hf.trainer import DPTrainer
 from dptorch.integrations.hf.units import PrivacyUnits
-from dptorch.opacus_compat import OpacusCompatibilityError
 
 #: dp-transformers' plain-Trainer callback: dptorch's :class:`DPCallback` (takes ``PrivacyArguments``).
 PrivacyEngineCallback = DPCallback
@@ -185,17 +185,8 @@ UNMAPPED = {
 def unmapped_names(module_name: str):
     """A module ``__getattr__`` raising ``OpacusCompatibilityError`` (an ImportError) for the names of
     :data:`UNMAPPED`, with the replacement; other missing names raise the usual AttributeError."""
-
-    def __getattr__(name: str) -> Any:
-        if name in UNMAPPED:
-            raise OpacusCompatibilityError(
-                f"dp_transformers' {name} has no dptorch counterpart: {UNMAPPED[name]} (see "
-                "docs/migrating-from-opacus.md, section dp-transformers)",
-                name=module_name,
-            )
-        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-
-    return __getattr__
+    return _unmapped_names(module_name, UNMAPPED, foreign_path="dp_transformers",
+                           guide="docs/migrating-from-opacus.md, section dp-transformers")
 
 
 __getattr__ = unmapped_names(__name__)

@@ -19,7 +19,7 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
   (non-private) gradient in the logs; ``grad_norm`` is logged from the privatised gradient.
 * ``train``: after the parent's, the privacy report goes into the last log entry (and
   ``trainer_state.json``) and one info line; ``_save`` / ``create_model_card``: the report goes into
-  the saved model card (``README.md``, :mod:`dptorch.report`), PEFT's adapter card included.
+  the saved model card (``README.md``, :mod:`dptorch.accounting.report`), PEFT's adapter card included.
 * ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
   privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
   checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``;
@@ -89,7 +89,7 @@ from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_delta_for_units
-from dptorch.report import privacy_report, write_model_card
+from dptorch.accounting.report import privacy_report, write_model_card
 
 logger = logging.get_logger(__name__)
 
@@ -222,7 +222,7 @@ class PrivateTrainerMixin:
 
     def privacy_report(self) -> Dict[str, Any]:
         """The numbers a model card needs to state the guarantee, in ``PrivacyEngine.privacy_report``'s
-        vocabulary (:mod:`dptorch.report`; the clipping bound ``per_sample_max_grad_norm`` is the
+        vocabulary (:mod:`dptorch.accounting.report`; the clipping bound ``per_sample_max_grad_norm`` is the
         report's ``max_grad_norm``): epsilon at ``target_delta``, accountant, noise, sampling, steps,
         privacy unit and number of units, the per-sample gradient mode that ran, dptorch's version."""
         unit = self.privacy_args.privacy_unit_column

@@ -1,5 +1,5 @@
 """``opacus.data_loader``: DPDataLoader (implementation: dptorch.data)."""
 
-from dptorch.opacus_compat import DPDataLoader
+from dptorch.compat.opacus import DPDataLoader
 
 __all__ = ["DPDataLoader"]

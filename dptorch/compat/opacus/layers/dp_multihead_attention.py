@@ -1,5 +1,5 @@
 """``opacus.layers.dp_multihead_attention``: DPMultiheadAttention (implementation: dptorch.layers.attention)."""
 
-from dptorch.opacus_compat import DPMultiheadAttention
+from dptorch.compat.opacus import DPMultiheadAttention
 
 __all__ = ["DPMultiheadAttention"]

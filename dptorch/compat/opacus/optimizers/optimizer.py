@@ -1,5 +1,5 @@
 """``opacus.optimizers.optimizer``: DPOptimizer (implementation: dptorch.optim.optimizer)."""
 
-from dptorch.opacus_compat import DPOptimizer
+from dptorch.compat.opacus import DPOptimizer
 
 __all__ = ["DPOptimizer"]

@@ -1,10 +1,10 @@
 """Opacus 1.6 import paths and names mapped onto dptorch: the one place that says where each lives.
 
 A script written for Opacus runs after replacing ``opacus`` by ``dptorch`` in its imports. The
-modules that make that work (``dptorch.validators``, ``dptorch.accountants``,
-``dptorch.utils.batch_memory_manager``, ``dptorch.optimizers``, ``dptorch.distributed``, ...) are
-one-line re-exports of the names below; the table of every path is in
-``docs/migrating-from-opacus.md``.
+modules that make that work mirror Opacus' layout in this package (``validators``,
+``accountants``, ``utils.batch_memory_manager``, ``optimizers``, ...), are served under ``dptorch``
+(``dptorch.validators``) by :mod:`dptorch.compat.paths`, and are one-line re-exports of the names
+below; the table of every path is in ``docs/migrating-from-opacus.md``.
 
 Most names are the dptorch object itself (``UniformWithReplacementSampler`` *is*
 ``PoissonBatchSampler``, ``GaussianAccountant`` *is* ``GDPAccountant``). A few are thin adapters
@@ -35,41 +35,27 @@ from dptorch.accounting import (
 )
 from dptorch.accounting.sampled_gaussian_rdp import rdp_to_epsilon, sampled_gaussian_rdp
 from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
+from dptorch.clipping import CLIPPING_MODES
+from dptorch.compat.unmapped import OpacusCompatibilityError
+from dptorch.compat.unmapped import unmapped_names as _unmapped_names
 from dptorch.data import BatchMemoryManager, DPDataLoader, PhysicalBatchLoader
 from dptorch.data.poisson import PoissonBatchSampler, distributed_rank_and_world_size
+from dptorch.distributed.ddp import DifferentiallyPrivateDistributedDataParallel
 from dptorch.engine import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad_sampler
+from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
-from dptorch.loss import DPLoss
 from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
-from dptorch.clipping.factors import CLIPPING_MODES
 from dptorch.validate import ModuleValidator, register_module_fixer
 
 
-class OpacusCompatibilityError(ImportError, NotImplementedError):
-    """An Opacus name or option with no dptorch counterpart; the message names the replacement."""
-
-
 def unmapped_names(module_name: str, replacements: Mapping[str, str]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` raising :class:`OpacusCompatibilityError` for Opacus-only names.
-
-    ``replacements`` maps each Opacus name of ``module_name`` that dptorch does not provide to
-    what to use instead. Other missing names raise the usual ``AttributeError`` (so ``hasattr``
-    and tools that probe modules keep working).
-    """
-
-    def __getattr__(name: str) -> Any:
-        if name in replacements:
-            opacus_path = module_name.replace("dptorch", "opacus", 1)
-            raise OpacusCompatibilityError(
-                f"{opacus_path}.{name} has no dptorch counterpart: {replacements[name]} "
-                "(see docs/migrating-from-opacus.md)",
-                name=module_name,
-            )
-        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
-
-    return __getattr__
+    """The ``__getattr__`` of the served Opacus path of ``module_name`` (a module of this package):
+    its Opacus-only names raise :class:`OpacusCompatibilityError` naming the replacement."""
+    served = module_name.replace("dptorch.compat.opacus", "dptorch", 1)
+    return _unmapped_names(served, replacements, foreign_path=served.replace("dptorch", "opacus", 1),
+                           guide="docs/migrating-from-opacus.md")
 
 
 # ---------------------------------------------------------------------------------- accountants
@@ -205,11 +191,7 @@ def get_optimizer_class(clipping: str, distributed: bool, grad_sample_mode: Opti
 
 # ---------------------------------------------------------------------------------- distributed
 
-#: ``opacus.distributed.DifferentiallyPrivateDistributedDataParallel``. Opacus' wrapper only makes all
-#: ranks start from rank 0's weights and leaves gradient synchronisation to its distributed optimizer;
-#: dptorch's DPOptimizer does that synchronisation itself and works with torch's own
-#: DistributedDataParallel (which broadcasts rank 0's weights at construction), so that is the class.
-DifferentiallyPrivateDistributedDataParallel = nn.parallel.DistributedDataParallel
+# ``opacus.distributed.DifferentiallyPrivateDistributedDataParallel``: see dptorch.distributed.ddp.
 
 
 # ---------------------------------------------------------------------------------- grad samples

@@ -1,6 +1,6 @@
-"""``opacus.grad_sample.utils``: wrap_model, prepare_module, get_gsm_class (see dptorch.opacus_compat)."""
+"""``opacus.grad_sample.utils``: wrap_model, prepare_module, get_gsm_class (see dptorch.compat.opacus)."""
 
-from dptorch.opacus_compat import (
+from dptorch.compat.opacus import (
     GRAD_SAMPLE_UNMAPPED,
     get_gsm_class,
     get_hooks_class,

@@ -1,6 +1,6 @@
 """``opacus.optimizers``: the DP optimizer under Opacus' class names (implementation: dptorch.optim)."""
 
-from dptorch.opacus_compat import (
+from dptorch.compat.opacus import (
     OPTIMIZERS_UNMAPPED,
     AdaClipDPOptimizer,
     DistributedDPOptimizer,

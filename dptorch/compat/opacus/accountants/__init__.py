@@ -1,6 +1,6 @@
 """``opacus.accountants``: the accountants under Opacus' names (implementation: dptorch.accounting)."""
 
-from dptorch.opacus_compat import (
+from dptorch.compat.opacus import (
     GaussianAccountant,
     IAccountant,
     PLDAccountant,

@@ -12,14 +12,14 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Mapping, Optional
 
+from dptorch import __version__  # the root package: __version__ and lazy public names only
+
 #: Heading of the section the private Trainer writes into a model card.
 MODEL_CARD_HEADING = "## Differential privacy"
 
 
 def privacy_report(plan: Any, delta: float, *, grad_sample_mode: Optional[str], privacy_unit: str) -> Dict[str, Any]:
     """``plan.report(delta)`` plus ``privacy_unit``, ``num_units``, ``grad_sample_mode`` and ``dptorch_version``."""
-    from dptorch import __version__
-
     report = plan.report(delta)
     report.update(privacy_unit=privacy_unit, num_units=plan.num_units, grad_sample_mode=grad_sample_mode,
                   dptorch_version=__version__)

@@ -1,0 +1,5 @@
+"""``opacus.validators.module_validator``: ModuleValidator (see dptorch.compat.opacus)."""
+
+from dptorch.compat.opacus import ModuleValidator
+
+__all__ = ["ModuleValidator"]
