@@ -29,7 +29,7 @@ PLOTS ?= demo-pictures
 BASELINE ?= yes
 
 demo: $(STAMP)
-	$(BIN)/python -m dptorch.examples.minilm --plots $(PLOTS) $(if $(filter no 0 false off,$(BASELINE)),--no-baseline)
+	$(BIN)/python -m dptorch.cli.examples.minilm --plots $(PLOTS) $(if $(filter no 0 false off,$(BASELINE)),--no-baseline)
 	@echo "== Pictures in $(PLOTS)/. Use the environment in a new shell with: source $(VENV)/bin/activate"
 
 test: $(STAMP)

@@ -1,7 +1,7 @@
 """DP-BandMF against DP-SGD on the digits example, at the same epsilon, over seeds.
 
 ``python benchmarks/bandmf_digits.py --epsilons 0.5 1 2 4 8 --bands 2 4 auto --seeds 0 1 2 --plot out.png``
-trains the digits CNN of :mod:`dptorch.examples.digits` (1437 training images, batch 128, 20
+trains the digits CNN of :mod:`dptorch.cli.examples.digits` (1437 training images, batch 128, 20
 epochs = 240 steps, SGD lr 0.1 momentum 0.9, flat clipping 1.0, delta 1e-5, PLD) once with
 independent noise and once per band count with ``noise_mechanism="bandmf"``; only the mechanism
 (and so the sampling and the calibrated sigma) differs. ``auto`` takes the b of
@@ -32,7 +32,7 @@ from dptorch import PrivacyEngine
 from dptorch.accounting import get_noise_multiplier
 from dptorch.data.cyclic_poisson import CyclicPoissonDataLoader
 from dptorch.data.poisson import DPDataLoader
-from dptorch.examples.digits import accuracy, digits_cnn, load_digits_splits
+from dptorch.cli.examples.digits import accuracy, digits_cnn, load_digits_splits
 from dptorch.noise.banded import SGDWorkload, accounted_steps, choose_bands, optimal_banded_strategy
 
 

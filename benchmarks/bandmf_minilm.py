@@ -1,7 +1,7 @@
 """DP-BandMF against DP-SGD on the MiniLM default job (``make demo``), at the same epsilon, over seeds.
 
 ``python benchmarks/bandmf_minilm.py --epsilons 1 3 8 --bands 2 4 --seeds 0 1 2 --out runs.jsonl``
-runs :func:`dptorch.examples.minilm.run` (the demo's defaults: 2000 training tweets, batch 128,
+runs :func:`dptorch.cli.examples.minilm.run` (the demo's defaults: 2000 training tweets, batch 128,
 3 epochs = 48 steps, lr 2e-2, LoRA in the top layer, clipping 1.0, delta 1e-5) without the
 non-private baseline, once with independent noise and once per band count with
 ``noise_mechanism="bandmf"``; only the mechanism differs. The seed moves the data split, the
@@ -18,7 +18,7 @@ try:
 except ImportError:  # run as a script: benchmarks/ is on the path
     import bandmf_common as common
 
-from dptorch.examples.minilm import run
+from dptorch.cli.examples.minilm import run
 
 
 def one_run(epsilon, mechanism, bands, seed, epochs=3.0, train_size=2000, lr=2e-2, threads=1):

@@ -31,6 +31,7 @@ from torch.utils.data import TensorDataset
 
 from dptorch.auditing.bounds import epsilon_lower_bound
 from dptorch.data.poisson import DPDataLoader
+from dptorch.engine import PrivacyEngine
 from dptorch.noise import NoiseGenerator
 
 
@@ -87,8 +88,6 @@ def audit_dp_sgd(
     delta 1e-5) take well under a second on a CPU. ``clipping_options`` go to ``make_private``
     (``gamma``, ``target_unclipped_quantile``, ...).
     """
-    from dptorch.engine import PrivacyEngine  # here: the engine imports much of the package
-
     if not (isinstance(num_canaries, int) and num_canaries >= 2):
         raise ValueError(f"num_canaries must be a whole number >= 2, got {num_canaries!r}")
     if not (isinstance(steps, int) and steps >= 1):

@@ -56,6 +56,11 @@ MOVED = {
     "dptorch.noise_mechanisms.optimize": "dptorch.noise.banded.optimize",
     "dptorch.noise_mechanisms.streaming": "dptorch.noise.banded.streaming",
     "dptorch.noise_mechanisms.wiring": "dptorch.noise.banded.mechanism",
+    "dptorch.examples": "dptorch.cli.examples",
+    "dptorch.examples.digits": "dptorch.cli.examples.digits",
+    "dptorch.examples.minilm": "dptorch.cli.examples.minilm",
+    "dptorch.examples.flags": "dptorch.cli.examples.flags",
+    "dptorch.examples.plots": "dptorch.cli.examples.plots",
 }
 
 #: Every served path -> the module that answers it.

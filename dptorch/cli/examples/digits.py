@@ -1,6 +1,6 @@
 """Private training of a small CNN on scikit-learn's bundled handwritten digits (8x8 images).
 
-Runs offline in well under a minute: ``python -m dptorch.examples.digits`` (or ``dptorch
+Runs offline in well under a minute: ``python -m dptorch.cli.examples.digits`` (or ``dptorch
 example digits``). A plain PyTorch loop made private by ``PrivacyEngine.make_private_with_epsilon``
 in non-wrapping mode (``wrap_model=False``: the CNN stays the CNN). Prints the test accuracy of
 the private model next to a non-private one trained the same way, and the privacy spent
@@ -19,8 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
-from dptorch.examples.flags import add_shared_flags
-from dptorch.examples.plots import RunHistory, save_pictures, show_report
+from dptorch.cli.examples.flags import add_shared_flags
+from dptorch.cli.examples.plots import RunHistory, save_pictures, show_report
 
 
 def load_digits_splits(seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -170,7 +170,7 @@ def run(
     return report
 
 
-def build_parser(prog: str = "python -m dptorch.examples.digits") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m dptorch.cli.examples.digits") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_shared_flags(parser, epsilon=3.0, epochs=20, modes=["hooks", "bk", "ew", "functorch"])
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")

@@ -15,6 +15,7 @@ handler takes the parsed arguments and returns the exit code. Append the functio
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import sys
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from dptorch import __version__  # the root package: __version__ and lazy public names only
 from dptorch.accounting import (
     ACCOUNTANTS,
     DEFAULT_ACCOUNTANT,
@@ -318,8 +320,8 @@ def _plot_noise_curve(path: str, name: str, *, shown: float, epsilon: float, tar
 
 #: Runnable examples: name -> (module, one-line description).
 EXAMPLES = {
-    "minilm": ("dptorch.examples.minilm", "DP fine-tuning of MiniLM on labelled tweets with DPTrainer (minutes)"),
-    "digits": ("dptorch.examples.digits", "private CNN on scikit-learn's digits with PrivacyEngine (seconds)"),
+    "minilm": ("dptorch.cli.examples.minilm", "DP fine-tuning of MiniLM on labelled tweets with DPTrainer (minutes)"),
+    "digits": ("dptorch.cli.examples.digits", "private CNN on scikit-learn's digits with PrivacyEngine (seconds)"),
 }
 
 
@@ -337,8 +339,6 @@ def add_example_command(subparsers: Any) -> None:
 
 
 def run_example(args: argparse.Namespace) -> int:
-    import importlib
-
     try:
         module = importlib.import_module(EXAMPLES[args.name][0])
         module.main(args.flags, prog=f"{PROG} example {args.name}")
@@ -380,7 +380,7 @@ def add_audit_command(subparsers: Any) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from dptorch.auditing import audit_dp_sgd, plot_audit
+    from dptorch.auditing import audit_dp_sgd, plot_audit  # here: start-up time (it loads the engine and torch)
 
     sigmas = [check_noise_multiplier(float(part), "--noise-multiplier")
               for value in (args.noise_multiplier or ["4"]) for part in value.split(",") if part.strip()]
@@ -431,8 +431,6 @@ COMMANDS: List[Callable[[Any], None]] = [add_epsilon_command, add_noise_command,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dptorch import __version__
-
     parser = _Parser(prog=PROG, description="Differentially private training tools.")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -482,6 +480,3 @@ def _finish_plot(figure: Any, axes: Any, path: str) -> None:
     except (OSError, ValueError) as error:
         raise CommandError(f"cannot write the plot to {path!r}: {error}") from None
 
-
-if __name__ == "__main__":
-    sys.exit(main())

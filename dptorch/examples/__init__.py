@@ -1,1 +1,0 @@
-"""Runnable examples: python -m dptorch.examples.<name>."""
