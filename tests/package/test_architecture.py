@@ -1,0 +1,180 @@
+"""The shape of the package, as docs/architecture.md draws it: the top level lists the stages of a
+private step (and the one compatibility place), imports run one way (down), no module imports in
+a circle, and a function-level import of a dptorch module says why it is there.
+
+The graph is read from the source (``ast``), not by importing: what is checked is what a reader sees.
+"""
+
+import ast
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "dptorch"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+#: The rooms of dptorch/, bottom floor first: each may import only rooms before it.
+ORDER = [
+    "accounting",
+    "noise",
+    "clipping",
+    "data",
+    "plan",
+    "distributed",
+    "grad_sample",
+    "layers",
+    "optim",
+    "validate",
+    "engine",
+    "auditing",
+    "compat",
+    "integrations",
+    "cli",
+]
+
+#: Why a function-level import of a dptorch module may stay (the comment on its line says which).
+ALLOWED_REASONS = ("start-up time", "optional dependency")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def resolve(importer: str, node: ast.AST) -> list:
+    """The dptorch modules an import statement of ``importer`` loads."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = importer.split(".")
+            if MODULES[importer].name != "__init__.py":
+                package = package[:-1]
+            package = package[: len(package) - node.level + 1]
+            base = ".".join(package + ([base] if base else []))
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    found = []
+    for name in names:
+        while name not in MODULES and "." in name:
+            name = name.rsplit(".", 1)[0]
+        if name in MODULES and name != importer:
+            found.append(name)
+    return found
+
+
+def imports():
+    """(importer, imported, where, line number, source line) for every import of a dptorch module;
+    ``where`` is "module", "function" or "typing" (under ``if TYPE_CHECKING``)."""
+    found = []
+    for name, path in MODULES.items():
+        source = path.read_text()
+        lines = source.splitlines()
+        tree = ast.parse(source)
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            where, up = "module", parents.get(node)
+            while up is not None:
+                if isinstance(up, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    where = "function"
+                    break
+                if isinstance(up, ast.If) and "TYPE_CHECKING" in ast.unparse(up.test):
+                    where = "typing"
+                    break
+                up = parents.get(up)
+            for target in resolve(name, node):
+                found.append((name, target, where, node.lineno, lines[node.lineno - 1]))
+    return found
+
+
+IMPORTS = imports()
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_top_level_lists_the_stages_and_the_compatibility_place():
+    entries = {p.stem for p in PACKAGE.iterdir() if p.name != "__init__.py" and p.name != "__pycache__"
+               and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert entries == set(ORDER)
+    assert not [p for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__" and not (p / "__init__.py").exists()]
+
+
+def test_imports_run_down_only():
+    upward = [f"{src} -> {dst} (line {line})" for src, dst, where, line, _ in IMPORTS
+              if where != "typing" and room(src) and room(dst) and room(src) != room(dst)
+              and ORDER.index(room(dst)) > ORDER.index(room(src))]
+    assert upward == []
+
+
+def test_the_root_package_is_imported_for_its_version_only():
+    """The root holds ``__version__`` and the lazy public names; the examples (in cli/, the top) import
+    the public names as a user does, every other module only the version."""
+    uses = [text.strip() for src, dst, where, _, text in IMPORTS
+            if dst == "dptorch" and src != "dptorch" and not src.startswith("dptorch.cli.examples")]
+    assert uses and all(re.fullmatch(r"from dptorch import __version__\b.*", use) for use in uses)
+
+
+def test_no_module_imports_in_a_circle():
+    graph = defaultdict(set)
+    for src, dst, where, _, _ in IMPORTS:
+        if where == "module":
+            graph[src].add(dst)
+    circles, done, on_path = [], set(), []
+
+    def visit(node):
+        on_path.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt in on_path:
+                circles.append(on_path[on_path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt)
+        on_path.pop()
+        done.add(node)
+
+    for module in sorted(MODULES):
+        if module not in done:
+            visit(module)
+    assert circles == []
+
+
+def test_function_level_imports_say_why():
+    unexplained = [f"{src} -> {dst} (line {line}): {text.strip()}" for src, dst, where, line, text in IMPORTS
+                   if where == "function" and not any(reason in text for reason in ALLOWED_REASONS)]
+    assert unexplained == []
+
+
+@pytest.mark.parametrize("name", ORDER)
+def test_the_architecture_page_places_every_room(name):
+    assert re.search(rf"\b{name}/?\b", ARCHITECTURE.read_text())
+
+
+def floors():
+    """The rooms of each floor of docs/architecture.md's picture, bottom floor first."""
+    block = re.search(r"<!-- floors -->\n```\n(.*?)```", ARCHITECTURE.read_text(), re.S).group(1)
+    return [re.findall(r"^([a-z_]+)(?:/|\.py)|\s{3,}([a-z_]+)(?:/|\.py)", line) for line in reversed(block.strip().splitlines())]
+
+
+def floor_rooms():
+    return [[a or b for a, b in floor] for floor in floors()]
+
+
+def test_the_architecture_page_lists_the_floors_in_order():
+    assert [name for floor in floor_rooms() for name in floor] == ORDER
+
+
+def test_rooms_import_only_floors_below_them():
+    level = {name: i for i, floor in enumerate(floor_rooms()) for name in floor}
+    sideways_or_up = sorted({f"{room(src)} -> {room(dst)}" for src, dst, where, _, _ in IMPORTS
+                             if where != "typing" and room(src) and room(dst) and room(src) != room(dst)
+                             and level[room(dst)] >= level[room(src)]})
+    assert sideways_or_up == []
