@@ -2,30 +2,7 @@
 OS CSPRNG in secure mode) and, beside it, correlated banded matrix-factorisation noise (``banded``).
 """
 
-from dptorch.noise.gaussian import (
-    NoiseGenerator,
-    SecureNoiseGenerator,
-    as_noise_generator,
-    gaussian_noise,
-    noise_dtype,
-    secure_bernoulli,
-    secure_gaussian,
-    secure_gaussian_numpy,
-    secure_seed,
-    secure_standard_normals,
-    secure_uniforms,
-)
+from dptorch.noise import gaussian
+from dptorch.noise.gaussian import *  # noqa: F403  (the names of gaussian.__all__)
 
-__all__ = [
-    "NoiseGenerator",
-    "SecureNoiseGenerator",
-    "as_noise_generator",
-    "gaussian_noise",
-    "noise_dtype",
-    "secure_bernoulli",
-    "secure_gaussian",
-    "secure_gaussian_numpy",
-    "secure_seed",
-    "secure_standard_normals",
-    "secure_uniforms",
-]
+__all__ = list(gaussian.__all__)
