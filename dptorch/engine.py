@@ -288,6 +288,10 @@ class PrivacyEngine:
             dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         else:
             dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
+        if dp_loader is not data_loader:
+            logger.info("the data loader's sampler was replaced by Poisson sampling at sample rate %.4g (expected "
+                        "batch %.4g on this process)", dp_loader.batch_sampler.sample_rate,
+                        dp_loader.batch_sampler.expected_batch_size)
         check_sharded_for_process_group(dp_loader.batch_sampler)  # every loader kind, given or rebuilt
         return dp_loader
 
