@@ -1,8 +1,11 @@
 """What the DP-BandMF benchmarks share: the run grid, the per-run JSON lines, the summary table and the plot.
 
 Each finished run is appended to a JSON-lines file as soon as it ends (an interrupted grid keeps
-what it ran; ``--summarise`` reads the file back). A summary groups runs by (target epsilon,
-mechanism, bands) and gives the mean, min and max accuracy over seeds.
+what it ran; ``--summarise`` reads the file back), with a progress line (runs done, time spent and
+left). A summary groups runs by (target epsilon, mechanism, bands) and gives the mean, min and max
+accuracy over seeds. The runs file and the figure go to a fresh folder (``--out-dir``, printed
+at the end); ``--update-committed`` appends to ``benchmarks/results/NAME.jsonl`` and redraws
+``docs/images/NAME.png`` (``output_place``).
 """
 
 from __future__ import annotations
@@ -12,45 +15,73 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Sequence
+
+try:
+    from benchmarks.output_place import IMAGES, REPOSITORY, RESULTS, OutputPlace, add_output_flags
+except ImportError:  # run as a script: benchmarks/ is on the path
+    from output_place import IMAGES, REPOSITORY, RESULTS, OutputPlace, add_output_flags
 
 Run = Dict[str, Any]
 
 
-def add_grid_flags(parser: argparse.ArgumentParser, *, epsilons: Sequence[float], bands: Sequence[str]) -> None:
-    """--epsilons, --bands (ints or "auto"; DP-SGD always runs), --seeds, --out, --summarise, --plot."""
+def committed_files(name: str) -> Dict[str, Path]:
+    """The committed runs file and figure of benchmark ``name`` (``bandmf_digits``, ...)."""
+    return {"runs": RESULTS / f"{name}.jsonl", "figure": IMAGES / f"{name.replace('_', '-')}.png"}
+
+
+def add_grid_flags(parser: argparse.ArgumentParser, *, epsilons: Sequence[float], bands: Sequence[str],
+                   name: str) -> None:
+    """--epsilons, --bands (ints or "auto"; DP-SGD always runs), --seeds, --summarise, --out-dir,
+    --update-committed."""
     parser.add_argument("--epsilons", type=float, nargs="+", default=list(epsilons))
     parser.add_argument("--bands", nargs="*", default=list(bands),
                         help='bandmf band counts (whole numbers or "auto"); DP-SGD runs too unless --no-dpsgd')
     parser.add_argument("--no-dpsgd", action="store_true", help="skip the independent-noise (DP-SGD) runs")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", help="append one JSON line per finished run to this file")
     parser.add_argument("--summarise", metavar="JSONL", nargs="+",
-                        help="train nothing: print the summary of the runs in these files (and --plot them)")
-    parser.add_argument("--plot", metavar="PNG", help="save accuracy against epsilon (mean, min-max) to this file")
+                        help="train nothing: print the summary of the runs in these files and draw it")
+    committed = committed_files(name)
+    add_output_flags(parser, f"append the runs to {committed['runs'].relative_to(REPOSITORY)} and redraw "
+                     f"{committed['figure'].relative_to(REPOSITORY)}")
 
 
 def parse_bands(value: str):
     return value if value == "auto" else int(value)
 
 
-def run_grid(one_run: Callable[..., Run], args: argparse.Namespace, **settings: Any) -> List[Run]:
-    """``one_run(epsilon, mechanism, bands, seed, **settings)`` for every cell; each run printed and saved."""
+def run_grid(one_run: Callable[..., Run], args: argparse.Namespace, place: OutputPlace, name: str,
+             **settings: Any) -> List[Run]:
+    """``one_run(epsilon, mechanism, bands, seed, **settings)`` for every cell; each run printed and
+    appended to the runs file as it ends, with the progress of the grid."""
     mechanisms = ([] if args.no_dpsgd else [("independent", None)]) + [("bandmf", parse_bands(b)) for b in args.bands]
-    runs = []
-    for epsilon in args.epsilons:
-        for mechanism, bands in mechanisms:
-            for seed in args.seeds:
-                start = time.perf_counter()
-                run = one_run(epsilon, mechanism, bands, seed, **settings)
-                run.update(epsilon_target=epsilon, mechanism=mechanism, bands_asked=bands or 1, seed=seed,
-                           seconds=round(time.perf_counter() - start, 1), **settings)
-                runs.append(run)
-                print(json.dumps(run), flush=True)
-                if args.out:
-                    with open(args.out, "a") as handle:
-                        handle.write(json.dumps(run) + "\n")
+    cells = [(e, m, b, s) for e in args.epsilons for m, b in mechanisms for s in args.seeds]
+    out = place.file("runs.jsonl", committed_files(name)["runs"])
+    print(f"{len(cells)} runs; each is appended to {out} as it ends", flush=True)
+    runs, began = [], time.perf_counter()
+    for epsilon, mechanism, bands, seed in cells:
+        start = time.perf_counter()
+        run = one_run(epsilon, mechanism, bands, seed, **settings)
+        run.update(epsilon_target=epsilon, mechanism=mechanism, bands_asked=bands or 1, seed=seed,
+                   seconds=round(time.perf_counter() - start, 1), **settings)
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+        with open(out, "a") as handle:
+            handle.write(json.dumps(run) + "\n")
+        print(progress(len(runs), len(cells), time.perf_counter() - began), flush=True)
     return runs
+
+
+def progress(done: int, total: int, seconds: float) -> str:
+    """``run 3/36 done, 0:04:30 spent, about 0:49:30 left`` (left: the mean run time so far)."""
+    left = seconds / done * (total - done)
+    return f"run {done}/{total} done, {_clock(seconds)} spent, about {_clock(left)} left"
+
+
+def _clock(seconds: float) -> str:
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole // 60 % 60:02d}:{whole % 60:02d}"
 
 
 def read_runs(paths: Iterable[str]) -> List[Run]:
@@ -145,8 +176,11 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str) -> str:
     return path
 
 
-def finish(runs: Sequence[Run], args: argparse.Namespace, title: str) -> Optional[str]:
-    """Print the markdown summary of ``runs`` (and save the plot if ``--plot``)."""
+def finish(runs: Sequence[Run], place: OutputPlace, name: str, title: str) -> str:
+    """Print the markdown summary of ``runs``, draw it, and print the files written."""
     rows = summarise(runs)
     print(markdown(rows))
-    return plot(rows, args.plot, title) if args.plot else None
+    figure = place.file(f"{name.replace('_', '-')}.png", committed_files(name)["figure"])
+    plot(rows, str(figure), title)
+    place.report()
+    return str(figure)

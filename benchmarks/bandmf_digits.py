@@ -1,13 +1,15 @@
 """DP-BandMF against DP-SGD on the digits example, at the same epsilon, over seeds.
 
-``python benchmarks/bandmf_digits.py --epsilons 0.5 1 2 4 8 --bands 2 4 auto --seeds 0 1 2 --plot out.png``
-trains the digits CNN of :mod:`dptorch.cli.examples.digits` (1437 training images, batch 128, 20
-epochs = 240 steps, SGD lr 0.1 momentum 0.9, flat clipping 1.0, delta 1e-5, PLD) once with
-independent noise and once per band count with ``noise_mechanism="bandmf"``; only the mechanism
+``python benchmarks/bandmf_digits.py --epsilons 0.5 1 2 4 8 --bands 2 4 auto --seeds 0 1 2`` trains
+the digits CNN of :mod:`dptorch.cli.examples.digits` (1437 training images, batch 128, 20 epochs =
+240 steps, SGD lr 0.1 momentum 0.9, flat clipping 1.0, delta 1e-5, PLD) once with independent
+noise and once per band count with ``noise_mechanism="bandmf"``; only the mechanism
 (and so the sampling and the calibrated sigma) differs. ``auto`` takes the b of
 :func:`dptorch.noise.banded.choose_bands` (DP-SGD when it picks 1). ``--workload momentum``
 optimises the band (and the ``auto`` choice) for SGD with the run's momentum instead of plain
-prefix sums. Prints and saves (``--out``) one JSON line per run, then the table.
+prefix sums. Prints one JSON line per run and appends it to the runs file, then the table and
+the figure: in a fresh folder (``--out-dir``), or the committed ``benchmarks/results/bandmf_digits.jsonl``
+and ``docs/images/bandmf-digits.png`` with ``--update-committed``.
 
 Sigma is calibrated here with ``get_noise_multiplier`` at the loader's rate for the accounted
 steps (``ceil(n / b)`` at ``q_p`` for bandmf) and passed to ``make_private``: the same calibration
@@ -34,6 +36,8 @@ from dptorch.data.cyclic_poisson import CyclicPoissonDataLoader
 from dptorch.data.poisson import DPDataLoader
 from dptorch.cli.examples.digits import accuracy, digits_cnn, load_digits_splits
 from dptorch.noise.banded import SGDWorkload, accounted_steps, choose_bands, optimal_banded_strategy
+
+NAME = "bandmf_digits"
 
 
 def one_run(epsilon, mechanism, bands, seed, epochs=20, batch_size=128, lr=0.1, momentum=0.9, delta=1e-5,
@@ -81,17 +85,18 @@ def one_run(epsilon, mechanism, bands, seed, epochs=20, batch_size=128, lr=0.1, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_grid_flags(parser, epsilons=[0.5, 1.0, 2.0, 4.0, 8.0], bands=["2", "4"])
+    common.add_grid_flags(parser, epsilons=[0.5, 1.0, 2.0, 4.0, 8.0], bands=["2", "4"], name=NAME)
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--workload", choices=["prefix", "momentum"], default="prefix",
                         help="what the band (and bands 'auto') is optimised for (default: prefix sums)")
     args = parser.parse_args()
+    place = common.OutputPlace(args, NAME)
     if args.summarise:
         runs = common.read_runs(args.summarise)
     else:
-        runs = common.run_grid(one_run, args, epochs=args.epochs, lr=args.lr, workload=args.workload)
-    common.finish(runs, args, "digits CNN (240 steps, lr 0.1, momentum 0.9): DP-BandMF vs DP-SGD")
+        runs = common.run_grid(one_run, args, place, NAME, epochs=args.epochs, lr=args.lr, workload=args.workload)
+    common.finish(runs, place, NAME, "digits CNN (240 steps, lr 0.1, momentum 0.9): DP-BandMF vs DP-SGD")
 
 
 if __name__ == "__main__":

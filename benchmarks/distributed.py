@@ -14,7 +14,8 @@ when private), median of ``--steps`` steps after two warm-up steps.
 Peak memory per rank: on CPU the growth of the process's peak RSS over the step loop (the model
 and optimizer state are built before, so what shows is activations, gradients and what DP adds);
 on CUDA ``torch.cuda.max_memory_allocated`` over the loop. The largest rank is reported. Prints a
-table and writes ``benchmarks/results/distributed.json``.
+table and writes ``distributed.json`` into a fresh folder (``--out-dir``; printed at the end), or
+into ``benchmarks/results/`` with ``--update-committed``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+try:
+    from benchmarks.output_place import RESULTS, OutputPlace, add_output_flags
+except ImportError:  # run as a script: benchmarks/ is on the path
+    from output_place import RESULTS, OutputPlace, add_output_flags
 
 CONFIGS = [
     # (name, processes, parallel, private)
@@ -245,6 +251,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["bk"], help="private modes (hooks, bk, ghost)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--configs", nargs="+", default=None, help="subset of: " + ", ".join(c[0] for c in CONFIGS))
+    add_output_flags(parser, "benchmarks/results/distributed.json")
     args = parser.parse_args()
     if args.memory_table:
         print_memory_table(args.tokens_per_rank, args.lora_rank)
@@ -269,9 +276,9 @@ def main() -> None:
     print(f"| config | processes | mode | step (ms) | peak memory per rank (MiB) |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {r['processes']} | {r['mode']} | {r['step_ms']:.1f} | {r['peak_mib_per_rank']:.1f} |")
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    (out / "distributed.json").write_text(json.dumps({"options": opts, "rows": rows}, indent=1))
+    place = OutputPlace(args, "distributed")
+    place.file("distributed.json", RESULTS / "distributed.json").write_text(json.dumps({"options": opts, "rows": rows}, indent=1))
+    place.report()
 
 
 if __name__ == "__main__":

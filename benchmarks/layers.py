@@ -9,7 +9,8 @@ for groupnorm. A private step here is forward, backward and the per-sample norms
 sum (what the DP optimizer asks of the controller), without noise or the optimizer update.
 Time is the median over ``--repeats``; peak memory is the peak of live tensor bytes during one
 step, from the profiler's allocation events (the profiler's own messages are silenced). Writes
-benchmarks/results/layers.json (``--out``).
+layers.json into a fresh folder (``--out-dir``; printed at the end), or into benchmarks/results/
+with ``--update-committed``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Callable, Dict, Tuple
 
 import torch
@@ -29,6 +29,11 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from dptorch.grad_sample import GradSampleHooks
+
+try:
+    from benchmarks.output_place import RESULTS, OutputPlace, add_output_flags
+except ImportError:  # run as a script: benchmarks/ is on the path
+    from output_place import RESULTS, OutputPlace, add_output_flags
 
 
 def layer_configs(batch: int) -> Dict[str, Tuple[Callable[[], nn.Module], Callable[[], tuple]]]:
@@ -131,10 +136,9 @@ def main() -> None:
                         "hooks bk ew); ratios are against the first one given")
     parser.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     parser.add_argument("--repeats", type=int, default=20, help="timed steps per layer and mode; the median is shown (default 20)")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "layers.json"), metavar="FILE",
-                        help="where the rows are written as JSON (default benchmarks/results/layers.json)")
+    add_output_flags(parser, "benchmarks/results/layers.json")
     args = parser.parse_args()
-    out = Path(args.out)
+    place = OutputPlace(args, "layers")
     rows = []
     print(f"{'layer':13s} {'mode':11s} {'time ms':>9s} {'x':>6s} {'peak MiB':>9s} {'x':>6s}   (batch {args.batch}, {torch.get_num_threads()} threads)")
     for name in args.layers:
@@ -150,8 +154,8 @@ def main() -> None:
             row["memory_ratio"] = row["peak_mib"] / max(base["peak_mib"], 1e-9)
             rows.append(row)
             print(f"{name:13s} {mode:11s} {row['median_ms']:9.2f} {row['time_ratio']:6.2f} {row['peak_mib']:9.1f} {row['memory_ratio']:6.2f}", flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    place.file("layers.json", RESULTS / "layers.json").write_text(json.dumps(rows, indent=1))
+    place.report()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
 after two warm-up steps. Peak memory is the process's peak RSS growth over the step loop.
-Prints a table and writes benchmarks/results/models.json. Opacus (an optional peer, ``pip install
+Prints a table and writes models.json into a fresh folder (``--out-dir``; printed at the end), or
+into benchmarks/results/ with ``--update-committed``. Opacus (an optional peer, ``pip install
 dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``opacus-ghost``
 (its ghost clipping with ``DPLossFastGradientClipping``); hooks and bk are compared against them.
 Mode ``floor`` is the non-private step plus the work no exact DP-SGD step can skip, timed alone:
@@ -28,6 +29,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+try:
+    from benchmarks.output_place import RESULTS, OutputPlace, add_output_flags
+except ImportError:  # run as a script: benchmarks/ is on the path
+    from output_place import RESULTS, OutputPlace, add_output_flags
 
 SHAPES = {
     # name: (family, layers, width, seq, batch, vocab, tied[, key-value heads (Llama GQA), default: all heads])
@@ -270,6 +276,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
     parser.add_argument("--summarize", nargs="+", metavar="JSON", help="print the table of several runs' results")
+    add_output_flags(parser, "benchmarks/results/models.json")
     parser.add_argument("--one", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.summarize:
@@ -308,9 +315,9 @@ def main() -> None:
                     line = versus(rows, shape, ours, theirs)
                     if line:
                         print(f"{shape:20s} {line}", flush=True)
-    out_dir = Path(__file__).parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    (out_dir / "models.json").write_text(json.dumps(rows, indent=1))
+    place = OutputPlace(args, "models")
+    place.file("models.json", RESULTS / "models.json").write_text(json.dumps(rows, indent=1))
+    place.report()
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ def test_layer_benchmark_refuses_an_unknown_layer_and_keeps_its_table_clean(tmp_
     assert run.returncode == 2 and "invalid choice: 'bogus' (choose from 'linear'" in run.stderr
     assert "Traceback" not in run.stderr
     run = subprocess.run([sys.executable, script, "--layers", "linear", "--modes", "nonprivate", "bk", "--batch", "2",
-                          "--repeats", "1", "--out", str(tmp_path / "layers.json")], capture_output=True, text=True, timeout=300)
+                          "--repeats", "1", "--out-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-500:]
     lines = (run.stdout + run.stderr).splitlines()
-    assert [line.split()[:2] for line in lines[1:]] == [["linear", "nonprivate"], ["linear", "bk"]], lines
-    assert (tmp_path / "layers.json").is_file()
+    assert [line.split()[:2] for line in lines[1:-1]] == [["linear", "nonprivate"], ["linear", "bk"]], lines
+    assert lines[-1] == f"written: {tmp_path / 'layers.json'}" and (tmp_path / "layers.json").is_file()
