@@ -18,8 +18,11 @@ FSDP2 rank 0's key is broadcast to the other ranks (one small collective per ste
 is rank 0's generator, as for DDP, and checkpoints keep working: the generator's state is the
 whole state.
 
-With a :class:`~dptorch.noise.SecureNoiseGenerator` each rank draws its slice from its own OS
-CSPRNG: independent draws, one per element, nothing replayable (by design).
+With a :class:`~dptorch.noise.SecureNoiseGenerator` each rank draws its slice from its own secure
+stream (AES-256-CTR under a key from that process's ``os.urandom``, ``dptorch.noise.secure``):
+independent draws, one per element of the full parameter, no key shared between ranks or sent
+over the network, nothing replayable (by design). Under DDP only rank 0 draws, as for the default
+generator.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any, Dict, Optional, Union
 import torch
 
 from dptorch.data.poisson import draw_seed
-from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, noise_dtype, secure_gaussian
+from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, noise_dtype
 
 DEFAULT_CHUNK = 1 << 20
 
@@ -89,7 +92,7 @@ class ShardedNoise:
         if end == start:
             return torch.zeros(0, dtype=dtype, device=device)
         if self.secure:
-            return secure_gaussian((end - start,), std, device=device, dtype=dtype)
+            return self.base.noise((end - start,), std, dtype=dtype, device=device)
         generator = self._generator(torch.device(device))
         param_seed = draw_seed(int(key), int(index))
         pieces = []

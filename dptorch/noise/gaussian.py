@@ -12,18 +12,32 @@ a ``torch.Generator`` whose state (a uint8 tensor) goes into checkpoints, so a r
 exactly the same noise. Torch's generators (Mersenne Twister on CPU, Philox on CUDA) are not
 cryptographically secure: an adversary who recovers the stream can subtract the noise.
 
-Secure path (``secure=True`` / ``SecureNoiseGenerator``): uniform bits come from ``os.urandom``
-(the kernel CSPRNG, reseeded by the OS) with no user-visible state, so it cannot be replayed or
-checkpointed, by design. Uniforms become normals by Box-Muller in float64. Against the
-floating-point attacks on textbook samplers (Mironov 2012 for Laplace; Jin et al. 2022 for
-Gaussian samplers in DP libraries), which exploit that the set of floats a sampler can output
-is sparse and irregular so that ``value + noise`` reveals ``value``, each noise value is the
-sum of ``num_summands`` (default 4) independent draws of std ``std/sqrt(num_summands)``, as
-Opacus does. The sum fills the gaps in the support of a single draw; the result is then
-rounded from float64 to float32, much coarser than the irregularities of the float64 support.
-This is a mitigation, not a proof (a discrete Gaussian, Canonne-Kamath-Steinke 2020, would be
-the exact route), and it does nothing against timing side channels. It costs about 4x the
-random bytes (32 bytes per noise value) plus the host-side math; see benchmarks/noise.py.
+Secure path (``secure=True`` / ``SecureNoiseGenerator``): bits from ``dptorch.noise.secure`` (the
+AES-256-CTR keystream under a key from ``os.urandom``, fresh per process and per generator, never
+in a checkpoint), so the stream cannot be replayed or recovered from any saved state, by design.
+Each value is one Box-Muller draw in float64 (radius from a 52-bit uniform strictly inside (0, 1),
+angle from 53 bits), multiplied by ``std`` in float64 and rounded once to float32; the float32
+noise is then added to the float32 sum of clipped gradients.
+
+Floating-point attacks: Mironov (2012) showed that Laplace noise from a textbook sampler in
+doubles takes only a sparse, irregular set of values, so the set of possible ``x + noise`` depends
+on ``x`` and one output can rule a neighbouring dataset out; Jin et al. (2022) found the same for
+the Gaussian samplers of DP libraries (Box-Muller among them). This path defends against that
+support ("hole") attack on float32 noise by resolution: its grid of (radius, angle) inputs is
+about 2^29 times finer than float32's spacing, so a float32 value ``v`` receives the Gaussian mass
+of its rounding interval up to a relative grid-counting error of order ``2^-29 std/|v|`` (an
+estimate: of order 2^-9 at ``|v| = 2^-20 std``; all but about 1e-6 of the draws lie above that),
+no float32 value within 8.5 std is impossible except within about 2^-70 std of zero, and the
+low-order mantissa bits are uniform (``tests/noise/test_secure_float_bits.py`` checks them).
+Summing draws (Opacus' mitigation, and this path's before) fills gaps at float64 resolution that
+the rounding to float32 throws away, so for float32 noise it bought nothing for its 4x cost; for
+float64 noise (a float64 model), where no coarser rounding follows, ``secure_summands`` keeps the
+sum of ``DEFAULT_SECURE_SUMMANDS`` = 4 draws of std ``std/2``. Still open: this is an argument,
+not a proof of (epsilon, delta) in floating point (no value beyond ``sqrt(106 ln 2)`` = 8.57 std
+occurs, a Gaussian mass of about 1e-17, and the float32 addition rounds); the exact route would be
+a discrete Gaussian on an integer grid (Canonne-Kamath-Steinke 2020), not implemented; timing
+side channels are out of scope (the math has no value-dependent branches, but nothing is
+constant-time by construction). The cost is about 2x the default path on the CPU (benchmarks/noise.py).
 """
 
 from __future__ import annotations
@@ -36,9 +50,10 @@ from typing import Any, Dict, Optional, Sequence, Union
 import numpy as np
 import torch
 
-DEFAULT_SECURE_SUMMANDS = 4
-_SECURE_CHUNK = 1 << 20  # noise values per os.urandom round (bounds memory: 32 MiB of bytes)
-_UNIFORM_STEP = 2.0**-53
+from dptorch.noise.secure import KeyStream, bernoulli, fill_normals, open_uniforms
+
+DEFAULT_SECURE_SUMMANDS = 4  # summands of secure float64 noise (float32 noise takes one draw, see above)
+_STREAM = KeyStream()  # this process's secure stream (a forked child rekeys it before its first draw)
 _CPU_CHUNK = 1 << 20  # larger CPU draws are filled in chunks of this many values, in parallel
 
 
@@ -103,21 +118,22 @@ def _chunked_cpu_normals(shape: torch.Size, dtype: torch.dtype, generator: Optio
     return out
 
 
+def secure_summands(dtype: torch.dtype) -> int:
+    """Draws summed per secure noise value: 1 for float32 noise, ``DEFAULT_SECURE_SUMMANDS`` for float64."""
+    return DEFAULT_SECURE_SUMMANDS if dtype == torch.float64 else 1
+
+
 def secure_uniforms(count: int) -> np.ndarray:
-    """``count`` float64 uniforms in (0, 1] from ``os.urandom``: (top 53 bits + 1) * 2^-53."""
-    words = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
-    return ((words >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * _UNIFORM_STEP
+    """``count`` float64 uniforms strictly inside (0, 1) from the secure stream (``secure.open_uniforms``)."""
+    return open_uniforms(_STREAM.words(count), np.empty(count, dtype=np.float64))
 
 
 def secure_bernoulli(count: int, probability: float) -> np.ndarray:
-    """``count`` independent booleans, each True with ``probability``, from ``secure_uniforms``.
+    """``count`` independent booleans, each True with ``probability`` (to within 2^-64), from the secure stream.
 
-    A uniform in (0, 1] on a 2^-53 grid is below ``p`` with probability within 2^-53 of ``p``.
-    Used by the secure Poisson sampler: membership of each sample in a batch comes from the CSPRNG.
+    Used by the secure Poisson samplers: membership of each sample in a batch comes from the CSPRNG.
     """
-    if count == 0:
-        return np.zeros(0, dtype=bool)
-    return secure_uniforms(count) < probability
+    return bernoulli(_STREAM, count, probability)
 
 
 def secure_seed(bits: int = 63) -> int:
@@ -126,25 +142,17 @@ def secure_seed(bits: int = 63) -> int:
 
 
 def secure_standard_normals(count: int) -> np.ndarray:
-    """``count`` float64 standard normals: Box-Muller on ``secure_uniforms``."""
-    pairs = (count + 1) // 2
-    uniforms = secure_uniforms(2 * pairs).reshape(2, pairs)
-    radius = np.sqrt(-2.0 * np.log(uniforms[0]))
-    angle = (2.0 * np.pi) * uniforms[1]
-    return np.concatenate((radius * np.cos(angle), radius * np.sin(angle)))[:count]
+    """``count`` float64 standard normals (one Box-Muller draw each) from the secure stream."""
+    return secure_gaussian_numpy(count, 1.0, num_summands=1)
 
 
 def secure_gaussian_numpy(count: int, std: float, num_summands: int = DEFAULT_SECURE_SUMMANDS) -> np.ndarray:
     """``count`` float64 N(0, std^2) values, each a sum of ``num_summands`` secure draws."""
     if num_summands < 1:
         raise ValueError(f"num_summands must be >= 1, got {num_summands}")
-    out = np.empty(count, dtype=np.float64)
-    scale = _check_std(std) / math.sqrt(num_summands)
-    for start in range(0, count, _SECURE_CHUNK):
-        size = min(_SECURE_CHUNK, count - start)
-        draws = secure_standard_normals(num_summands * size).reshape(num_summands, size)
-        np.multiply(draws.sum(axis=0), scale, out=out[start : start + size])
-    return out
+    out = torch.empty(count, dtype=torch.float64)
+    fill_normals(_STREAM, out, _check_std(std), num_summands)
+    return out.numpy()
 
 
 def secure_gaussian(
@@ -153,12 +161,24 @@ def secure_gaussian(
     *,
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.float32,
-    num_summands: int = DEFAULT_SECURE_SUMMANDS,
+    num_summands: Optional[int] = None,
+    stream: Optional[KeyStream] = None,
 ) -> torch.Tensor:
-    """Secure N(0, std^2) tensor of ``shape``: drawn in float64 on the host, then cast and moved."""
+    """Secure N(0, std^2) tensor of ``shape`` from ``stream`` (default: the process's).
+
+    Drawn on the host in float64, rounded once to float32 (or kept in float64, ``noise_dtype`` of
+    ``dtype``), then moved: for a CUDA device through pinned memory with an asynchronous copy.
+    ``num_summands=None`` takes ``secure_summands`` of that dtype.
+    """
     shape = tuple(shape)
-    values = secure_gaussian_numpy(math.prod(shape), std, num_summands)
-    return torch.from_numpy(values).reshape(shape).to(device=device, dtype=dtype)
+    draw_dtype = noise_dtype(dtype)
+    summands = secure_summands(draw_dtype) if num_summands is None else int(num_summands)
+    if summands < 1:
+        raise ValueError(f"num_summands must be >= 1, got {num_summands}")
+    device = torch.device(device)
+    host = torch.empty(shape, dtype=draw_dtype, pin_memory=device.type == "cuda")
+    fill_normals(stream if stream is not None else _STREAM, host.view(-1), _check_std(std), summands)
+    return host.to(device=device, dtype=dtype, non_blocking=True)
 
 
 class NoiseGenerator:
@@ -227,25 +247,28 @@ def as_noise_generator(source: Any) -> Any:
 
 
 class SecureNoiseGenerator:
-    """Noise from the OS CSPRNG with the summing mitigation; nothing to checkpoint or replay.
+    """Noise from its own secure stream (AES-256-CTR keyed from ``os.urandom``); nothing to replay.
 
-    ``state_dict()`` is empty and ``load_state_dict`` accepts only that, so a checkpoint cannot
-    silently pretend to restore the noise stream.
+    Each generator, and each copy or unpickled one, has a fresh key. ``state_dict()`` is empty and
+    ``load_state_dict`` accepts only that, so a checkpoint holds no secret and cannot silently pretend
+    to restore the noise stream: a resumed run draws from a new key. ``num_summands=None`` takes
+    ``secure_summands`` of the noise dtype.
     """
 
-    def __init__(self, num_summands: int = DEFAULT_SECURE_SUMMANDS):
-        if num_summands < 1:
+    def __init__(self, num_summands: Optional[int] = None):
+        if num_summands is not None and num_summands < 1:
             raise ValueError(f"num_summands must be >= 1, got {num_summands}")
         self.num_summands = num_summands
+        self.stream = KeyStream()
+
+    def noise(self, shape: Sequence[int], std: float, *, dtype: torch.dtype = torch.float32,
+              device: Union[str, torch.device] = "cpu") -> torch.Tensor:
+        """N(0, std^2) of ``shape``, in ``noise_dtype(dtype)``, on ``device``."""
+        return secure_gaussian(shape, std, device=device, dtype=noise_dtype(dtype), num_summands=self.num_summands,
+                               stream=self.stream)
 
     def noise_like(self, reference: torch.Tensor, std: float) -> torch.Tensor:
-        return secure_gaussian(
-            reference.shape,
-            std,
-            device=reference.device,
-            dtype=noise_dtype(reference.dtype),
-            num_summands=self.num_summands,
-        )
+        return self.noise(reference.shape, std, dtype=reference.dtype, device=reference.device)
 
     def state_dict(self) -> Dict[str, Any]:
         return {}
@@ -266,5 +289,6 @@ __all__ = [
     "secure_gaussian_numpy",
     "secure_seed",
     "secure_standard_normals",
+    "secure_summands",
     "secure_uniforms",
 ]

@@ -1,0 +1,170 @@
+"""The secure random stream: AES-256 in counter mode, keyed from the OS CSPRNG.
+
+A :class:`KeyStream` draws a 256-bit key and a 128-bit starting counter from ``os.urandom`` when it
+is made, and again in a process forked from the one that made it, so no two processes (a resumed
+run is a new process) and no two streams ever share a key; the key lives in memory only and is
+never written to a state dict or a checkpoint (a copied or unpickled stream draws a new key). Its output is the AES-256-CTR keystream (OpenSSL,
+through the ``cryptography`` package; AES-NI where the CPU has it), a pseudorandom function of
+(key, counter): indistinguishable from uniform bits to anyone without the key, as ``os.urandom``'s
+own output is, at a few GB/s instead of a few hundred MB/s. Each draw reserves its range of counter
+blocks under a lock, so draws from several threads never overlap.
+
+From the 64-bit words of the keystream, pure functions make:
+
+- uniforms strictly inside (0, 1): ``(top 52 bits + 1/2) * 2^-52``, exact in float64, never 0
+  or 1, so ``log`` is always finite;
+- standard normals by Box-Muller in float64 (radius from such a uniform, angle from 53 bits);
+- Bernoulli(p) by an exact integer threshold on the whole word: True iff ``word < ceil(p * 2^64)``,
+  so P(True) lies in [p, p + 2^-64) with no modulo or rounding bias beyond that.
+
+``fill_normals`` writes ``std * (sum of summands normals) / sqrt(summands)`` into a float32 or
+float64 array, computing in float64 and rounding once at the end; the floating-point argument
+for that choice is in ``dptorch.noise.gaussian``'s docstring.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from fractions import Fraction
+from typing import Optional
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+_BLOCK = 16  # bytes per AES block (one counter value)
+_COUNTER_MOD = 1 << 128
+CHUNK = 1 << 20  # values per piece of a large draw (even, so every piece but the last holds whole pairs)
+_TWO_PI_STEP = 2.0 * math.pi * 2.0**-53
+_zeros: Optional[bytes] = None  # the plaintext the keystream is read through, CHUNK words long
+
+
+class KeyStream:
+    """AES-256-CTR keystream under a key and starting counter from ``os.urandom`` (see the module)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rekey()
+
+    def __reduce__(self) -> tuple:
+        return (KeyStream, ())  # a copy or an unpickled stream gets a fresh key: no key leaves memory
+
+    def _rekey(self) -> None:
+        self._key = os.urandom(32)
+        self._counter = int.from_bytes(os.urandom(_BLOCK), "big")
+        self._pid = os.getpid()
+
+    def reserve(self, blocks: int) -> tuple:
+        """``(key, first counter)`` of ``blocks`` fresh keystream blocks, never handed out again."""
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: never continue the parent's stream
+                self._rekey()
+            start = self._counter
+            self._counter = (start + blocks) % _COUNTER_MOD
+            return self._key, start
+
+    def words(self, count: int) -> np.ndarray:
+        """``count`` fresh uint64 words of keystream."""
+        key, counter = self.reserve(_blocks_for_words(count))
+        out = np.empty(count + count % 2, dtype=np.uint64)
+        keystream_into(key, counter, out)
+        return out[:count]
+
+
+def _blocks_for_words(count: int) -> int:
+    return (count + 1) // 2  # two 64-bit words per 128-bit block
+
+
+def keystream_into(key: bytes, counter: int, out: np.ndarray) -> None:
+    """Fill the uint64 array ``out`` (an even number of words) with keystream from block ``counter``."""
+    global _zeros
+    nbytes = out.nbytes
+    if _zeros is None or len(_zeros) < nbytes:
+        _zeros = bytes(max(nbytes, 8 * CHUNK))
+    encryptor = Cipher(algorithms.AES(key), modes.CTR(counter.to_bytes(_BLOCK, "big"))).encryptor()
+    written = encryptor.update_into(memoryview(_zeros)[:nbytes], memoryview(out.view(np.uint8)))
+    if written != nbytes:
+        raise RuntimeError(f"AES-CTR wrote {written} of {nbytes} keystream bytes")
+
+
+def open_uniforms(words: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Float64 uniforms strictly inside (0, 1) from uint64 ``words`` (shifted in place): ``(w >> 12 + 1/2) 2^-52``."""
+    np.multiply(np.right_shift(words, np.uint64(12), out=words), 2.0**-52, out=out)
+    out += 2.0**-53
+    return out
+
+
+def box_muller(radius_words: np.ndarray, angle_words: np.ndarray, scale: float, out: torch.Tensor,
+               work: np.ndarray) -> None:
+    """``scale`` times ``2 * len(radius_words)`` standard normals into ``out``: ``r cos(t)``, then ``r sin(t)``.
+
+    ``r = sqrt(-2 log u)`` with ``u`` from :func:`open_uniforms`; ``t = 2 pi k 2^-53`` for the top 53
+    bits ``k`` of an angle word. All of it is float64; writing into a float32 ``out`` rounds each
+    value once. Both word arrays are consumed (shifted in place); ``work`` is float64 scratch of
+    ``3 * len(radius_words)``. The transcendental functions are torch's (vectorised, on its threads).
+    """
+    pairs = radius_words.size
+    radius = torch.from_numpy(open_uniforms(radius_words, work[:pairs]))
+    torch.log(radius, out=radius)
+    radius.mul_(-2.0).sqrt_().mul_(scale)
+    angles = np.multiply(np.right_shift(angle_words, np.uint64(11), out=angle_words), _TWO_PI_STEP,
+                         out=work[pairs : 2 * pairs])
+    angles, trig = torch.from_numpy(angles), torch.from_numpy(work[2 * pairs : 3 * pairs])
+    torch.mul(torch.cos(angles, out=trig), radius, out=out[:pairs])
+    torch.mul(torch.sin(angles, out=trig), radius, out=out[pairs : 2 * pairs])
+
+
+def fill_normals(stream: KeyStream, out: torch.Tensor, std: float, summands: int = 1) -> None:
+    """Fill the flat float32/float64 CPU tensor ``out`` with N(0, std^2) values from ``stream``.
+
+    Each value is ``std / sqrt(summands)`` times a sum of ``summands`` Box-Muller normals, computed in
+    float64 and rounded once into ``out``'s dtype. The draw reserves its whole keystream at once and
+    is made in pieces of ``CHUNK`` values through reused buffers (no model-sized temporaries).
+    """
+    count = out.numel()
+    if count == 0:
+        return
+    if summands < 1:
+        raise ValueError(f"summands must be >= 1, got {summands}")
+    pieces = -(-count // CHUNK)
+    blocks_per_piece = CHUNK * summands // 2  # 2 words (one radius, one angle) per pair of values
+    last = count - (pieces - 1) * CHUNK
+    key, first = stream.reserve((pieces - 1) * blocks_per_piece + ((last + 1) // 2) * summands)
+    scale = float(std) / math.sqrt(summands)
+    length = min(CHUNK, count + count % 2)
+    words = np.empty(length, dtype=np.uint64)
+    work = np.empty(3 * (length // 2), dtype=np.float64)
+    total = torch.empty(length, dtype=torch.float64)
+    draw = torch.empty(length if summands > 1 else 0, dtype=torch.float64)
+    for piece in range(pieces):
+        start = piece * CHUNK
+        size = min(CHUNK, count - start)
+        pairs = (size + 1) // 2
+        direct = summands == 1 and size % 2 == 0  # the piece's values go straight into out
+        target = out[start : start + size] if direct else total[: 2 * pairs]
+        for summand in range(summands):
+            block = words[: 2 * pairs]
+            keystream_into(key, (first + piece * blocks_per_piece + summand * pairs) % _COUNTER_MOD, block)
+            box_muller(block[:pairs], block[pairs:], scale, target if summand == 0 else draw, work)
+            if summand > 0:
+                target.add_(draw[: 2 * pairs])
+        if not direct:
+            out[start : start + size].copy_(target[:size])
+
+
+def bernoulli(stream: KeyStream, count: int, probability: float) -> np.ndarray:
+    """``count`` booleans, each True with probability in [p, p + 2^-64): ``word < ceil(p * 2^64)``."""
+    p = float(probability)
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"probability must lie in [0, 1], got {probability}")
+    if count == 0 or p == 0.0:
+        return np.zeros(count, dtype=bool)
+    threshold = math.ceil(Fraction(p) * (1 << 64))
+    if threshold >= 1 << 64:
+        return np.ones(count, dtype=bool)
+    return stream.words(count) < np.uint64(threshold)
+
+
+__all__ = ["CHUNK", "KeyStream", "bernoulli", "box_muller", "fill_normals", "keystream_into", "open_uniforms"]
