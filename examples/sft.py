@@ -12,24 +12,29 @@ checkpointing); its fused LM head is bypassed because it would read the LM head 
 from __future__ import annotations
 
 import sys
-import tempfile
 import time
 
 import torch
 from trl import SFTConfig, SFTTrainer
 
-from common import one_thread, prompt_completion_dataset, tiny_llama, word_tokenizer
+from common import one_thread, output_folder, prompt_completion_dataset, tiny_llama, word_tokenizer
 from dptorch.integrations.hf import PrivacyArguments, private
 
 
 def main(max_steps: int = 40) -> dict:
+    with output_folder("sft") as output_dir:
+        return run(output_dir, max_steps)
+
+
+def run(output_dir: str, max_steps: int) -> dict:
     one_thread()
     torch.manual_seed(0)
     tokenizer = word_tokenizer()
     config = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="dptorch-sft-"), use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
         save_strategy="no", max_steps=max_steps, per_device_train_batch_size=16, gradient_accumulation_steps=2,
         learning_rate=3e-3, logging_steps=10, max_length=32, per_device_eval_batch_size=64,
+        activation_checkpointing=False,  # TRL's default is on; a model this small gains nothing from it
     )
     trainer = private(SFTTrainer)(
         model=tiny_llama(tokenizer),

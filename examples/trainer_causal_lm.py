@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import math
 import sys
-import tempfile
 import time
 
 import torch
 from transformers import HfArgumentParser, TrainingArguments
 
-from common import lm_dataset, one_thread, tiny_gpt2, word_tokenizer
+from common import lm_dataset, one_thread, output_folder, tiny_gpt2, word_tokenizer
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments
 
 DEFAULTS = [
@@ -34,7 +33,11 @@ def mean_loss(trainer, dataset) -> float:
 
 
 def main(argv=None) -> dict:
-    output_dir = tempfile.mkdtemp(prefix="dptorch-trainer-")
+    with output_folder("trainer") as output_dir:
+        return run(output_dir, argv)
+
+
+def run(output_dir: str, argv=None) -> dict:
     parser = HfArgumentParser((TrainingArguments, PrivacyArguments))
     training_args, privacy_args = parser.parse_args_into_dataclasses(["--output_dir", output_dir] + DEFAULTS + list(argv or []))
     one_thread()

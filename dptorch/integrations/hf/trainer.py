@@ -487,7 +487,14 @@ class PrivateTrainerMixin:
     def _save(self, output_dir: Optional[str] = None, state_dict: Any = None) -> None:
         """Save the model as the Trainer does, then write the privacy report into the model card
         (``README.md`` of the folder: PEFT's adapter card, or a new one)."""
-        super()._save(output_dir, state_dict)
+        shown = logging.is_progress_bar_enabled()
+        if self.args.disable_tqdm:  # transformers' "Writing model shards" bar does not read disable_tqdm
+            logging.disable_progress_bar()
+        try:
+            super()._save(output_dir, state_dict)
+        finally:
+            if shown:
+                logging.enable_progress_bar()
         if self.privacy_plan is not None and self.args.should_save:
             write_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
 
