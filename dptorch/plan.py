@@ -50,7 +50,7 @@ import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
-from dptorch.accounting.validation import is_number
+from dptorch.accounting.validation import check_delta_for_units, is_number
 from dptorch.clipping.adaptive import CLIPPING_STATS, AdaptiveClipping, default_unclipped_num_std, gradient_noise_multiplier
 from dptorch.clipping.checks import MaxGradNorm, check_clipping
 from dptorch.clipping.factors import DEFAULT_GAMMA, total_norm_bound
@@ -73,24 +73,6 @@ def check_noise_multiplier(value: Any) -> float:
     if not is_number(value) or not (value >= 0 and math.isfinite(value)):
         raise ValueError(f"noise_multiplier must be a finite number >= 0, got {value!r}")
     return float(value)
-
-
-def check_delta_for_units(delta: Any, num_units: Optional[int], name: str = "delta") -> float:
-    """A delta in (0, 1) and, when the number of privacy units N is known, below 1/N.
-
-    An (epsilon, delta) guarantee with delta >= 1/N says nothing: the mechanism that publishes one
-    unit chosen at random meets it. The engine and the private Trainer refuse such a delta for
-    calibration (``target_delta``) and for reporting (``get_epsilon``) alike.
-    """
-    if not is_number(delta) or not 0 < delta < 1:
-        raise ValueError(f"{name} must be a number in (0, 1), got {delta!r}")
-    if num_units is not None and num_units > 0 and delta >= 1 / num_units:
-        raise ValueError(
-            f"{name}={delta:g} is not below 1/N for N={num_units} privacy units: such a delta allows releasing a "
-            f"unit outright, so no epsilon at it means anything. Choose {name} < 1/N = {1 / num_units:.3g}"
-            + (" (1e-5 or smaller is usual)" if num_units <= 10**5 else "")
-        )
-    return float(delta)
 
 
 def planned_steps(steps_per_epoch: Optional[int], epochs: Optional[float] = None, steps: Optional[int] = None) -> int:

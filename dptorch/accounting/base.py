@@ -128,7 +128,8 @@ class Accountant(ABC):
             return 0.0
         key = ("epsilon", delta)
         if key not in self._epsilon_cache:
-            self._epsilon_cache[key] = float(self._compute_epsilon(merge_runs(self._history), delta))
+            # at a delta above the total variation distance an accountant may find a negative epsilon: 0 holds there
+            self._epsilon_cache[key] = max(0.0, float(self._compute_epsilon(merge_runs(self._history), delta)))
         return self._epsilon_cache[key]
 
     def epsilons_after(
@@ -148,7 +149,7 @@ class Accountant(ABC):
         epsilons = []
         for count in counts:
             runs = merge_runs(self._history + [[sigma, q, count]])
-            epsilons.append(float(self._compute_epsilon(runs, delta)) if runs else 0.0)
+            epsilons.append(max(0.0, float(self._compute_epsilon(runs, delta))) if runs else 0.0)
         return epsilons
 
     @abstractmethod

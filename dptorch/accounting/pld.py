@@ -18,6 +18,14 @@ from dp_accounting.pld import pld_pmf, privacy_loss_distribution
 from scipy import fft, special
 
 from dptorch.accounting.base import Accountant, Run, merge_runs, warn_if_unresolved
+from dptorch.accounting.pld_limits import (
+    MAX_COMPOSED_POINTS,
+    MAX_STEP_POINTS,
+    rdp_delta,
+    rdp_epsilon,
+    step_grid_points,
+    warn_grid_too_large,
+)
 from dptorch.accounting.validation import check_non_negative, check_positive
 
 # The discretisation interval is this fraction of the standard deviation of one step's
@@ -281,6 +289,11 @@ class _RunComposition:
         self.remove = _SelfComposition(single_step._pmf_remove)
         self.add = None if single_step._symmetric else _SelfComposition(single_step._pmf_add)
 
+    def composed_points(self, count: int) -> int:
+        """Grid points of the ``count``-fold composition (the larger direction), before composing."""
+        sizes = [self.remove.bounds(count)] + ([] if self.add is None else [self.add.bounds(count)])
+        return max(upper - lower + 1 for lower, upper in sizes)
+
     def epsilon(self, count: int, delta: float) -> float:
         """The larger epsilon of the two directions. The add direction (usually the smaller) is
         composed only when a Chernoff bound cannot show that its delta at the remove direction's
@@ -420,18 +433,47 @@ class PLDAccountant(Accountant):
             self._runs[key] = _RunComposition(sampled_gaussian_pld(*key))
         return self._runs[key]
 
+    def _oversized(self, runs: Tuple[Run, ...]) -> bool:
+        """Whether the PLD of ``runs`` needs more grid points than allowed (then it warns, and the
+        RDP bound answers): one step's PLD is measured before it is built, the composition from
+        its truncation bounds before it is composed."""
+        interval = self.value_discretization_interval or automatic_discretization_interval(runs)
+        step_points = max(
+            step_grid_points(sigma / math.sqrt(count) if q == 1.0 else sigma, q, interval) for sigma, q, count in runs
+        )
+        if step_points > MAX_STEP_POINTS:
+            warn_grid_too_large(runs, step_points, MAX_STEP_POINTS)
+            return True
+        composed = 0
+        for sigma, q, count in runs:
+            if q == 1.0:
+                composed += int(step_points)
+                continue
+            run = self._run_composition(runs) if len(runs) == 1 else _RunComposition(
+                sampled_gaussian_pld(sigma, q, interval))
+            assert run is not None
+            composed += run.composed_points(count)
+        if composed > MAX_COMPOSED_POINTS:
+            warn_grid_too_large(runs, composed, MAX_COMPOSED_POINTS)
+            return True
+        return False
+
     def _compute_epsilon(self, runs: Tuple[Run, ...], delta: float) -> float:
+        if self._oversized(runs):
+            return rdp_epsilon(runs, delta)
         run = self._run_composition(runs)
         if run is not None:  # one run: a few products per query, the same number per-step or at once
             return warn_if_unresolved(run.epsilon(runs[0][2], delta), delta, self.mechanism)
         return warn_if_unresolved(self._pld_for(runs).get_epsilon_for_delta(delta), delta, self.mechanism)
 
     def get_delta(self, epsilon: float) -> float:
-        """Delta of all recorded steps at the given epsilon."""
+        """Delta of all recorded steps at the given epsilon (the RDP bound where the PLD grid is too large)."""
         epsilon = check_non_negative(epsilon, "epsilon")
         if not self._history:
             return 0.0
         runs = merge_runs(self._history)
+        if self._oversized(runs):
+            return rdp_delta(runs, epsilon)
         run = self._run_composition(runs)
         if run is not None:
             return run.delta(runs[0][2], epsilon)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from numbers import Integral
+from typing import Optional
 
 
 def is_number(value: object) -> bool:
@@ -46,6 +47,35 @@ def check_delta(value: object, name: str = "delta") -> float:
     if not 0 < delta < 1:
         raise ValueError(f"{name} must be in (0, 1), got {value!r}")
     return delta
+
+
+def check_delta_for_units(
+    delta: object, num_units: Optional[int], name: str = "delta", sample_rate: Optional[float] = None
+) -> float:
+    """A delta in (0, 1) and, when the number of privacy units N is known, below 1/N.
+
+    An (epsilon, delta) guarantee with delta >= 1/N says nothing: the mechanism that publishes one
+    unit chosen at random meets it. The engine, the private Trainer and the command line refuse such
+    a delta for calibration and for reporting alike. Without N but with the sample rate q, N is at
+    least 1/q (an expected batch of one unit or more), so a delta >= q is refused the same way.
+    """
+    if not is_number(delta) or not 0 < delta < 1:  # type: ignore[operator]
+        raise ValueError(f"{name} must be a number in (0, 1), got {delta!r}")
+    value = float(delta)  # type: ignore[arg-type]
+    if num_units is not None and num_units > 0 and value >= 1 / num_units:
+        raise ValueError(
+            f"{name}={value:g} is not below 1/N for N={num_units} privacy units: such a delta allows releasing a "
+            f"unit outright, so no epsilon at it means anything. Choose {name} < 1/N = {1 / num_units:.3g}"
+            + (" (1e-5 or smaller is usual)" if num_units <= 10**5 else "")
+        )
+    if num_units is None and sample_rate is not None and value >= sample_rate:
+        raise ValueError(
+            f"{name}={value:g} is not below the sample rate {sample_rate:g}: a data set sampled at that rate with an "
+            f"expected batch of one unit or more holds N >= 1/q = {1 / sample_rate:.3g} units, and a delta >= 1/N "
+            f"allows releasing a unit outright, so no epsilon at it means anything. Choose {name} < 1/N "
+            "(1e-5 or smaller is usual)"
+        )
+    return value
 
 
 def check_epsilon(value: object, name: str = "target_epsilon") -> float:

@@ -1,6 +1,6 @@
 """The ``dptorch`` command line.
 
-    dptorch epsilon --noise-multiplier S --sample-rate Q --steps N --delta D [--accountant pld]
+    dptorch epsilon --noise-multiplier S --sample-rate Q (--epochs E | --steps N) --delta D [--accountant pld]
     dptorch noise --target-epsilon E --delta D --sample-rate Q (--epochs E | --steps N) [--plot FILE.png]
     dptorch --version
     dptorch audit [--canaries M] [--noise-multiplier S] [--steps N] [--delta D] [--plot FILE.png] [--json]
@@ -10,6 +10,8 @@ Adding a subcommand: write ``add_<name>_command(subparsers)`` that creates its p
 handler takes the parsed arguments and returns the exit code. Append the function to
 :data:`COMMANDS`. A ``ValueError`` from a handler is bad input: it is printed as one line
 ``dptorch: error: ...`` and the exit code is 2. :class:`CommandError` is for other failures.
+Bad values are refused by the checks the Python API uses (``dptorch.accounting.validation``),
+called with the option's name, so the messages are the API's.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from dptorch.accounting import (
     steps_for_epochs,
 )
 from dptorch.accounting.validation import (
-    check_delta,
+    check_delta_for_units,
     check_epsilon,
+    check_non_negative,
     check_noise_multiplier,
     check_positive,
     check_sample_rate,
@@ -102,6 +105,47 @@ def _accountant_list(values: Optional[List[str]]) -> List[str]:
     return names
 
 
+def _add_length_options(parser: argparse.ArgumentParser) -> None:
+    """``--epochs`` or ``--steps``, exactly one."""
+    length = parser.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=float, metavar="E", help="epochs (steps = ceil(epochs / q))")
+    length.add_argument("--steps", type=int, metavar="N", help="number of steps")
+
+
+def _add_dataset_size_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dataset-size", type=int, metavar="N",
+        help="privacy units (samples) in the data set: delta must be below 1/N, as make_private requires; "
+        "without it delta must be below the sample rate (N >= 1/q)",
+    )
+
+
+def _steps(args: argparse.Namespace, q: float) -> int:
+    """The steps of ``--steps``, or of ``--epochs`` at rate q (the calibration's rule)."""
+    if args.steps is not None:
+        return check_steps(args.steps, "--steps")
+    return steps_for_epochs(check_positive(args.epochs, "--epochs"), q)
+
+
+def _delta(args: argparse.Namespace, q: float) -> float:
+    """``--delta`` checked as the engine checks it: in (0, 1) and below 1/N (N >= 1/q without ``--dataset-size``)."""
+    size = args.dataset_size
+    if size is not None and size < 1:
+        raise ValueError(f"--dataset-size must be a whole number >= 1, got {size}")
+    return check_delta_for_units(args.delta, size, "--delta", sample_rate=q)
+
+
+def _epsilon(name: str, sigma: float, q: float, steps: int, delta: float) -> float:
+    """Epsilon of ``steps`` steps at (sigma, q): 0 without steps, infinite without noise (as the plan says)."""
+    if steps == 0:
+        return 0.0
+    if sigma == 0:
+        return math.inf
+    accountant = create_accountant(name)
+    accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+    return accountant.get_epsilon(delta)
+
+
 def _emit(payload: Dict[str, Any], lines: Sequence[str], as_json: bool) -> None:
     if as_json:
         print(json.dumps(payload))
@@ -119,10 +163,12 @@ def add_epsilon_command(subparsers: Any) -> None:
         help="epsilon of N steps of DP-SGD",
         description="Epsilon spent by N steps of DP-SGD (Poisson-sampled Gaussian mechanism).",
     )
-    parser.add_argument("--noise-multiplier", type=float, required=True, metavar="S", help="sigma")
+    parser.add_argument("--noise-multiplier", type=float, required=True, metavar="S",
+                        help="sigma (0: no noise, epsilon is infinite)")
     parser.add_argument("--sample-rate", type=float, required=True, metavar="Q", help="Poisson sample rate q")
-    parser.add_argument("--steps", type=int, required=True, metavar="N", help="number of steps")
+    _add_length_options(parser)
     parser.add_argument("--delta", type=float, required=True, metavar="D", help="target delta")
+    _add_dataset_size_option(parser)
     parser.add_argument(
         "--accountant",
         action="append",
@@ -135,19 +181,17 @@ def add_epsilon_command(subparsers: Any) -> None:
 
 
 def run_epsilon(args: argparse.Namespace) -> int:
-    sigma = check_noise_multiplier(args.noise_multiplier, "--noise-multiplier")
+    sigma = check_non_negative(args.noise_multiplier, "--noise-multiplier")
     q = check_sample_rate(args.sample_rate, "--sample-rate")
-    steps = check_steps(args.steps, "--steps")
-    delta = check_delta(args.delta, "--delta")
+    steps = _steps(args, q)
+    delta = _delta(args, q)
     names = _accountant_list(args.accountant)
     if args.plot:
+        if sigma == 0:
+            raise ValueError("--plot has no curve to draw at --noise-multiplier 0: epsilon is infinite after one step")
         _check_plot_target(args.plot)
 
-    epsilons: Dict[str, float] = {}
-    for name in names:
-        accountant = create_accountant(name)
-        accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
-        epsilons[name] = accountant.get_epsilon(delta)
+    epsilons = {name: _epsilon(name, sigma, q, steps, delta) for name in names}
     if args.plot:
         curves = {
             name: epsilon_curve(name, noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta)
@@ -171,6 +215,8 @@ def run_epsilon(args: argparse.Namespace) -> int:
         "noise_multiplier": sigma,
         "sample_rate": q,
     }
+    if args.epochs is not None:
+        payload["epochs"] = args.epochs
     if args.plot:
         payload["plot"] = args.plot
     _emit(payload, lines, args.json)
@@ -188,7 +234,17 @@ def _check_plot_target(path: str) -> None:
         raise CommandError("--plot needs matplotlib: pip install 'dptorch[plot]'") from None
 
 
-def _plot_curves(path: str, curves: Dict[str, Any], *, sigma: float, q: float, delta: float) -> None:
+#: Line of each accountant on ``epsilon --plot``: PLD and PRV nearly coincide, so PLD is a wide
+#: solid line and PRV a thin dashed one with markers on top of it; each stays visible.
+CURVE_STYLES: Dict[str, Dict[str, Any]] = {
+    "pld": dict(linestyle="-", linewidth=3.0, alpha=0.6),
+    "prv": dict(linestyle="--", linewidth=1.4, marker="o", markersize=3.5, markevery=4),
+    "rdp": dict(linestyle="-.", linewidth=1.6),
+    "gdp": dict(linestyle=":", linewidth=2.0),
+}
+
+
+def _new_figure() -> Any:
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -196,13 +252,24 @@ def _plot_curves(path: str, curves: Dict[str, Any], *, sigma: float, q: float, d
         raise CommandError("--plot needs matplotlib: pip install 'dptorch[plot]'") from None
     figure = Figure(figsize=(6.4, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
+    return figure
+
+
+def curves_figure(curves: Dict[str, Any], *, sigma: float, q: float, delta: float) -> Any:
+    """The figure of ``epsilon --plot``: epsilon against steps, one line (style) per accountant."""
+    figure = _new_figure()
     axes = figure.add_subplot()
     for name, (steps, epsilons) in curves.items():
-        axes.plot(steps, epsilons, label=_accountant_label(name), linestyle="--" if name == "gdp" else "-")
+        axes.plot(steps, epsilons, label=_accountant_label(name), **CURVE_STYLES.get(name, {}))
     axes.set_xlabel("steps")
     axes.set_ylabel(f"epsilon (delta = {delta:g})")
     axes.set_title(f"sigma = {sigma:g}, q = {q:g}")
-    _finish_plot(figure, axes, path)
+    _decorate(axes)
+    return figure
+
+
+def _plot_curves(path: str, curves: Dict[str, Any], *, sigma: float, q: float, delta: float) -> None:
+    _save_plot(curves_figure(curves, sigma=sigma, q=q, delta=delta), path)
 
 
 # -- dptorch noise --------------------------------------------------------------------------
@@ -217,11 +284,12 @@ def add_noise_command(subparsers: Any) -> None:
     parser.add_argument("--target-epsilon", type=float, required=True, metavar="E", help="target epsilon")
     parser.add_argument("--delta", type=float, required=True, metavar="D", help="target delta")
     parser.add_argument("--sample-rate", type=float, required=True, metavar="Q", help="Poisson sample rate q")
-    length = parser.add_mutually_exclusive_group(required=True)
-    length.add_argument("--epochs", type=float, metavar="E", help="epochs (steps = ceil(epochs / q))")
-    length.add_argument("--steps", type=int, metavar="N", help="number of steps")
+    _add_length_options(parser)
+    _add_dataset_size_option(parser)
     parser.add_argument(
-        "--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME", help=f"one of {', '.join(ACCOUNTANTS)}"
+        "--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME",
+        help=f"one of {', '.join(name for name in ACCOUNTANTS if name != 'gdp')} (default {DEFAULT_ACCOUNTANT}); "
+        "'gdp' is an approximation and cannot calibrate",
     )
     parser.add_argument(
         "--tolerance", type=float, default=0.01, metavar="T",
@@ -236,14 +304,11 @@ def add_noise_command(subparsers: Any) -> None:
 
 def run_noise(args: argparse.Namespace) -> int:
     target = check_epsilon(args.target_epsilon, "--target-epsilon")
-    delta = check_delta(args.delta, "--delta")
     q = check_sample_rate(args.sample_rate, "--sample-rate")
-    if args.steps is not None:
-        steps = check_steps(args.steps, "--steps")
-    else:
-        steps = steps_for_epochs(check_positive(args.epochs, "--epochs"), q)
+    delta = _delta(args, q)
+    steps = _steps(args, q)
     if steps == 0:
-        raise ValueError("--steps must be >= 1, got 0")
+        raise ValueError("--steps must be >= 1 to calibrate noise, got 0")
     name = check_accountant_name(args.accountant, "--accountant")
     tolerance = check_positive(args.tolerance, "--tolerance")
     if tolerance >= 1:
@@ -260,9 +325,7 @@ def run_noise(args: argparse.Namespace) -> int:
         epsilon_tolerance=tolerance,
     )
     shown = _round_up(sigma)
-    accountant = create_accountant(name)
-    accountant.step(noise_multiplier=shown, sample_rate=q, num_steps=steps)
-    epsilon = accountant.get_epsilon(delta)
+    epsilon = _epsilon(name, shown, q, steps, delta)
     lines = [
         f"noise multiplier = {shown:g} (target epsilon = {target:g}, delta = {delta:g}, "
         f"{_accountant_label(name)}, {steps} steps, q = {q:g}; epsilon = {_number(epsilon)})"
@@ -288,32 +351,36 @@ def run_noise(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plot_noise_curve(path: str, name: str, *, shown: float, epsilon: float, target: float, q: float, steps: int,
-                      delta: float) -> None:
-    """The noise multiplier against the epsilon it gives (sigma from half to four times the answer)."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise CommandError("--plot needs matplotlib: pip install 'dptorch[plot]'") from None
+def noise_figure(name: str, *, shown: float, epsilon: float, target: float, q: float, steps: int,
+                 delta: float) -> Any:
+    """The figure of ``noise --plot``: the noise multiplier against the epsilon it gives (sigma from
+    half to four times the answer), epsilon on a log axis whose tick labels do not collide."""
     sigmas = [shown * 2 ** (k / 4) for k in range(-4, 9)]
-    epsilons = []
-    for sigma in sigmas:
-        accountant = create_accountant(name)
-        accountant.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
-        epsilons.append(accountant.get_epsilon(delta))
-    figure = Figure(figsize=(6.4, 4.2), layout="constrained")
-    FigureCanvasAgg(figure)
+    epsilons = [_epsilon(name, sigma, q, steps, delta) for sigma in sigmas]
+    figure = _new_figure()
+    from matplotlib.ticker import LogLocator, NullFormatter, StrMethodFormatter  # after _new_figure's check
     axes = figure.add_subplot()
     finite = [(e, s) for e, s in zip(epsilons, sigmas) if math.isfinite(e)]
     axes.plot([e for e, _ in finite], [s for _, s in finite], marker=".", label=_accountant_label(name))
     axes.plot([epsilon], [shown], marker="o", color="C3", linestyle="none",
               label=f"target {target:g}: sigma {shown:g} (epsilon {_number(epsilon)})")
     axes.set_xscale("log")
+    # matplotlib labels the minor ticks of a log axis spanning under a decade or two: they collide.
+    # Label 1, 2 and 5 of each decade (only 1 beyond three decades), nothing else.
+    values = [e for e, _ in finite] + [epsilon]
+    decades = math.log10(max(values) / min(values)) if min(values) > 0 else math.inf
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 3 else (1.0,)))
+    axes.xaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    axes.xaxis.set_minor_formatter(NullFormatter())
     axes.set_xlabel(f"epsilon (delta = {delta:g})")
     axes.set_ylabel("noise multiplier sigma")
     axes.set_title(f"{steps} steps, q = {q:g}")
-    _finish_plot(figure, axes, path)
+    _decorate(axes)
+    return figure
+
+
+def _plot_noise_curve(path: str, name: str, **numbers: Any) -> None:
+    _save_plot(noise_figure(name, **numbers), path)
 
 
 # -- dptorch example ------------------------------------------------------------------------
@@ -371,8 +438,10 @@ def add_audit_command(subparsers: Any) -> None:
     parser.add_argument("--delta", type=float, default=1e-5, metavar="D", help="delta (default 1e-5)")
     parser.add_argument("--confidence", type=float, default=0.95, metavar="P", help="confidence (default 0.95)")
     parser.add_argument("--clipping", default="flat", metavar="MODE", help="flat, automatic or adaptive (default flat)")
-    parser.add_argument("--grad-sample-mode", default="hooks", metavar="MODE", help="hooks, bk, ghost, ... (default hooks)")
-    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME", help=f"one of {', '.join(ACCOUNTANTS)}")
+    parser.add_argument("--grad-sample-mode", default="auto", metavar="MODE",
+                        help="auto, hooks, bk, ghost, ... (default auto, as make_private)")
+    parser.add_argument("--accountant", default=DEFAULT_ACCOUNTANT, metavar="NAME",
+                        help=f"one of {', '.join(ACCOUNTANTS)} (default {DEFAULT_ACCOUNTANT})")
     parser.add_argument("--seed", type=int, default=0, metavar="N", help="seed of canaries, sampling and noise (default 0)")
     parser.add_argument("--plot", metavar="FILE.png", help="also draw claimed against audited epsilon to this file")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -388,7 +457,7 @@ def run_audit(args: argparse.Namespace) -> int:
         raise ValueError("--noise-multiplier must be > 0 (a run without noise claims no epsilon to audit)")
     steps = check_steps(args.steps, "--steps")
     q = check_sample_rate(args.sample_rate, "--sample-rate")
-    delta = check_delta(args.delta, "--delta")
+    delta = check_delta_for_units(args.delta, None, "--delta", sample_rate=q)
     check_positive(args.max_grad_norm, "--max-grad-norm")
     if not 0 < args.confidence < 1:
         raise ValueError(f"--confidence must be in (0, 1), got {args.confidence}")
@@ -471,10 +540,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return code
 
 
-def _finish_plot(figure: Any, axes: Any, path: str) -> None:
-    """Grid, legend, and write the figure; an unwritable path is a command error."""
+def _decorate(axes: Any) -> None:
     axes.grid(True, alpha=0.3)
     axes.legend()
+
+
+def _save_plot(figure: Any, path: str) -> None:
+    """Write the figure; an unwritable path is a command error."""
     try:
         figure.savefig(path, dpi=120)
     except (OSError, ValueError) as error:

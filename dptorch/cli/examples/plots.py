@@ -139,18 +139,25 @@ def plot_clipped_fraction(history: RunHistory, path: str) -> None:
     """Share of the samples whose gradient norm exceeded the clipping bound, per step."""
     figure, axes = _figure()
     steps = list(range(1, len(history.clipped_fraction) + 1))
-    axes.plot(steps, history.clipped_fraction, color=PRIVATE_COLOR, alpha=0.3, linewidth=1)
-    axes.plot(steps, moving_average(history.clipped_fraction), color=PRIVATE_COLOR, linewidth=2, label="moving average")
+    window = default_window(len(history.clipped_fraction))
+    axes.plot(steps, history.clipped_fraction, color=PRIVATE_COLOR, alpha=0.3, linewidth=1, label="each step")
+    axes.plot(steps, moving_average(history.clipped_fraction, window), color=PRIVATE_COLOR, linewidth=2,
+              label=f"moving average ({window} steps)")
     axes.set_ylim(-0.02, 1.02)
     axes.yaxis.set_major_formatter(_percent_formatter())
     _finish(axes, title="Samples clipped at each step", ylabel="clipped samples")
     _save(figure, path)
 
 
+def default_window(steps: int) -> int:
+    """The moving average's window: a tenth of the run, at least 1 step."""
+    return max(1, steps // 10)
+
+
 def moving_average(values: Sequence[float], window: Optional[int] = None) -> List[float]:
-    """Trailing mean over ``window`` steps (default: a tenth of the run, at least 1); NaN
-    entries (a step without a loss: an empty Poisson batch) are left out of the means."""
-    window = window or max(1, len(values) // 10)
+    """Trailing mean over ``window`` steps (default: :func:`default_window`); NaN entries (a step
+    without a loss: an empty Poisson batch) are left out of the means."""
+    window = window or default_window(len(values))
     out = []
     for i in range(len(values)):
         recent = [v for v in values[max(0, i + 1 - window):i + 1] if not math.isnan(v)]
