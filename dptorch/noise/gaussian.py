@@ -16,7 +16,7 @@ Secure path (``secure=True`` / ``SecureNoiseGenerator``): bits from ``dptorch.no
 AES-256-CTR keystream under a key from ``os.urandom``, fresh per process and per generator, never
 in a checkpoint), so the stream cannot be replayed or recovered from any saved state, by design.
 Each value is one Box-Muller draw in float64 (radius from a 52-bit uniform strictly inside (0, 1),
-angle from 53 bits), multiplied by ``std`` in float64 and rounded once to float32; the float32
+angle from 52 bits), multiplied by ``std`` in float64 and rounded once to float32; the float32
 noise is then added to the float32 sum of clipped gradients.
 
 Floating-point attacks: Mironov (2012) showed that Laplace noise from a textbook sampler in
@@ -24,7 +24,7 @@ doubles takes only a sparse, irregular set of values, so the set of possible ``x
 on ``x`` and one output can rule a neighbouring dataset out; Jin et al. (2022) found the same for
 the Gaussian samplers of DP libraries (Box-Muller among them). This path defends against that
 support ("hole") attack on float32 noise by resolution: its grid of (radius, angle) inputs is
-about 2^29 times finer than float32's spacing, so a float32 value ``v`` receives the Gaussian mass
+about 2^28 times finer than float32's spacing, so a float32 value ``v`` receives the Gaussian mass
 of its rounding interval up to a relative grid-counting error of order ``2^-29 std/|v|`` (an
 estimate: of order 2^-9 at ``|v| = 2^-20 std``; all but about 1e-6 of the draws lie above that),
 no float32 value within 8.5 std is impossible except within about 2^-70 std of zero, and the

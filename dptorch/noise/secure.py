@@ -13,7 +13,7 @@ From the 64-bit words of the keystream, pure functions make:
 
 - uniforms strictly inside (0, 1): ``(top 52 bits + 1/2) * 2^-52``, exact in float64, never 0
   or 1, so ``log`` is always finite;
-- standard normals by Box-Muller in float64 (radius from such a uniform, angle from 53 bits);
+- standard normals by Box-Muller in float64 (radius from such a uniform, angle from 52 bits);
 - Bernoulli(p) by an exact integer threshold on the whole word: True iff ``word < ceil(p * 2^64)``,
   so P(True) lies in [p, p + 2^-64) with no modulo or rounding bias beyond that.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Optional
 
@@ -37,7 +38,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 _BLOCK = 16  # bytes per AES block (one counter value)
 _COUNTER_MOD = 1 << 128
 CHUNK = 1 << 20  # values per piece of a large draw (even, so every piece but the last holds whole pairs)
-_TWO_PI_STEP = 2.0 * math.pi * 2.0**-53
+_STEP = 1 << 14  # pairs per vectorised step: under torch's grain size, so no op forks threads of its own
 _zeros: Optional[bytes] = None  # the plaintext the keystream is read through, CHUNK words long
 
 
@@ -89,39 +90,47 @@ def keystream_into(key: bytes, counter: int, out: np.ndarray) -> None:
         raise RuntimeError(f"AES-CTR wrote {written} of {nbytes} keystream bytes")
 
 
+def _unit_floats(words: np.ndarray) -> np.ndarray:
+    """``1 + (top 52 bits) * 2^-52`` in [1, 2) for uint64 ``words``, made in place by setting the exponent."""
+    np.right_shift(words, np.uint64(12), out=words)
+    np.bitwise_or(words, np.uint64(0x3FF0000000000000), out=words)
+    return words.view(np.float64)
+
+
 def open_uniforms(words: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Float64 uniforms strictly inside (0, 1) from uint64 ``words`` (shifted in place): ``(w >> 12 + 1/2) 2^-52``."""
-    np.multiply(np.right_shift(words, np.uint64(12), out=words), 2.0**-52, out=out)
-    out += 2.0**-53
-    return out
+    """Float64 uniforms strictly inside (0, 1) from uint64 ``words`` (consumed): ``(w >> 12 + 1/2) 2^-52``.
+
+    ``[1, 2) - (1 - 2^-53)`` is exact (Sterbenz), so the values are the odd multiples of 2^-53.
+    """
+    return np.subtract(_unit_floats(words), 1.0 - 2.0**-53, out=out)
 
 
 def box_muller(radius_words: np.ndarray, angle_words: np.ndarray, scale: float, out: torch.Tensor,
                work: np.ndarray) -> None:
-    """``scale`` times ``2 * len(radius_words)`` standard normals into ``out``: ``r cos(t)``, then ``r sin(t)``.
+    """``scale`` times ``2 * len(radius_words)`` float64 standard normals into ``out``: ``r cos(t)``, then ``r sin(t)``.
 
-    ``r = sqrt(-2 log u)`` with ``u`` from :func:`open_uniforms`; ``t = 2 pi k 2^-53`` for the top 53
-    bits ``k`` of an angle word. All of it is float64; writing into a float32 ``out`` rounds each
-    value once. Both word arrays are consumed (shifted in place); ``work`` is float64 scratch of
-    ``3 * len(radius_words)``. The transcendental functions are torch's (vectorised, on its threads).
+    ``r = sqrt(-2 log u)`` with ``u`` from :func:`open_uniforms`; ``t = 2 pi k 2^-52`` for the top 52
+    bits ``k`` of an angle word. Both word arrays are consumed (shifted in place); ``work`` is float64
+    scratch of ``2 * len(radius_words)``. The transcendental functions are torch's (vectorised).
     """
     pairs = radius_words.size
     radius = torch.from_numpy(open_uniforms(radius_words, work[:pairs]))
     torch.log(radius, out=radius)
-    radius.mul_(-2.0).sqrt_().mul_(scale)
-    angles = np.multiply(np.right_shift(angle_words, np.uint64(11), out=angle_words), _TWO_PI_STEP,
-                         out=work[pairs : 2 * pairs])
-    angles, trig = torch.from_numpy(angles), torch.from_numpy(work[2 * pairs : 3 * pairs])
-    torch.mul(torch.cos(angles, out=trig), radius, out=out[:pairs])
-    torch.mul(torch.sin(angles, out=trig), radius, out=out[pairs : 2 * pairs])
+    radius.mul_(-2.0 * scale * scale).sqrt_()
+    angles = torch.from_numpy(np.subtract(_unit_floats(angle_words), 1.0, out=work[pairs : 2 * pairs]))
+    angles.mul_(2.0 * math.pi)
+    torch.mul(torch.cos(angles, out=out[:pairs]), radius, out=out[:pairs])
+    torch.mul(torch.sin(angles, out=out[pairs : 2 * pairs]), radius, out=out[pairs : 2 * pairs])
 
 
-def fill_normals(stream: KeyStream, out: torch.Tensor, std: float, summands: int = 1) -> None:
+def fill_normals(stream: KeyStream, out: torch.Tensor, std: float, summands: int = 1, workers: int = 0) -> None:
     """Fill the flat float32/float64 CPU tensor ``out`` with N(0, std^2) values from ``stream``.
 
     Each value is ``std / sqrt(summands)`` times a sum of ``summands`` Box-Muller normals, computed in
-    float64 and rounded once into ``out``'s dtype. The draw reserves its whole keystream at once and
-    is made in pieces of ``CHUNK`` values through reused buffers (no model-sized temporaries).
+    float64 and rounded once into ``out``'s dtype. The whole keystream is reserved at once; pieces of
+    ``CHUNK`` values (the radii and angles of a piece are its first and second half of words) are
+    filled by up to ``workers`` threads (0: torch's thread count), each through reused buffers in
+    steps of ``_STEP`` pairs, small enough that torch runs each op on the calling thread.
     """
     count = out.numel()
     if count == 0:
@@ -133,25 +142,42 @@ def fill_normals(stream: KeyStream, out: torch.Tensor, std: float, summands: int
     last = count - (pieces - 1) * CHUNK
     key, first = stream.reserve((pieces - 1) * blocks_per_piece + ((last + 1) // 2) * summands)
     scale = float(std) / math.sqrt(summands)
-    length = min(CHUNK, count + count % 2)
-    words = np.empty(length, dtype=np.uint64)
-    work = np.empty(3 * (length // 2), dtype=np.float64)
-    total = torch.empty(length, dtype=torch.float64)
-    draw = torch.empty(length if summands > 1 else 0, dtype=torch.float64)
-    for piece in range(pieces):
-        start = piece * CHUNK
-        size = min(CHUNK, count - start)
-        pairs = (size + 1) // 2
-        direct = summands == 1 and size % 2 == 0  # the piece's values go straight into out
-        target = out[start : start + size] if direct else total[: 2 * pairs]
-        for summand in range(summands):
-            block = words[: 2 * pairs]
-            keystream_into(key, (first + piece * blocks_per_piece + summand * pairs) % _COUNTER_MOD, block)
-            box_muller(block[:pairs], block[pairs:], scale, target if summand == 0 else draw, work)
-            if summand > 0:
-                target.add_(draw[: 2 * pairs])
-        if not direct:
-            out[start : start + size].copy_(target[:size])
+
+    def fill(piece_range: range) -> None:
+        length = min(CHUNK, count + count % 2)
+        words = np.empty(length, dtype=np.uint64)
+        total = torch.empty(length if summands > 1 else 0, dtype=torch.float64)
+        values = torch.empty(2 * _STEP, dtype=torch.float64)
+        work = np.empty(2 * _STEP, dtype=np.float64)
+        for piece in piece_range:
+            start = piece * CHUNK
+            size = min(CHUNK, count - start)
+            pairs = (size + 1) // 2
+            target = out[start : start + size] if summands == 1 else total
+            for summand in range(summands):
+                block = words[: 2 * pairs]
+                keystream_into(key, (first + piece * blocks_per_piece + summand * pairs) % _COUNTER_MOD, block)
+                for low in range(0, pairs, _STEP):
+                    high = min(low + _STEP, pairs)
+                    step = high - low
+                    box_muller(block[low:high], block[pairs + low : pairs + high], scale, values, work)
+                    sines = min(high, size - pairs) - low  # the last odd value has no sine partner
+                    if summand == 0:
+                        target[low:high].copy_(values[:step])
+                        target[pairs + low : pairs + low + sines].copy_(values[step : step + sines])
+                    else:
+                        target[low:high].add_(values[:step])
+                        target[pairs + low : pairs + low + sines].add_(values[step : step + sines])
+            if summands > 1:
+                out[start : start + size].copy_(total[:size])
+
+    workers = max(1, min(int(workers) or torch.get_num_threads(), pieces))
+    if workers == 1:
+        fill(range(pieces))
+        return
+    bounds = [pieces * worker // workers for worker in range(workers + 1)]
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(fill, [range(bounds[w], bounds[w + 1]) for w in range(workers)]))
 
 
 def bernoulli(stream: KeyStream, count: int, probability: float) -> np.ndarray:

@@ -81,7 +81,7 @@ def test_uniforms_are_strictly_inside_the_unit_interval_and_box_muller_is_the_fo
     out = torch.empty(6, dtype=torch.float64)
     box_muller(radius_words.copy(), angle_words.copy(), 3.0, out, np.empty(9))
     u = np.array([2.0**-53, 1 - 2.0**-53, 0.5 + 2.0**-53])
-    t = 2 * math.pi * (angle_words >> np.uint64(11)).astype(np.float64) * 2.0**-53
+    t = 2 * math.pi * (angle_words >> np.uint64(12)).astype(np.float64) * 2.0**-52
     r = 3.0 * np.sqrt(-2 * np.log(u))
     assert np.allclose(out.numpy(), np.concatenate([r * np.cos(t), r * np.sin(t)]), rtol=1e-14, atol=1e-300)
     assert np.isfinite(out.numpy()).all() and abs(out[0].item()) == pytest.approx(3.0 * math.sqrt(106 * math.log(2)))
