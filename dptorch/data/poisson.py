@@ -11,7 +11,7 @@ each batch it hands to the training loop, so the optimizer can check that one dr
 
 Sampling randomness should stay secret from whoever sees the trained model; seeding it (for
 reproducibility or resumption) is fine as long as the seed is not published. ``secure=True``
-draws the inclusion bits from the OS CSPRNG.
+draws the inclusion bits from the secure stream (AES-256-CTR keyed from the OS CSPRNG).
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ class PoissonBatchSampler:
     ``state_dict()`` continues with exactly the draws the original would have made. ``seed``
     defaults to one taken from ``generator`` if given, else from torch's global RNG (so
     ``torch.manual_seed`` makes runs reproducible). ``secure=True`` takes every inclusion bit from
-    the OS CSPRNG (``dptorch.noise.secure_bernoulli``) instead: nothing can be replayed, not even by
+    the secure stream (``dptorch.noise.secure_bernoulli``: AES-256-CTR under a key from the OS CSPRNG,
+    a word below ``ceil(q 2^64)``) instead: nothing can be replayed, not even by
     whoever knows torch's seed; a resumed secure sampler keeps its position and draws fresh batches.
 
     Epochs: ``epoch`` is ``position // steps``. ``set_epoch(e)`` moves the position forward to the
