@@ -12,6 +12,7 @@ from scipy.optimize import brentq
 from dptorch.accounting.base import DeltaResolutionWarning
 from dptorch.accounting.factory import DEFAULT_ACCOUNTANT, check_accountant_name, create_accountant
 from dptorch.accounting.gdp import clt_mu, gdp_epsilon
+from dptorch.accounting.pld_limits import PLDGridWarning
 from dptorch.accounting.rdp import RDPOrderGridWarning
 from dptorch.accounting.validation import (
     check_delta,
@@ -148,10 +149,11 @@ def _calibrate(
     def epsilon_of(sigma: float) -> float:
         counter.load_state_dict({"mechanism": accountant, "history": [[sigma, sample_rate, steps]]})
         with warnings.catch_warnings():
-            # Far from the answer the best RDP order may sit on the grid's edge: not news. An
-            # unresolvable delta ends in a ValueError that says so.
+            # Far from the answer the best RDP order may sit on the grid's edge, or the PLD grid
+            # grow too large: not news. An unresolvable delta ends in a ValueError that says so.
             warnings.simplefilter("ignore", RDPOrderGridWarning)
             warnings.simplefilter("ignore", DeltaResolutionWarning)
+            warnings.simplefilter("ignore", PLDGridWarning)  # the RDP bound it falls back to is sound
             return counter.get_epsilon(delta)
 
     start = _gdp_seed(target_epsilon, delta, sample_rate, steps)

@@ -91,43 +91,34 @@ def loss_cdf_and_sf(y: np.ndarray, sigma: float, q: float, direction: str) -> Tu
 
 
 def _clipped_loss_mean(sigma: float, q: float, direction: str, lo: float, hi: float) -> Tuple[float, float]:
-    """E[clip(Y, lo, hi)] and an error estimate, integrating over X (where Y is smooth)."""
+    """E[clip(Y, lo, hi)] and an error estimate, integrating over each Gaussian component of X in
+    its own standard units z (X = centre + sigma z), where the integrand is smooth and its mass
+    is not a spike of width sigma (at sigma 1e-5 an integral over X missed most of it)."""
     sign = 1.0 if direction == REMOVE else -1.0
+    components = [(1 - q, 0.0), (q, 1.0)] if direction == REMOVE else [(1.0, 0.0)]
     # In X the clip points are x(lo), x(hi) (swapped for "add", where Y decreases in X).
-    x_ends = sorted(float(v) for v in _x_of_remove_loss(np.array([sign * lo, sign * hi]), sigma, q))
-    if direction == REMOVE:
+    x_ends = [float(v) for v in _x_of_remove_loss(np.array([sign * lo, sign * hi]), sigma, q)]
+    mean, error = 0.0, 0.0
+    for weight, centre in components:
+        if weight == 0:
+            continue
+        kinks = sorted(z for z in ((x - centre) / sigma for x in x_ends) if -40 < z < 40)
 
-        def density(x: float) -> float:
-            return ((1 - q) * math.exp(-0.5 * (x / sigma) ** 2) + q * math.exp(-0.5 * ((x - 1) / sigma) ** 2)) / (
-                sigma * math.sqrt(2 * math.pi)
+        def integrand(z: float, centre: float = centre) -> float:
+            loss = sign * float(_remove_loss_of_x(centre + sigma * z, sigma, q))
+            return min(max(loss, lo), hi) * math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", integrate.IntegrationWarning)
+            value, part_error = integrate.quad(
+                integrand, -40.0, 40.0, points=kinks or None, limit=500, epsabs=1e-14, epsrel=1e-12
             )
-
-    else:
-
-        def density(x: float) -> float:
-            return math.exp(-0.5 * (x / sigma) ** 2) / (sigma * math.sqrt(2 * math.pi))
-
-    x_a = max(x_ends[0], -40 * sigma)
-    x_b = min(x_ends[1], 1 + 40 * sigma)
-    mass_lo, _ = loss_cdf_and_sf(np.array([lo]), sigma, q, direction)
-    _, mass_hi = loss_cdf_and_sf(np.array([hi]), sigma, q, direction)
-    inner_points = [p for p in (0.0, 0.5, 1.0) if x_a < p < x_b]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", integrate.IntegrationWarning)
-        value, error = integrate.quad(
-            lambda x: sign * float(_remove_loss_of_x(x, sigma, q)) * density(x),
-            x_a,
-            x_b,
-            points=inner_points or None,
-            limit=500,
-            epsabs=1e-14,
-            epsrel=1e-12,
-        )
-    if caught:  # roundoff kept quad from its tolerance: take a generous error instead
-        error = max(error, 1e-9 * abs(value) + 1e-13)
-    mean = lo * float(mass_lo[0]) + hi * float(mass_hi[0]) + value
-    # Mass of X beyond +-40 sigma is < 1e-300: nothing to add to the error.
-    return mean, abs(error)
+        if caught:  # roundoff kept quad from its tolerance: take a generous error instead
+            part_error = max(part_error, 1e-9 * abs(value) + 1e-13)
+        mean += weight * value
+        error += weight * abs(part_error)
+    # Mass beyond +-40 standard deviations is < 1e-300: nothing to add to the error.
+    return mean, error
 
 
 @dataclass(frozen=True)
@@ -163,8 +154,15 @@ def discretise_loss(sigma: float, q: float, direction: str, mesh: float, tail_ma
     probs = np.clip(probs, 0.0, None)
     mean, mean_error = _clipped_loss_mean(sigma, q, direction, float(edges[0]), float(edges[-1]))
     grid_mean = float(np.dot(probs, np.arange(first, last + 1) * mesh))
+    shift = mean - grid_mean
+    # every bucket's losses lie within h / 2 of its centre, so must the means: else the integral failed
+    if not abs(shift) <= mesh / 2 * (1 + 1e-9) + mean_error + 1e-12 * abs(mean):
+        raise ValueError(
+            f"the PRV accountant cannot discretise the privacy loss at noise_multiplier={sigma:g}, sample_rate={q:g} "
+            f"(its mean is off the grid by {shift / mesh:.3g} grid steps); use the 'rdp' accountant"
+        )
     probs.setflags(write=False)
-    return DiscreteLoss(first, probs, mean - grid_mean, clipped_mass, mean_error)
+    return DiscreteLoss(first, probs, shift, clipped_mass, mean_error)
 
 
 # -- composition ----------------------------------------------------------------------------
