@@ -2,9 +2,10 @@
 
 ``make_private`` returns ``(module, optimizer, data_loader)`` in every mode, and
 ``(module, optimizer, criterion, data_loader)`` when the caller passes ``criterion=`` (wrapped in
-:class:`~dptorch.grad_sample.dp_loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the module returned is the
-very object passed in and the controller is ``engine.hooks``; ``engine.detach()`` removes it
-without a trace.
+:class:`~dptorch.grad_sample.dp_loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the first item is the
+:class:`~dptorch.grad_sample.GradSampleHooks` controller, as in Opacus 1.6 (also ``engine.hooks``): the model
+stays the very object passed in, in the caller's variable, and ``hooks.cleanup()`` (or
+``engine.detach()``) removes the controller without a trace.
 
 Checkpoints use Opacus' layout (``module_state_dict``, ``privacy_accountant_state_dict``,
 ``optimizer_state_dict``, ... and the caller's entries at the top level) plus a ``"dptorch"`` entry
@@ -14,7 +15,6 @@ also reads checkpoint files written by Opacus 1.6 and by earlier dptorch version
 
 from __future__ import annotations
 
-import dis
 import logging
 import os
 import sys
@@ -119,6 +119,11 @@ class PrivacyEngine:
     ):
         """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
 
+        ``module`` is a :class:`GradSampleModule` holding the model, or with ``wrap_model=False`` the
+        :class:`GradSampleHooks` controller attached to the untouched model (Opacus 1.6's
+        ``hooks, optimizer, data_loader = engine.make_private(..., wrap_model=False)``; train the
+        model itself, ``hooks.cleanup()`` at the end).
+
         ``noise_mechanism="bandmf"`` with ``bands=b`` adds banded matrix-factorisation noise
         (correlated across steps, docs/correlated-noise.md) instead of independent noise: the data
         loader is rebuilt as b-min-separated cyclic Poisson sampling with the same expected batch
@@ -143,8 +148,6 @@ class PrivacyEngine:
         :class:`~dptorch.noise.NoiseGenerator`. ``noise_multiplier=0`` is accepted with a warning:
         clipping only, no privacy, and ``get_epsilon`` returns infinity.
         """
-        if not wrap_model:
-            _warn_if_opacus_hooks_idiom(sys._getframe(1))
         options = clipping_plan_fields(
             clipping, gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound, min_clipbound=min_clipbound,
@@ -184,8 +187,6 @@ class PrivacyEngine:
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")
-        if not kwargs.get("wrap_model", True):
-            _warn_if_opacus_hooks_idiom(sys._getframe(1))
         clipping = kwargs.pop("clipping", "flat")
         poisson_sampling = kwargs.pop("poisson_sampling", True)
         option_names = ("gamma", "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
@@ -327,7 +328,7 @@ class PrivacyEngine:
             hooks = returned.hooks
         else:
             hooks = GradSampleHooks(module, **hooks_kwargs)
-            returned = module
+            returned = hooks  # Opacus 1.6: the controller; the model stays in the caller's variable
         try:
             dp_optimizer = DPOptimizer(
                 optimizer,
@@ -609,39 +610,6 @@ def _matching_keys(saved: Dict[str, Any], module: nn.Module) -> Dict[str, Any]:
     return saved
 
 
-#: Names Opacus code gives the first item ``make_private(wrap_model=False)`` returns there (its controller).
-_CONTROLLER_NAMES = ("hook", "gsm", "controller", "grad_sample")
-
-
-def _warn_if_opacus_hooks_idiom(frame: Any) -> None:
-    """Warn when the caller unpacks ``make_private(wrap_model=False)`` as Opacus 1.6 code does.
-
-    Opacus returns its ``GradSampleHooks`` controller as the first item; dptorch returns the model
-    itself. Code such as ``hooks, optimizer, loader = engine.make_private(..., wrap_model=False)``
-    would later fail on ``hooks.cleanup()`` with a bare ``AttributeError`` about the user's model.
-    The first assignment target is read from the caller's bytecode (the instructions right after
-    the call), so the warning fires only for such names; anything unexpected just skips it.
-    """
-    try:
-        code, offset = frame.f_code, frame.f_lasti
-        following = [i for i in dis.get_instructions(code) if i.offset > offset][:4]
-        if not following or following[0].opname != "UNPACK_SEQUENCE":
-            return
-        target = next((i.argval for i in following[1:] if i.opname.startswith("STORE_")), None)
-    except Exception:  # never let a heuristic break make_private
-        return
-    if not isinstance(target, str) or not any(name in target.lower() for name in _CONTROLLER_NAMES):
-        return
-    warnings.warn(
-        f"make_private(wrap_model=False) returns your model itself as its first item, not a GradSampleHooks "
-        f"controller as Opacus 1.6 does: {target!r} is your model, and {target}.cleanup() would raise "
-        f"AttributeError. Write `model, optimizer, data_loader = engine.make_private(..., wrap_model=False)`; the "
-        "controller is engine.hooks, and engine.detach() removes it (see docs/migrating-from-opacus.md)",
-        UserWarning,
-        stacklevel=3,
-    )
-
-
 def _default_noise_generator(secure_mode: bool, device: Any = "cpu") -> Optional[NoiseGenerator]:
     """Seeded from torch's global RNG, so ``torch.manual_seed`` makes a run reproducible; on the
     parameters' device, so the noise is drawn where it is added."""
@@ -660,6 +628,9 @@ def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
+    """The user's model behind a GradSampleModule or a controller (what make_private returned)."""
+    if isinstance(module, GradSampleHooks):
+        return module.module
     return module._module if isinstance(module, GradSampleModule) else module
 
 

@@ -93,18 +93,20 @@ class Accountant(ABC):
     def get_optimizer_hook_fn(self, sample_rate: float) -> Callable[[Any], None]:
         """Opacus' hook: ``optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(q))``.
 
-        The hook records one step at the optimizer's current ``noise_multiplier`` and rate
-        ``sample_rate`` (times the optimizer's ``accumulated_iterations`` where it has one, as in
-        Opacus) each time the optimizer takes a step. ``PrivacyEngine`` needs no such hook: its
+        Each time the optimizer takes a (real) step the hook records it at the optimizer's current
+        ``noise_multiplier``: as many steps of rate ``sample_rate`` as the DPOptimizer says it
+        accounts (``steps_to_account()``: one per Poisson draw), or else one step at ``sample_rate``
+        times ``accumulated_iterations``, as in Opacus. ``PrivacyEngine`` needs no such hook: its
         optimizer reports every step to the engine's accountant.
         """
         rate = check_sample_rate(sample_rate)
 
         def hook_fn(optimizer: Any) -> None:
-            self.step(
-                noise_multiplier=optimizer.noise_multiplier,
-                sample_rate=rate * getattr(optimizer, "accumulated_iterations", 1),
-            )
+            if hasattr(optimizer, "steps_to_account"):
+                steps, factor = optimizer.steps_to_account()
+            else:
+                steps, factor = 1, getattr(optimizer, "accumulated_iterations", 1)
+            self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=rate * factor, num_steps=steps)
 
         return hook_fn
 

@@ -45,6 +45,7 @@ from dptorch.grad_sample.tracking import (
     packed,
     rows_to_dense,
 )
+from dptorch.grad_sample import claims
 from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
@@ -222,6 +223,7 @@ class GradSampleHooks:
         if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
             self._handles.append(keep_out_of_gradient_sync(self.module, when=lambda: self._suppressing))
         _ATTACHED[self.module] = self
+        claims.claim(self, list(self._param_names))  # a DPOptimizer built without hooks= finds us by parameter
         self._attached = True
 
     def cleanup(self) -> None:
@@ -240,6 +242,7 @@ class GradSampleHooks:
         self._layers.clear()
         self._listeners.clear()
         self._canonical.clear()
+        claims.release(self, list(self._param_names))
         _ATTACHED.pop(self.module, None)
         self._attached = False
 
@@ -257,6 +260,20 @@ class GradSampleHooks:
     @property
     def attached(self) -> bool:
         return self._attached
+
+    # ------------------------------------------------------------------ not the model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(_NOT_THE_MODEL.format(what="called like a model", model=type(self.__dict__.get("module")).__name__))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names the controller lacks: model attributes used on it (the old dptorch idiom
+        # `model, optimizer, loader = make_private(..., wrap_model=False)`) get the fix in the message.
+        module = self.__dict__.get("module")
+        if name.startswith("__") or module is None or not (hasattr(nn.Module, name) or hasattr(module, name)):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise AttributeError(_NOT_THE_MODEL.format(what=f"asked for the model attribute {name!r}",
+                                                   model=type(module).__name__))
 
     # ------------------------------------------------------------------ public results
 
@@ -969,6 +986,14 @@ def _primary_input(args: tuple, kwargs: dict, batch_dim: int) -> Any:
         if isinstance(value, PackedSequence) or (isinstance(value, torch.Tensor) and value.dim() > batch_dim):
             return value
     return None
+
+
+_NOT_THE_MODEL = (
+    "the GradSampleHooks controller was {what}, but it is not the model: make_private(..., wrap_model=False) "
+    "returns the controller as its first item, as Opacus 1.6 does, and your {model} stays in your own variable, "
+    "untouched. Write `hooks, optimizer, data_loader = engine.make_private(module=model, ..., wrap_model=False)`, "
+    "train `model` itself, and call `hooks.cleanup()` at the end (the model is also `hooks.module`)"
+)
 
 
 def is_attached(module: nn.Module) -> bool:

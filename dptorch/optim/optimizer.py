@@ -43,6 +43,7 @@ from dptorch.clipping.factors import (
 )
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
 from dptorch.distributed.noise import ShardedNoise
+from dptorch.grad_sample.claims import controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
@@ -58,13 +59,18 @@ class DPOptimizer(torch.optim.Optimizer):
     ``state``, ``param_groups``, ``defaults``, ``state_dict`` and ``load_state_dict`` are the
     inner optimizer's (the state dict also carries the accumulator and noise RNG), so LR
     schedulers, Accelerate and the HF Trainer work unchanged.
+
+    ``hooks`` is the per-sample gradient controller; without it (Opacus' keywords only) the
+    optimizer takes the one controller attached to its parameters (``GradSampleHooks``,
+    ``GradSampleModule``, ``wrap_model(..., wrap_model=False)``) and is refused when there is none,
+    or more than one.
     """
 
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
         *,
-        hooks: GradSampleHooks,
+        hooks: Optional[GradSampleHooks] = None,
         noise_multiplier: Optional[float] = None,
         max_grad_norm: Optional[Union[float, Sequence[float]]] = None,
         expected_batch_size: Optional[float] = None,
@@ -101,6 +107,8 @@ class DPOptimizer(torch.optim.Optimizer):
             if plan.max_grad_norm is None:
                 raise ValueError("the plan has no max_grad_norm: the optimizer needs the clipping bound")
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if hooks is None:
+            hooks = controller_of(params)
         check_clipping(plan.clipping, plan.max_grad_norm, params, [hooks.parameter_name(p) for p in params])
         if loss_reduction == "mean" and not plan.expected_batch_size:
             raise ValueError("loss_reduction='mean' needs the expected logical batch size (expected_batch_size > 0)")
@@ -115,8 +123,11 @@ class DPOptimizer(torch.optim.Optimizer):
         noise_generator = as_noise_generator(noise_generator)
         self.noise_generator = noise_generator or (SecureNoiseGenerator() if self.secure_mode else NoiseGenerator())
         self._summed: Dict[nn.Parameter, torch.Tensor] = {}
-        self._skip_next = False
+        #: Opacus' queue of virtual-step signals: ``step()`` takes the first (skip when True; a real step when empty).
+        self._step_skip_queue: List[bool] = []
         self._last_step_skipped = False
+        self._rounds_since_call = 0  # backward rounds since the last step() call, real or skipped (Opacus' count)
+        self._accounted_draws: Optional[int] = None  # draws the step being taken accounts (with a draw ledger)
         self._step_hooks: List[StepHook] = []
         self.last_clipped_fraction: Optional[float] = None
         #: Clipping statistics of the last logical step (``clipping_stats`` "raw" or "private"), else None.
@@ -274,6 +285,7 @@ class DPOptimizer(torch.optim.Optimizer):
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
         self._accumulated += 1
+        self._rounds_since_call += 1
 
     def _nonfinite(self, total: torch.Tensor) -> Optional[torch.Tensor]:
         """The mask of units whose norm is inf or NaN, or None when there are none (one host sync).
@@ -382,8 +394,21 @@ class DPOptimizer(torch.optim.Optimizer):
         return logs
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
-        """Make the next ``step()`` only accumulate (a virtual step), as in Opacus."""
-        self._skip_next = do_skip
+        """Queue whether the next ``step()`` only accumulates (a virtual step), as in Opacus: every
+        ``step()`` takes the oldest signal, and is a real step when none is queued."""
+        self._step_skip_queue.append(bool(do_skip))
+
+    def steps_to_account(self) -> Tuple[int, int]:
+        """``(steps, rate factor)`` of the step being taken, for an accountant hook (Opacus' flow).
+
+        With a draw ledger (the data loader tells the optimizer's plan of its draws: ``make_private``,
+        ``wrap_data_loader``): one step at the sample rate per Poisson draw handed out since the last
+        step (a step fed by several draws was refused before). Without one: one step at
+        ``accumulated`` times the rate, ``accumulated`` the backward rounds since the last ``step()``
+        call, as Opacus counts its ``p.grad_sample`` entries (1 with virtual steps)."""
+        if self._accounted_draws is not None:
+            return self._accounted_draws, 1
+        return 1, max(1, self._rounds_since_call)
 
     @contextlib.contextmanager
     def phantom(self):
@@ -451,9 +476,9 @@ class DPOptimizer(torch.optim.Optimizer):
         otherwise); then the noise is added and the plan accounts the step (one per draw handed out
         since the last step, at least one).
         """
-        if self._skip_next:
-            self._skip_next = False
+        if self._step_skip_queue and self._step_skip_queue.pop(0):
             self._last_step_skipped = True
+            self._rounds_since_call = 0
             self.hooks.clear()
             return False
         try:
@@ -465,10 +490,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.add_noise()
         self._release_clipping_step()
         self.plan.record_steps(count)
-        for hook in self._step_hooks:
-            hook(self)
+        self._accounted_draws = count if self.plan.draws is not None else None
+        try:
+            for hook in self._step_hooks:
+                hook(self)
+        finally:
+            self._accounted_draws = None
         self._summed = {}
         self._accumulated = 0
+        self._rounds_since_call = 0
         self._last_step_skipped = False
         return True
 
@@ -489,6 +519,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not self._last_step_skipped:
             self._summed = {}
             self._accumulated = 0
+            self._rounds_since_call = 0
             self._reset_clipping_step()
             self.plan.on_discard()
 
@@ -504,7 +535,7 @@ class DPOptimizer(torch.optim.Optimizer):
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state["dp"] = {
             "summed": {index[id(p)]: t for p, t in self._summed.items() if id(p) in index},
-            "skip_next": self._skip_next,
+            "skip_queue": list(self._step_skip_queue),
             "last_step_skipped": self._last_step_skipped,
             "accumulated_iterations": self._accumulated,
             "noise_generator": self.noise_generator.state_dict(),
@@ -523,7 +554,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         params = [p for g in self.param_groups for p in g["params"]]
         self._summed = {params[int(i)]: t.to(params[int(i)].device) for i, t in dp["summed"].items()}
-        self._skip_next = bool(dp["skip_next"])
+        queue = dp.get("skip_queue")  # earlier checkpoints: one flag, "skip_next"
+        self._step_skip_queue = [bool(f) for f in queue] if queue is not None else ([True] if dp.get("skip_next") else [])
         self._last_step_skipped = bool(dp["last_step_skipped"])
         self._accumulated = int(dp.get("accumulated_iterations", 1 if self._summed else 0))
         self.noise_generator.load_state_dict(dp["noise_generator"])

@@ -53,8 +53,8 @@ def test_engine_with_gdp_refuses_make_private_with_epsilon_before_attaching_but_
                                          data_loader=loader, target_epsilon=2.0, target_delta=1e-5, epochs=1,
                                          max_grad_norm=1.0, wrap_model=False)
     assert snapshot(model) == before and engine.hooks is None
-    model, opt, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    _hooks, opt, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
     x, y = next(iter(dl))
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()

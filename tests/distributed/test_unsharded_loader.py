@@ -40,9 +40,10 @@ def make_private(loader, **options):
     torch.manual_seed(0)
     model = nn.Linear(3, 1)
     engine = PrivacyEngine()
-    return engine, engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                       data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                       wrap_model=False, **options)
+    _hooks, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                    data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                                    wrap_model=False, **options)
+    return engine, (model, optimizer, loader)
 
 
 def refusal(build) -> str:

@@ -115,7 +115,7 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     loader = DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED, distributed=distributed)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private(
+    _hooks, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=CLIP,
         loss_reduction="sum", grad_sample_mode=mode, wrap_model=False, noise_generator=ShardedNoise(seed=NOISE_SEED),
     )

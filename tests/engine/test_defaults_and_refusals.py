@@ -32,9 +32,9 @@ def private(model, loader=None, engine=None, **options):
     engine = engine or PrivacyEngine()
     loader = DataLoader(data(), batch_size=16) if loader is None else loader
     options = {"noise_multiplier": 1.0, **options}
-    result = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                 data_loader=loader, max_grad_norm=1.0, wrap_model=False, **options)
-    return engine, result
+    _hooks, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                    data_loader=loader, max_grad_norm=1.0, wrap_model=False, **options)
+    return engine, (model, optimizer, loader)
 
 
 # -- grad_sample_mode="auto" ---------------------------------------------------------------------

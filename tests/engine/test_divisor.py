@@ -44,7 +44,7 @@ def one_step_gradient(seed, mode="hooks"):
     net = model()
     engine = PrivacyEngine()
     loader = DPDataLoader(dataset(), sample_rate=Q, seed=seed)
-    net, optimizer, loader = engine.make_private(
+    _hooks, optimizer, loader = engine.make_private(
         module=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0), data_loader=loader, noise_multiplier=SIGMA,
         max_grad_norm=CLIP, loss_reduction="mean", grad_sample_mode=mode, wrap_model=False,
         noise_generator=NoiseGenerator(seed=5))

@@ -36,15 +36,15 @@ def test_non_wrapping_returns_the_same_model_and_detaches_without_trace(mode):
     model, opt, dl = setup()
     before = snapshot(model)
     engine = PrivacyEngine()
-    returned, dp_opt, dp_dl = engine.make_private(
+    hooks, dp_opt, dp_dl = engine.make_private(
         module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0,
         wrap_model=False, grad_sample_mode=mode,
     )
-    assert returned is model and isinstance(returned, nn.Sequential)
+    assert hooks is engine.hooks and hooks.module is model and type(model) is nn.Sequential
     assert isinstance(dp_dl, DPDataLoader) and dp_dl.sample_rate == pytest.approx(1 / 5)
-    assert engine.hooks.attached
-    train(returned, dp_opt, dp_dl, steps=2)
-    engine.detach()
+    assert hooks.attached
+    train(model, dp_opt, dp_dl, steps=2)
+    hooks.cleanup()
     assert snapshot(model) == before
 
 
@@ -79,7 +79,7 @@ def test_checks_before_training():
 def test_accountant_counts_every_logical_step_including_empty_batches():
     model, opt, dl = setup(n=40, batch=2)  # q = 1/20: empty batches are common
     engine = PrivacyEngine()
-    model, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    hooks, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
     sizes = []
     for x, y in dp_dl:
         sizes.append(len(y))
@@ -96,7 +96,7 @@ def test_accountant_counts_every_logical_step_including_empty_batches():
 def test_virtual_steps_with_batch_memory_manager_count_logical_steps():
     model, opt, dl = setup(n=64, batch=16)
     engine = PrivacyEngine()
-    model, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    hooks, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
     with BatchMemoryManager(data_loader=dp_dl, max_physical_batch_size=4, optimizer=dp_opt) as physical:
         physical_steps = train(model, dp_opt, physical)
     assert len(engine.accountant) == len(dp_dl) == 4
@@ -106,7 +106,7 @@ def test_virtual_steps_with_batch_memory_manager_count_logical_steps():
 def test_make_private_with_epsilon_meets_the_target():
     model, opt, dl = setup()
     engine = PrivacyEngine()
-    model, dp_opt, dp_dl = engine.make_private_with_epsilon(
+    hooks, dp_opt, dp_dl = engine.make_private_with_epsilon(
         module=model, optimizer=opt, data_loader=dl, target_epsilon=2.0, target_delta=1e-5, epochs=3,
         max_grad_norm=1.0, wrap_model=False,
     )
@@ -120,7 +120,7 @@ def test_make_private_with_epsilon_meets_the_target():
 def test_privacy_report_for_a_model_card():
     model, opt, dl = setup()
     engine = PrivacyEngine(accountant="rdp")
-    model, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.1, max_grad_norm=0.5, wrap_model=False)
+    hooks, dp_opt, dp_dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.1, max_grad_norm=0.5, wrap_model=False)
     train(model, dp_opt, dp_dl, steps=2)
     report = engine.privacy_report(1e-5)
     assert report["steps"] == 2 and report["accountant"] == "rdp" and report["noise_multiplier"] == 1.1
@@ -134,7 +134,7 @@ def one_private_step(mode):
 
     model, opt, dl = setup()
     engine = PrivacyEngine()
-    model, dp_opt, dp_dl = engine.make_private(
+    hooks, dp_opt, dp_dl = engine.make_private(
         module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=0.5,
         wrap_model=False, grad_sample_mode=mode, noise_generator=NoiseGenerator(seed=5),
     )

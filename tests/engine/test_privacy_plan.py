@@ -19,7 +19,7 @@ def make(n=60, batch=12, seed=0, loader=None):
     model = nn.Sequential(nn.Linear(4, 3))
     data = TensorDataset(torch.randn(n, 4), torch.randint(0, 3, (n,)))
     engine = PrivacyEngine()
-    model, opt, dl = engine.make_private(
+    _hooks, opt, dl = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=loader(data) if loader else DataLoader(data, batch_size=batch),
         noise_multiplier=1.2, max_grad_norm=0.7, wrap_model=False,

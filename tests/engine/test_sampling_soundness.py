@@ -28,7 +28,7 @@ def private(engine=None, **options):
     engine = engine or PrivacyEngine()
     settings = dict(noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
     settings.update(options)
-    model, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, **settings)
+    _hooks, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, **settings)
     return engine, model, opt, dl
 
 
@@ -159,7 +159,7 @@ def sequence_run(batch_first, transpose=False, units=False):
     model = Sequence()
     data = TensorDataset(torch.randn(60, 3, 4))  # batch-first: (N, T=3, features)
     engine = PrivacyEngine()
-    model, opt, dl = engine.make_private(
+    _hooks, opt, dl = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=12),
         noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=batch_first,
     )
@@ -206,7 +206,7 @@ def test_make_private_with_epsilon_calibrates_at_the_samplers_rate_and_steps():
     model, opt, dl = setup(n=100)
     loader = DPDataLoader(dl.dataset, sample_rate=0.2, steps=10, seed=1)  # 10 draws of q=0.2 per pass
     engine = PrivacyEngine()
-    model, opt, loader = engine.make_private_with_epsilon(
+    _hooks, opt, loader = engine.make_private_with_epsilon(
         module=model, optimizer=opt, data_loader=loader, target_epsilon=2.0, target_delta=1e-5, epochs=2,
         max_grad_norm=1.0, wrap_model=False,
     )

@@ -33,10 +33,11 @@ class TiedHead(nn.Module):
 def private(model, mode, data=None):
     data = data or DataLoader(TensorDataset(torch.randint(0, 11, (32, 5))), batch_size=8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    return PrivacyEngine().make_private(
+    _hooks, optimizer, loader = PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0,
         grad_sample_mode=mode, wrap_model=False,
     )
+    return model, optimizer, loader  # the model trains itself; the controller is also engine.hooks
 
 
 def snapshot(model):
@@ -181,9 +182,10 @@ def test_make_private_twice_on_the_same_model_is_refused(wrap_model):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
         noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=wrap_model,
     )
+    target = private_model if wrap_model else model  # wrap_model=False returned the controller; the model is `model`
     with pytest.raises(RuntimeError, match="already private"):
         PrivacyEngine().make_private(
-            module=private_model, optimizer=torch.optim.SGD(private_model.parameters(), lr=0.1), data_loader=data,
+            module=target, optimizer=torch.optim.SGD(target.parameters(), lr=0.1), data_loader=data,
             noise_multiplier=1.0, max_grad_norm=1.0,
         )
     first.detach()

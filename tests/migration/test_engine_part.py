@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dptorch import PrivacyEngine
+from dptorch import GradSampleHooks, PrivacyEngine
 from dptorch.accountants import RDPAccountant
 
 
@@ -449,21 +449,26 @@ def test_loaders_whose_batches_no_sample_rate_describes_are_refused():
 # ------------------------------------------------------------------ wrap_model=False
 
 
-def test_the_opacus_controller_idiom_with_wrap_model_false_is_warned_about():
+def test_wrap_model_false_returns_the_controller_as_opacus_does_without_a_warning(recwarn):
     engine, model, optimizer, loader = _setup()
-    with pytest.warns(UserWarning, match="returns your model itself"):
-        hooks, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                       noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
-    assert hooks is model
-    with pytest.raises(AttributeError, match="cleanup"):
-        hooks.cleanup()
-    engine.detach()
+    hooks, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                   noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    assert isinstance(hooks, GradSampleHooks) and hooks is engine.hooks and hooks.module is model
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning) and "wrap_model" in str(w.message)]
+    hooks.cleanup()
+    assert not engine.hooks.attached
 
 
-def test_the_dptorch_idiom_with_wrap_model_false_is_not_warned_about(recwarn):
+def test_the_old_dptorch_idiom_fails_with_the_fix_in_the_message():
     engine, model, optimizer, loader = _setup()
-    returned, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
-                                                      noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
-    assert returned is model
-    assert not [w for w in recwarn if "returns your model itself" in str(w.message)]
-    engine.detach()
+    old_name_for_hooks, optimizer, loader = engine.make_private(module=model, optimizer=optimizer, data_loader=loader,
+                                                                noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    x, _ = next(iter(loader))
+    with pytest.raises(TypeError, match=r"not the model.*hooks, optimizer, data_loader = engine.make_private"):
+        old_name_for_hooks(x)
+    for name in ("parameters", "train", "state_dict", "to"):
+        with pytest.raises(AttributeError, match=rf"model attribute '{name}'.*hooks.cleanup\(\)"):
+            getattr(old_name_for_hooks, name)
+    with pytest.raises(AttributeError, match="no attribute 'no_such_thing'$"):
+        old_name_for_hooks.no_such_thing  # not a model attribute either: the plain error
+    old_name_for_hooks.cleanup()

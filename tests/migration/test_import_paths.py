@@ -284,19 +284,20 @@ def _ghost_setup(wrap_model):
     model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = PrivacyEngine(accountant="rdp")
-    model, optimizer, loader = engine.make_private(
+    private, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=torch.utils.data.DataLoader(dataset, batch_size=16),
         noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode="ghost", wrap_model=wrap_model,
     )
-    return engine, model, optimizer, loader
+    # wrap_model=True: the GradSampleModule, called in place of the model; False: the controller, the model untouched
+    return engine, (private if wrap_model else model), private, optimizer, loader
 
 
 @pytest.mark.parametrize("wrap_model", [True, False])
 def test_dp_loss_fast_gradient_clipping_takes_opacus_arguments(wrap_model):
     from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
-    engine, model, optimizer, loader = _ghost_setup(wrap_model)
-    criterion = DPLossFastGradientClipping(model, optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+    engine, model, private, optimizer, loader = _ghost_setup(wrap_model)
+    criterion = DPLossFastGradientClipping(private, optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
     assert criterion.hooks is engine.hooks
     before = [p.detach().clone() for p in optimizer.params]
     for x, y in loader:

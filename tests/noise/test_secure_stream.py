@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dptorch.noise import SecureNoiseGenerator, gaussian, secure_bernoulli, secure_uniforms
-from dptorch.noise.secure import KeyStream, bernoulli, box_muller, fill_normals, keystream_into, open_uniforms
+from dptorch.noise.secure import CHUNK, KeyStream, bernoulli, box_muller, fill_normals, keystream_into, open_uniforms
 
 WORDS = 100_000
 
@@ -46,6 +46,12 @@ def test_keystream_offsets_agree_with_one_long_stream_across_the_counter_wrap():
     keystream_into(key, (start + 10) % (1 << 128), tail)  # 10 blocks = 20 words further on
     assert np.array_equal(whole[20:], tail)
     assert len(set(whole.tolist())) == 40
+    # a draw longer than the zero plaintext is read through it in turns, continuing the counter
+    long = np.empty(2 * CHUNK + 4, dtype=np.uint64)
+    keystream_into(key, start, long)
+    later = np.empty(4, dtype=np.uint64)
+    keystream_into(key, (start + CHUNK) % (1 << 128), later)
+    assert np.array_equal(long[:40], whole) and np.array_equal(long[2 * CHUNK :], later)
 
 
 def test_reserved_ranges_never_overlap_and_a_large_draw_matches_its_pieces():
@@ -78,13 +84,13 @@ def test_uniforms_are_strictly_inside_the_unit_interval_and_box_muller_is_the_fo
     assert open_uniforms(edge.copy(), np.empty(3)).tolist() == [2.0**-53, 1 - 2.0**-53, 0.5 + 2.0**-53]
     radius_words = np.array([0, 2**64 - 1, 2**63], dtype=np.uint64)
     angle_words = np.array([2**63, 2**62, 0], dtype=np.uint64)
-    out = torch.empty(6, dtype=torch.float64)
-    box_muller(radius_words.copy(), angle_words.copy(), 3.0, out, np.empty(9))
     u = np.array([2.0**-53, 1 - 2.0**-53, 0.5 + 2.0**-53])
     t = 2 * math.pi * (angle_words >> np.uint64(12)).astype(np.float64) * 2.0**-52
     r = 3.0 * np.sqrt(-2 * np.log(u))
-    assert np.allclose(out.numpy(), np.concatenate([r * np.cos(t), r * np.sin(t)]), rtol=1e-14, atol=1e-300)
-    assert np.isfinite(out.numpy()).all() and abs(out[0].item()) == pytest.approx(3.0 * math.sqrt(106 * math.log(2)))
+    out = np.empty(6)
+    box_muller(radius_words.copy(), angle_words.copy(), 3.0, out, np.empty(6))
+    assert np.allclose(out, np.concatenate([r * np.cos(t), r * np.sin(t)]), rtol=1e-14, atol=1e-300)
+    assert np.isfinite(out).all() and abs(out[0]) == pytest.approx(3.0 * math.sqrt(106 * math.log(2)))
     uniforms = secure_uniforms(WORDS)
     assert 0 < uniforms.min() and uniforms.max() < 1
     assert abs(uniforms.mean() - 0.5) < 6 * math.sqrt(1 / 12 / WORDS)

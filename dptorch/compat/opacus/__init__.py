@@ -47,6 +47,7 @@ from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
 from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
+from dptorch.plan import DrawLedger
 from dptorch.validate import ModuleValidator, register_module_fixer
 
 
@@ -128,7 +129,17 @@ class DistributedUniformWithReplacementSampler(PoissonBatchSampler):
 
 
 def wrap_data_loader(*, data_loader: Any, max_batch_size: int, optimizer: Any) -> PhysicalBatchLoader:
-    """``opacus.utils.batch_memory_manager.wrap_data_loader``: physical batches of at most ``max_batch_size``."""
+    """``opacus.utils.batch_memory_manager.wrap_data_loader``: physical batches of at most ``max_batch_size``.
+
+    A ``DPDataLoader`` that no plan listens to yet is bound to the DPOptimizer's plan, with a draw
+    ledger: each step is then checked to be fed by exactly one Poisson draw, whatever order the
+    skip signals are consumed in, and an accountant hook records one step per draw.
+    """
+    plan = getattr(optimizer, "plan", None)
+    if isinstance(data_loader, DPDataLoader) and data_loader.privacy_plan is None and plan is not None:
+        if plan.draws is None:
+            plan.draws = DrawLedger()
+        data_loader.privacy_plan = plan
     return BatchMemoryManager(
         data_loader=data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer
     ).__enter__()
@@ -282,17 +293,31 @@ class DPLossFastGradientClipping(DPLoss):
     ``loss.backward()`` is then the usual single backward pass.
     """
 
-    def __init__(self, module: nn.Module, optimizer: Any, criterion: Callable[..., torch.Tensor],
+    def __init__(self, module: Any, optimizer: Any, criterion: Callable[..., torch.Tensor],
                  loss_reduction: str = "mean") -> None:
         hooks = getattr(optimizer, "hooks", None)
         if isinstance(module, GradSampleModule):
             hooks = module.hooks
+        elif isinstance(module, GradSampleHooks):
+            hooks = module
         if not isinstance(hooks, GradSampleHooks):
             raise TypeError(
-                "DPLossFastGradientClipping needs the per-sample gradient controller: pass the module returned by "
-                "make_private (a GradSampleModule) or the DPOptimizer it returned"
+                "DPLossFastGradientClipping needs the per-sample gradient controller: pass the controller (what "
+                "make_private(..., wrap_model=False) or wrap_model(..., wrap_model=False) returns), the "
+                "GradSampleModule make_private returned, or the DPOptimizer"
             )
         super().__init__(criterion, hooks, loss_reduction=loss_reduction)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if hasattr(self.criterion, "reduction"):
+            return super().__call__(*args, **kwargs)
+        # A transformers loss (no `reduction`): it returns the batch's reduced loss, not one per sample.
+        # That loss is used as it is: the controller's batch tracker follows it and refuses it unless
+        # the samples meet only in its final sum or mean (tokens counted as divisor included).
+        loss = self.criterion(*args, **kwargs)
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return loss
+        return DPLoss(lambda: loss, self.hooks)()  # one loss per sample: checked and reduced as DPLoss does
 
 
 __all__ = [
