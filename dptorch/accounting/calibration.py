@@ -60,6 +60,14 @@ def _gdp_seed(target_epsilon: float, delta: float, sample_rate: float, steps: in
     return math.exp(brentq(gap, lo, hi, xtol=1e-3))
 
 
+class _Unreachable(Exception):
+    """Even the largest noise multiplier searched exceeds the target; ``epsilon`` is what it gives."""
+
+    def __init__(self, epsilon: float) -> None:
+        super().__init__(epsilon)
+        self.epsilon = epsilon
+
+
 def _smallest_sigma(
     epsilon_of: Callable[[float], float], target: float, tolerance: float, start: float
 ) -> float:
@@ -90,11 +98,7 @@ def _smallest_sigma(
         lo, eps_lo = sigma, eps
         while True:
             if lo >= MAX_NOISE_MULTIPLIER:
-                hint = "" if math.isfinite(eps_lo) else " (delta is below what this accountant resolves; try 'rdp')"
-                raise ValueError(
-                    f"target_epsilon={target:g} is unreachable: even noise_multiplier={MAX_NOISE_MULTIPLIER:g} "
-                    f"gives epsilon {eps_lo:.4g}{hint}"
-                )
+                raise _Unreachable(eps_lo)
             hi = min(lo * factor, MAX_NOISE_MULTIPLIER)
             eps_hi = epsilon_of(hi)
             if eps_hi <= target:
@@ -115,6 +119,52 @@ def _smallest_sigma(
         else:
             lo, eps_lo = mid, eps_mid
     return hi
+
+
+#: Accountant calls each figure of the unreachable-target message may take (bisection steps).
+ADVICE_CALLS = 10
+
+
+def _largest_meeting(meets: Callable[[float], bool], lo: float, hi: float) -> float:
+    """The largest x found in [lo, hi] with ``meets(x)`` (given ``meets(lo)``, not ``meets(hi)``), by
+    :data:`ADVICE_CALLS` geometric bisection steps; the answer always meets."""
+    for _ in range(ADVICE_CALLS):
+        mid = math.sqrt(lo * hi)
+        if meets(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _round_down(value: float, digits: int = 3) -> float:
+    scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
+    return math.floor(value * scale) / scale
+
+
+def _unreachable_message(epsilon_at: Callable[[float, float, int], float], reached: float, target: float,
+                         delta: float, sample_rate: float, steps: int, accountant: str) -> str:
+    """Why the target is refused, and what reaches it at the largest noise multiplier searched: fewer
+    steps (epochs), or a smaller sample rate (more data at the same batch), each with its figure."""
+    sigma = MAX_NOISE_MULTIPLIER
+    head = (f"target_epsilon={target:g} is unreachable: even noise_multiplier={sigma:g} gives epsilon "
+            f"{reached:.4g} ({accountant}, sample rate {sample_rate:g}, {steps} steps, delta {delta:g})")
+    if not math.isfinite(reached):
+        return head + "; delta is below what this accountant resolves: try accountant='rdp'"
+    ways = []
+    if epsilon_at(sigma, sample_rate, 1) <= target:
+        most = int(_largest_meeting(lambda t: epsilon_at(sigma, sample_rate, int(t)) <= target, 1, steps))
+        ways.append(f"at most {most:,} steps at this sample rate (fewer epochs: {most / steps:.3g} of the planned run)")
+    floor = sample_rate * 1e-6
+    if epsilon_at(sigma, floor, steps) <= target:
+        rate = _largest_meeting(lambda r: epsilon_at(sigma, r, steps) <= target, floor, sample_rate)
+        rate = _round_down(rate)
+        ways.append(f"a sample rate of at most {rate:.3g} at these steps (the same batch from a data set "
+                    f"{sample_rate / rate:.3g}x larger, or a batch {sample_rate / rate:.3g}x smaller)")
+    if not ways:
+        other = "" if accountant == DEFAULT_ACCOUNTANT else f" (the '{DEFAULT_ACCOUNTANT}' accountant may: its epsilon is tighter)"
+        return head + f"; no fewer steps or smaller sample rate reaches it{other}: choose a larger target_epsilon"
+    return head + ". To reach it, use " + ", or ".join(ways) + "; or choose a larger target_epsilon"
 
 
 #: Accountants whose epsilon is an approximation, not a bound: they may report, never choose the noise.
@@ -146,8 +196,8 @@ def _calibrate(
 ) -> float:
     counter = create_accountant(accountant)
 
-    def epsilon_of(sigma: float) -> float:
-        counter.load_state_dict({"mechanism": accountant, "history": [[sigma, sample_rate, steps]]})
+    def epsilon_at(sigma: float, q: float, count: int) -> float:
+        counter.load_state_dict({"mechanism": accountant, "history": [[sigma, q, count]]})
         with warnings.catch_warnings():
             # Far from the answer the best RDP order may sit on the grid's edge, or the PLD grid
             # grow too large: not news. An unresolvable delta ends in a ValueError that says so.
@@ -156,8 +206,15 @@ def _calibrate(
             warnings.simplefilter("ignore", PLDGridWarning)  # the RDP bound it falls back to is sound
             return counter.get_epsilon(delta)
 
+    def epsilon_of(sigma: float) -> float:
+        return epsilon_at(sigma, sample_rate, steps)
+
     start = _gdp_seed(target_epsilon, delta, sample_rate, steps)
-    return _smallest_sigma(epsilon_of, target_epsilon, tolerance, start)
+    try:
+        return _smallest_sigma(epsilon_of, target_epsilon, tolerance, start)
+    except _Unreachable as refusal:
+        raise ValueError(_unreachable_message(epsilon_at, refusal.epsilon, target_epsilon, delta, sample_rate, steps,
+                                              accountant)) from None
 
 
 def get_noise_multiplier(
