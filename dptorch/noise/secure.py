@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import Optional
@@ -50,6 +51,11 @@ class KeyStream:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._rekey()
+        _STREAMS.add(self)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
         self._rekey()
 
     def __reduce__(self) -> tuple:
@@ -91,6 +97,11 @@ class KeyStream:
                 self._buffer = fresh
             out, self._buffer = self._buffer[:count].copy(), self._buffer[count:]
         return out
+
+
+_STREAMS: "weakref.WeakSet[KeyStream]" = weakref.WeakSet()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: [stream._after_fork() for stream in list(_STREAMS)])
 
 
 def _blocks_for_words(count: int) -> int:

@@ -145,7 +145,11 @@ def test_a_forked_process_never_continues_its_parents_stream():
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(target=_child_words, args=(sender,))
-    child.start()
+    with gaussian._STREAM._lock:  # as if another thread were drawing at the fork: the child must not wait on it
+        child.start()
+    if not receiver.poll(60):
+        child.terminate()
+        pytest.fail("the forked child never drew: it waited on the lock its parent held at the fork")
     child_words, child_pid = receiver.recv()
     child.join(timeout=60)
     assert child.exitcode == 0 and child_pid != os.getpid()
