@@ -30,13 +30,26 @@ from peft import LoraConfig, get_peft_model
 from common import cpu_training_args, lm_dataset, one_thread, output_folder, tiny_llama, word_tokenizer
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments
 
+NO_FSDP_HERE = ("FSDP was asked for, but Accelerate uses FSDP on accelerators (GPUs) only and this process has none; "
+                "run the DDP variant here (without --fsdp), or this one where each process has a GPU")
+
 
 def main(max_steps: int = 20, fsdp: bool = False) -> dict:
+    wants_fsdp = fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+    if wants_fsdp and not torch.accelerator.is_available():  # before anything is built or launched
+        stop(NO_FSDP_HERE, rank_zero=int(os.environ.get("RANK", "0")) == 0)
     with output_folder("distributed") as output_dir:
-        return run(output_dir, max_steps, fsdp)
+        return run(output_dir, max_steps, fsdp, wants_fsdp)
 
 
-def run(output_dir: str, max_steps: int, fsdp: bool) -> dict:
+def stop(reason: str, rank_zero: bool) -> None:
+    """Every rank stops with exit status 2; rank 0 alone says why, on one line (no traceback)."""
+    if rank_zero:
+        print(reason, file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run(output_dir: str, max_steps: int, fsdp: bool, wants_fsdp: bool) -> dict:
     one_thread()
     torch.manual_seed(0)  # the same base model and adapters on every rank (DDP also broadcasts rank 0's)
     tokenizer = word_tokenizer()
@@ -52,13 +65,8 @@ def run(output_dir: str, max_steps: int, fsdp: bool) -> dict:
         data_collator=DataCollatorForPrivateCausalLanguageModeling(tokenizer),
         privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-4, per_sample_max_grad_norm=1.0),
     )
-    wants_fsdp = fsdp or os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
-    if wants_fsdp and not trainer.is_fsdp_enabled:  # every rank stops; rank 0 alone says why, on one line
-        if trainer.is_world_process_zero():
-            print("FSDP was asked for, but Accelerate uses FSDP on accelerators (GPUs) only and this process has none; "
-                  "run the DDP variant here (without --fsdp), or this one where each process has a GPU",
-                  file=sys.stderr, flush=True)
-        sys.exit(2)
+    if wants_fsdp and not trainer.is_fsdp_enabled:  # Accelerate dropped FSDP all the same: never train as DDP instead
+        stop(NO_FSDP_HERE, trainer.is_world_process_zero())
     trainer.train()
     epsilon = trainer.get_epsilon()
     if trainer.is_world_process_zero():

@@ -1,12 +1,26 @@
 """End to end on scikit-learn's bundled digits: a small CNN learns at a reported epsilon."""
 
+import re
+from pathlib import Path
+
 from dptorch.cli.examples import digits
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def test_private_cnn_on_digits_reaches_reported_accuracy_and_epsilon(capsys):
-    report = digits.main(["--epsilon", "3", "--epochs", "20"])
+    report = digits.main(["--epsilon", "3", "--epochs", "20"])  # the defaults: what `dptorch example digits` runs
     out = capsys.readouterr().out
     assert "accuracy: private" in out and "epsilon" in out
+    assert report["threads"] == 1  # the default on every machine, so the README's figures reproduce anywhere
+    quoted = re.search(r"`dptorch example digits`\s+reaches (\S+) at epsilon (\S+) against (\S+) non-private",
+                       README.read_text())
+    printed = f"accuracy: private {report['private_accuracy']:.3f}, non-private {report['non_private_accuracy']:.3f}"
+    assert quoted and printed in out and f"epsilon {report['epsilon']:.2f} at" in out
+    assert (quoted[1], quoted[2], quoted[3]) == (f"{report['private_accuracy']:.3f}", f"{report['epsilon']:.2f}",
+                                                 f"{report['non_private_accuracy']:.3f}")
+    help_text = " ".join(digits.build_parser().format_help().split())
+    assert f"the expected Poisson batch is N / ceil(N / B): {report['expected_batch_size']:g} for" in help_text
     assert 2.9 < report["epsilon"] <= 3.0
     assert report["steps"] == 20 * 12  # 1437 training images, expected batch 128 -> q = 1/12
     assert report["private_accuracy"] > 0.8  # chance is 0.1; measured 0.89 at this seed

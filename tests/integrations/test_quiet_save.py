@@ -24,12 +24,20 @@ def saved_output(tmp_path, capfd, disable_tqdm):
     return capfd.readouterr().err
 
 
-def test_save_model_under_disable_tqdm_draws_no_progress_bar_and_leaves_the_setting(tmp_path, capfd):
-    assert logging.is_progress_bar_enabled()
+@pytest.fixture
+def bars_on():
+    """transformers' progress bars on (another test or example may have switched them off), as they were after."""
+    were = logging.is_progress_bar_enabled()
+    logging.enable_progress_bar()
+    yield
+    (logging.enable_progress_bar if were else logging.disable_progress_bar)()
+
+
+def test_save_model_under_disable_tqdm_draws_no_progress_bar_and_leaves_the_setting(tmp_path, capfd, bars_on):
     assert "Writing model shards" not in saved_output(tmp_path, capfd, disable_tqdm=True)
     assert logging.is_progress_bar_enabled()  # switched back on after the save
     assert (tmp_path / "out" / "README.md").is_file()
 
 
-def test_without_disable_tqdm_the_bar_is_shown_as_transformers_draws_it(tmp_path, capfd):
+def test_without_disable_tqdm_the_bar_is_shown_as_transformers_draws_it(tmp_path, capfd, bars_on):
     assert "Writing model shards" in saved_output(tmp_path, capfd, disable_tqdm=False)

@@ -114,7 +114,7 @@ def run(
 ) -> Dict[str, Any]:
     """Train private and (unless ``baseline=False``) non-private models; return the report as a dict
     (pictures if ``plots``)."""
-    threads = threads or 1  # the CNN is too small to gain from more, and waiting threads cost much
+    threads = threads or 1  # the CNN is too small to gain from more; the docs' figures are one thread's
     torch.set_num_threads(threads)
     start = time.perf_counter()
     train_set, test_set = load_digits_splits(seed)
@@ -172,10 +172,15 @@ def run(
 
 def build_parser(prog: str = "python -m dptorch.cli.examples.digits") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    add_shared_flags(parser, epsilon=3.0, epochs=20, modes=["hooks", "bk", "ew", "functorch"])
+    add_shared_flags(parser, epsilon=3.0, epochs=20, modes=["hooks", "bk", "ew", "functorch"],
+                     batch_size_help="batch size B of the plain loader (default 128); Poisson sampling replaces it at "
+                     "rate 1 / (its number of batches), so the expected Poisson batch is N / ceil(N / B): 119.75 for "
+                     "the 1437 training images at 128")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
-    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1, on every machine: the figures the docs quote are those of "
+                        "one thread; another count gives another, equally valid, run)")
     return parser
 
 
