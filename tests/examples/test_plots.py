@@ -74,3 +74,16 @@ def test_the_loss_picture_explains_the_private_curve_and_draws_without_a_baselin
         private.record(loss=0.5 + 0.1 * math.sin(step), epsilon=step / 10, clipped_fraction=0.5)
     plots.plot_loss(private, RunHistory("non-private"), str(tmp_path / "loss.png"))
     assert any("it is not diverging" in text for text in texts)
+
+
+def test_the_clipped_fraction_legend_names_both_series(tmp_path, monkeypatch):
+    from dptorch.cli.examples import plots
+
+    legends = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: legends.extend(
+        text.get_text() for text in figure.axes[0].get_legend().get_texts()))
+    private = RunHistory("private")
+    for step in range(1, 31):
+        private.record(loss=0.5, epsilon=step / 10, clipped_fraction=1 / step)
+    plots.plot_clipped_fraction(private, str(tmp_path / "clipped.png"))
+    assert legends == ["each step", "moving average (3 steps)"]
