@@ -47,7 +47,6 @@ from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
 from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
-from dptorch.plan import DrawLedger
 from dptorch.validate import ModuleValidator, register_module_fixer
 
 
@@ -131,18 +130,16 @@ class DistributedUniformWithReplacementSampler(PoissonBatchSampler):
 def wrap_data_loader(*, data_loader: Any, max_batch_size: int, optimizer: Any) -> PhysicalBatchLoader:
     """``opacus.utils.batch_memory_manager.wrap_data_loader``: physical batches of at most ``max_batch_size``.
 
-    A ``DPDataLoader`` that no plan listens to yet is bound to the DPOptimizer's plan, with a draw
-    ledger: each step is then checked to be fed by exactly one Poisson draw, whatever order the
-    skip signals are consumed in, and an accountant hook records one step per draw.
+    The first epoch is planned at once, so that ``len()`` is exact for it (the HF Trainer reads it
+    once, before training). Each physical batch queues one skip signal on the optimizer (Opacus'
+    ``_step_skip_queue``), so a loop that fetches several batches ahead (the Trainer's gradient
+    accumulation) still steps for real exactly at the last physical batch of every Poisson draw.
     """
-    plan = getattr(optimizer, "plan", None)
-    if isinstance(data_loader, DPDataLoader) and data_loader.privacy_plan is None and plan is not None:
-        if plan.draws is None:
-            plan.draws = DrawLedger()
-        data_loader.privacy_plan = plan
-    return BatchMemoryManager(
+    physical = BatchMemoryManager(
         data_loader=data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer
     ).__enter__()
+    physical.plan_epoch()
+    return physical
 
 
 # ---------------------------------------------------------------------------------- optimizers
