@@ -1,0 +1,137 @@
+"""Opacus' engine-less API after the rename: the optimizer finds its controller by parameter, the
+skip queue, the accountant hook, and ghost mode's loss wrapper around a transformers loss."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from dptorch.accountants import RDPAccountant
+from dptorch.data_loader import DPDataLoader
+from dptorch.grad_sample import GradSampleHooks, GradSampleModule
+from dptorch.grad_sample.utils import wrap_model
+from dptorch.optimizers import DPOptimizer
+from dptorch.utils.batch_memory_manager import wrap_data_loader
+from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+
+def opacus_optimizer(params, **extra):
+    return DPOptimizer(optimizer=torch.optim.SGD(params, lr=0.1), noise_multiplier=1.0, expected_batch_size=8,
+                       max_grad_norm=1.0, loss_reduction="mean", **extra)
+
+
+@pytest.mark.parametrize("attach", ["wrap_model", "GradSampleModule"])
+def test_without_hooks_the_optimizer_takes_the_controller_attached_to_its_parameters(attach):
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    controller = (wrap_model(model, grad_sample_mode="hooks", wrap_model=False) if attach == "wrap_model"
+                  else GradSampleModule(model).hooks)
+    optimizer = opacus_optimizer(model.parameters())
+    assert optimizer.hooks is controller
+    controller.cleanup()
+    with pytest.raises(RuntimeError, match=r"no per-sample gradient controller is attached.*wrap_model=False"):
+        opacus_optimizer(model.parameters())  # cleaned up: nothing claims the parameters any more
+
+
+def test_the_optimizer_refuses_parameters_no_controller_or_two_controllers_claim():
+    model, head = nn.Linear(4, 3), nn.Linear(3, 2)
+    hooks = GradSampleHooks(model)
+    with pytest.raises(RuntimeError, match=r"parameters 2 \(shape \(2, 3\)\), 3 \(shape \(2,\)\) have no controller"):
+        opacus_optimizer([*model.parameters(), *head.parameters()])
+    shared = nn.Linear(4, 4)
+    first, second = nn.Sequential(shared), nn.Sequential(shared, nn.ReLU())
+    one, two = GradSampleHooks(first), GradSampleHooks(second)
+    with pytest.raises(RuntimeError, match=r"captured by 2 controllers \(attached to Sequential and Sequential\)"):
+        opacus_optimizer(first.parameters())
+    two.cleanup()
+    assert opacus_optimizer(first.parameters()).hooks is one
+    for controller in (hooks, one):
+        controller.cleanup()
+
+
+def test_signals_queued_ahead_make_the_right_steps_real_and_each_is_accounted_once():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    wrap_model(model, grad_sample_mode="hooks", wrap_model=False)
+    optimizer = opacus_optimizer(model.parameters())
+    accountant, q = RDPAccountant(), 16 / 64
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(q))
+    loader = DPDataLoader(TensorDataset(torch.randn(64, 5), torch.randint(0, 2, (64,))), sample_rate=q, seed=3)
+    physical = wrap_data_loader(data_loader=loader, optimizer=optimizer, max_batch_size=4)
+    expected = [closes for _, closes in physical._plan]  # the batch plan: which physical batch closes a draw
+    batches, real = list(physical), []  # every batch fetched first: all signals queued ahead of the steps
+    assert optimizer._step_skip_queue == [not closes for closes in expected]
+    for x, y in batches:
+        if len(x):
+            nn.functional.cross_entropy(model(x), y).backward()
+        steps = len(accountant)
+        optimizer.step()
+        real.append(len(accountant) > steps)
+        optimizer.zero_grad()
+    assert real == expected and sum(real) == len(loader)
+    assert accountant.history == [[1.0, q, len(loader)]]
+    reference = RDPAccountant()
+    reference.step(noise_multiplier=1.0, sample_rate=q, num_steps=len(loader))
+    assert math.isclose(accountant.get_epsilon(1e-5), reference.get_epsilon(1e-5), rel_tol=1e-9)
+
+
+def test_without_virtual_steps_two_backward_passes_in_one_step_are_accounted_as_opacus_does():
+    model = nn.Linear(3, 1)
+    wrap_model(model, grad_sample_mode="hooks", wrap_model=False, loss_reduction="sum")
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=4, loss_reduction="sum")
+    accountant = RDPAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(0.1))
+    for _ in range(2):  # two batches under one noise draw: Opacus records one step at twice the rate
+        model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    assert accountant.history == [[1.0, 0.2, 1]]
+
+
+def _ghost_with_the_models_own_loss(model, batch_size):
+    hooks = wrap_model(model, grad_sample_mode="ghost", wrap_model=False)
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                            max_grad_norm=1e6, expected_batch_size=batch_size, loss_reduction="mean")
+    assert not hasattr(model.loss_function, "reduction")  # a transformers loss function
+    model.loss_function = DPLossFastGradientClipping(hooks, optimizer, model.loss_function, "mean")
+    return hooks, optimizer
+
+
+def test_ghost_loss_wrapper_takes_a_transformers_loss_without_reduction():
+    """The model's own loss, wrapped as the example does: the private step without noise and with an
+    unreachable bound is the ordinary gradient of that loss."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=30, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+                                      num_labels=3, pad_token_id=0)
+    model = transformers.LlamaForSequenceClassification(config)
+    ids, labels = torch.randint(1, 30, (4, 6)), torch.randint(0, 3, (4,))
+    model(input_ids=ids, labels=labels).loss.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    hooks, optimizer = _ghost_with_the_models_own_loss(model, 4)
+    model(input_ids=ids, labels=labels).loss.backward()
+    optimizer.step()
+    for p, expected in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, expected, rtol=1e-4, atol=1e-6)
+    hooks.cleanup()
+
+
+def test_a_token_mean_over_the_batch_is_refused_before_any_update():
+    """A causal LM's built-in loss divides by the batch's token count: each sample's clipped share would
+    depend on the others' lengths. Opacus treats that scalar as one sample; here it is refused."""
+    transformers = pytest.importorskip("transformers")
+    from dptorch.grad_sample.errors import PerSampleGradientError
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=30, n_positions=8, n_embd=16, n_layer=1,
+                                                                  n_head=2, bos_token_id=0, eos_token_id=0))
+    hooks, optimizer = _ghost_with_the_models_own_loss(model, 3)
+    ids = torch.randint(0, 30, (3, 6))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PerSampleGradientError, match=r"divisor counted from the data.*per-sample loss"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    hooks.cleanup()
