@@ -134,7 +134,7 @@ def run(
     torch.manual_seed(seed)
     model = digits_cnn()
     engine = PrivacyEngine()
-    private_model, optimizer, loader = engine.make_private_with_epsilon(
+    first, optimizer, loader = engine.make_private_with_epsilon(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
         data_loader=DataLoader(train_set, batch_size=batch_size, shuffle=True),
@@ -145,6 +145,7 @@ def run(
         grad_sample_mode=mode,
         wrap_model=wrap_model,
     )
+    private_model = first if wrap_model else model  # wrap_model=False: the controller is returned, train the CNN
     private_history = RunHistory("private")
     private_seconds = train(
         private_model, optimizer, loader, epochs, private_history,
