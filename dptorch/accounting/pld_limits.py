@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from functools import lru_cache
 from typing import Tuple
 
 import numpy as np
@@ -32,9 +33,11 @@ class PLDGridWarning(UserWarning):
     """The PLD grid would be too large (a very small noise multiplier): the RDP bound is reported instead."""
 
 
+@lru_cache(maxsize=256)
 def step_grid_points(noise_multiplier: float, sample_rate: float, interval: float) -> float:
     """Grid points of one Poisson-sampled Gaussian step's PLD at ``interval`` (the larger direction),
-    from the loss range ``dp_accounting``'s connect-the-dots discretisation covers; computes no PLD."""
+    from the loss range ``dp_accounting``'s connect-the-dots discretisation covers; computes no PLD
+    (but takes ~7 ms: cached)."""
     points = 0.0
     for adjacency in (privacy_loss_mechanism.AdjacencyType.REMOVE, privacy_loss_mechanism.AdjacencyType.ADD):
         loss = privacy_loss_mechanism.GaussianPrivacyLoss(
