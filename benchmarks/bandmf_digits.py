@@ -60,7 +60,7 @@ def one_run(epsilon, mechanism, bands, seed, epochs=20, batch_size=128, lr=0.1, 
                                  steps=accounted_steps(steps, bands))
     model = digits_cnn()
     engine = PrivacyEngine()
-    model, optimizer, loader = engine.make_private(
+    _hooks, optimizer, loader = engine.make_private(  # wrap_model=False: the controller; `model` trains itself
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum), data_loader=loader,
         noise_multiplier=sigma, max_grad_norm=1.0, wrap_model=False, noise_mechanism=mechanism,
         bands=bands if mechanism == "bandmf" else None, planned_steps=steps,
