@@ -442,7 +442,7 @@ class PLDAccountant(Accountant):
             step_grid_points(sigma / math.sqrt(count) if q == 1.0 else sigma, q, interval) for sigma, q, count in runs
         )
         if step_points > MAX_STEP_POINTS:
-            warn_grid_too_large(runs, step_points, MAX_STEP_POINTS)
+            warn_grid_too_large(runs, MAX_STEP_POINTS)
             return True
         composed = 0
         for sigma, q, count in runs:
@@ -454,7 +454,7 @@ class PLDAccountant(Accountant):
             assert run is not None
             composed += run.composed_points(count)
         if composed > MAX_COMPOSED_POINTS:
-            warn_grid_too_large(runs, composed, MAX_COMPOSED_POINTS)
+            warn_grid_too_large(runs, MAX_COMPOSED_POINTS)
             return True
         return False
 

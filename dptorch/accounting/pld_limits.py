@@ -66,13 +66,12 @@ def rdp_delta(runs: Tuple[Run, ...], epsilon: float) -> float:
     return float(min(1.0, math.exp(min(float(log_delta.min()), 0.0))))
 
 
-def warn_grid_too_large(runs: Tuple[Run, ...], points: float, limit: int) -> None:
+def warn_grid_too_large(runs: Tuple[Run, ...], limit: int) -> None:
     """Say that the PLD is not built and the RDP bound answers instead."""
     smallest = min(sigma for sigma, _, _ in runs)
-    steps = sum(count for _, _, count in runs)
-    warnings.warn(
-        f"the 'pld' accountant would need a grid of {points:.3g} points (more than {limit:,}) for "
-        f"noise_multiplier={smallest:g} over {steps} steps: it reports the RDP bound instead, an upper bound "
+    warnings.warn(  # the same words at every step count, so that warning filters show it once
+        f"the 'pld' accountant would need a grid of more than {limit:,} points for "
+        f"noise_multiplier={smallest:g}: it reports the RDP bound instead, an upper bound "
         "(looser than PLD). Below a noise multiplier of about 0.3 epsilon is large whichever accountant counts it; "
         "pass accountant='rdp' (or 'prv') to choose the bound yourself and silence this warning",
         PLDGridWarning,

@@ -69,7 +69,7 @@ def _x_of_remove_loss(y: np.ndarray, sigma: float, q: float) -> np.ndarray:
     """Inverse of :func:`_remove_loss_of_x`; -inf where the loss is below its minimum log(1-q)."""
     y = np.asarray(y, dtype=float)
     log_1mq = math.log1p(-q) if q < 1 else -math.inf
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # below log(1-q): discarded
         # log(e^y - (1 - q)) = y + log(1 - e^(log(1-q) - y))
         log_excess = y + np.log(-np.expm1(log_1mq - y))
         x = sigma**2 * (log_excess - math.log(q)) + 0.5
