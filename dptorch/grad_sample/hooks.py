@@ -266,6 +266,10 @@ class GradSampleHooks:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(_NOT_THE_MODEL.format(what="called like a model", model=type(self.__dict__.get("module")).__name__))
 
+    def __getitem__(self, key: Any) -> Any:
+        raise TypeError(_NOT_THE_MODEL.format(what=f"indexed like a model ([{key!r}])",
+                                              model=type(self.__dict__.get("module")).__name__))
+
     def __getattr__(self, name: str) -> Any:
         # Only for names the controller lacks: model attributes used on it (the old dptorch idiom
         # `model, optimizer, loader = make_private(..., wrap_model=False)`) get the fix in the message.

@@ -466,6 +466,8 @@ def test_the_old_dptorch_idiom_fails_with_the_fix_in_the_message():
     x, _ = next(iter(loader))
     with pytest.raises(TypeError, match=r"not the model.*hooks, optimizer, data_loader = engine.make_private"):
         old_name_for_hooks(x)
+    with pytest.raises(TypeError, match=r"indexed like a model \(\[0\]\).*hooks.cleanup\(\)"):
+        old_name_for_hooks[0]
     for name in ("parameters", "train", "state_dict", "to"):
         with pytest.raises(AttributeError, match=rf"model attribute '{name}'.*hooks.cleanup\(\)"):
             getattr(old_name_for_hooks, name)
