@@ -25,13 +25,14 @@ for that choice is in ``dptorch.noise.gaussian``'s docstring.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -41,8 +42,10 @@ _BLOCK = 16  # bytes per AES block (one counter value)
 _COUNTER_MOD = 1 << 128
 CHUNK = 1 << 20  # values per piece of a large draw (even, so every piece but the last holds whole pairs)
 _BUFFERED = 1 << 14  # words a stream reserves at once for small requests (refilled when short)
-_SMALL = 1 << 11  # draws of at most this many values take their words from that buffer
-_STEP = 1 << 14  # pairs per vectorised step: under torch's grain size, so no op forks threads of its own
+_NORMALS = 1 << 16  # standard normals a stream makes at once for small draws
+_SMALL = 1 << 14  # draws of at most this many normals take them from that buffer
+_STEP = 1 << 13  # pairs per vectorised step (its buffers stay in the cache)
+_omp_set_num_threads: Any = None  # torch's libgomp's, once looked up (False: not found)
 _zeros: Optional[bytes] = None  # the plaintext the keystream is read through: CHUNK words of zeros
 
 
@@ -66,6 +69,7 @@ class KeyStream:
         self._counter = int.from_bytes(os.urandom(_BLOCK), "big")
         self._pid = os.getpid()
         self._buffer = np.empty(0, dtype=np.uint64)  # reserved keystream not yet handed out
+        self._normals = np.empty(0, dtype=np.float64)  # standard normals made from it, not yet handed out
 
     def _check_process(self) -> None:
         if self._pid != os.getpid():  # a forked child: never continue the parent's stream
@@ -96,6 +100,17 @@ class KeyStream:
                 keystream_into(*self._reserve(_blocks_for_words(_BUFFERED)), fresh)
                 self._buffer = fresh
             out, self._buffer = self._buffer[:count].copy(), self._buffer[count:]
+        return out
+
+    def normals(self, count: int) -> np.ndarray:
+        """``count <= _SMALL`` fresh float64 standard normals, from a buffer made ``_NORMALS`` at a time."""
+        with self._lock:
+            self._check_process()
+            if self._normals.size < count:
+                fresh = torch.empty(_NORMALS, dtype=torch.float64)
+                _fill_pieces(*self._reserve(_NORMALS // 2), fresh, 1.0, 1, range(1))
+                self._normals = fresh.numpy()
+            out, self._normals = self._normals[:count], self._normals[count:]  # never handed out again
         return out
 
 
@@ -138,99 +153,121 @@ def open_uniforms(words: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 
 def box_muller(radius_words: np.ndarray, angle_words: np.ndarray, scale: float, out: np.ndarray,
-               work: np.ndarray) -> None:
+               work: np.ndarray, lib: Any = np) -> None:
     """``scale`` times ``2 * len(radius_words)`` float64 standard normals into ``out``: ``r cos(t)``, then ``r sin(t)``.
 
     ``r = sqrt(-2 log u)`` with ``u`` from :func:`open_uniforms`; ``t = 2 pi k 2^-52`` for the top 52
     bits ``k`` of an angle word. Both word arrays are consumed (shifted in place); ``work`` is float64
-    scratch of ``2 * len(radius_words)``. The transcendental functions are torch's (vectorised, about
-    twice as fast as numpy's), on views of the same memory.
+    scratch of ``2 * len(radius_words)``. ``lib`` computes the functions: numpy, or torch (about twice
+    as fast, on views of the same memory) where :func:`_serial_torch` says its ops stay on this thread.
     """
     pairs = radius_words.size
-    radius = torch.from_numpy(open_uniforms(radius_words, work[:pairs]))
-    angles = torch.from_numpy(np.subtract(_unit_floats(angle_words), 1.0, out=work[pairs : 2 * pairs]))
-    cosines, sines = torch.from_numpy(out[:pairs]), torch.from_numpy(out[pairs : 2 * pairs])
-    torch.log(radius, out=radius)
-    radius.mul_(-2.0 * scale * scale).sqrt_()
-    angles.mul_(2.0 * math.pi)
-    torch.mul(torch.cos(angles, out=cosines), radius, out=cosines)
-    torch.mul(torch.sin(angles, out=sines), radius, out=sines)
+    radius = open_uniforms(radius_words, work[:pairs])
+    angles = np.subtract(_unit_floats(angle_words), 1.0, out=work[pairs : 2 * pairs])
+    view = torch.from_numpy if lib is torch else np.asarray
+    radius, angles, cosines, sines = map(view, (radius, angles, out[:pairs], out[pairs : 2 * pairs]))
+    lib.log(radius, out=radius)
+    lib.multiply(radius, -2.0 * scale * scale, out=radius)
+    lib.sqrt(radius, out=radius)
+    lib.multiply(angles, 2.0 * math.pi, out=angles)
+    lib.multiply(lib.cos(angles, out=cosines), radius, out=cosines)
+    lib.multiply(lib.sin(angles, out=sines), radius, out=sines)
+
+
+def _serial_torch(worker: bool) -> bool:
+    """Whether torch's ops run on the calling thread alone (then torch, else numpy, does the math).
+
+    On a shared machine torch's OpenMP threads stall each op behind other load (an op of a few
+    thousand values took 16 ms instead of 0.1 ms on a loaded 2-core machine). They stay on the
+    thread with one torch thread, and in a worker thread of ours after ``omp_set_num_threads(1)``
+    on torch's own libgomp (that setting is the calling thread's; the caller's stays as it was).
+    """
+    global _omp_set_num_threads
+    if torch.get_num_threads() == 1:
+        return True
+    if not worker:
+        return False
+    if _omp_set_num_threads is None:
+        try:
+            library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
+            _omp_set_num_threads = library.omp_set_num_threads
+        except (OSError, AttributeError):
+            _omp_set_num_threads = False  # another OpenMP, or none: numpy does the math
+    if _omp_set_num_threads is False:
+        return False
+    _omp_set_num_threads(1)
+    return True
 
 
 def fill_normals(stream: KeyStream, out: torch.Tensor, std: float, summands: int = 1, workers: int = 0) -> None:
     """Fill the flat float32/float64 CPU tensor ``out`` with N(0, std^2) values from ``stream``.
 
     Each value is ``std / sqrt(summands)`` times a sum of ``summands`` Box-Muller normals, computed in
-    float64 and rounded once into ``out``'s dtype. The whole keystream is reserved at once; pieces of
-    ``CHUNK`` values (the radii and angles of a piece are its first and second half of words) are
-    filled by up to ``workers`` threads (0: torch's thread count), each through reused buffers in
-    steps of ``_STEP`` pairs, small enough that torch runs each op on the calling thread.
+    float64 and rounded once into ``out``'s dtype. A small draw (a bias, a norm's weight, a LoRA
+    factor) takes its normals from the stream's buffer; a large one reserves its whole keystream at
+    once and is filled in pieces of ``CHUNK`` values by up to ``workers`` threads (0: torch's
+    thread count).
     """
     count = out.numel()
-    if count == 0:
-        return
     if summands < 1:
         raise ValueError(f"summands must be >= 1, got {summands}")
-    if count <= _SMALL:  # a bias or a norm's weight: no cipher set-up of its own
-        _fill_small(stream, out, float(std) / math.sqrt(summands), summands)
+    if count == 0:
+        return
+    scale = float(std) / math.sqrt(summands)
+    if count * summands <= _SMALL:
+        normals = stream.normals(count * summands).reshape(summands, count)
+        np.copyto(out.numpy(), normals.sum(axis=0) * scale if summands > 1 else normals[0] * scale, casting="same_kind")
         return
     pieces = -(-count // CHUNK)
-    blocks_per_piece = CHUNK * summands // 2  # 2 words (one radius, one angle) per pair of values
     last = count - (pieces - 1) * CHUNK
-    key, first = stream.reserve((pieces - 1) * blocks_per_piece + ((last + 1) // 2) * summands)
-    scale = float(std) / math.sqrt(summands)
-
-    def fill(piece_range: range) -> None:
-        length = min(CHUNK, count + count % 2)
-        words = np.empty(length, dtype=np.uint64)
-        total = torch.empty(length if summands > 1 else 0, dtype=torch.float64)
-        steps = min(_STEP, (length + 1) // 2)
-        buffer = np.empty(2 * steps, dtype=np.float64)
-        values = torch.from_numpy(buffer)
-        work = np.empty(2 * steps, dtype=np.float64)
-        for piece in piece_range:
-            start = piece * CHUNK
-            size = min(CHUNK, count - start)
-            pairs = (size + 1) // 2
-            target = out[start : start + size] if summands == 1 else total
-            for summand in range(summands):
-                block = words[: 2 * pairs]
-                keystream_into(key, (first + piece * blocks_per_piece + summand * pairs) % _COUNTER_MOD, block)
-                for low in range(0, pairs, _STEP):
-                    high = min(low + _STEP, pairs)
-                    step = high - low
-                    box_muller(block[low:high], block[pairs + low : pairs + high], scale, buffer, work)
-                    sines = min(high, size - pairs) - low  # the last odd value has no sine partner
-                    if summand == 0:
-                        target[low:high].copy_(values[:step])
-                        target[pairs + low : pairs + low + sines].copy_(values[step : step + sines])
-                    else:
-                        target[low:high].add_(values[:step])
-                        target[pairs + low : pairs + low + sines].add_(values[step : step + sines])
-            if summands > 1:
-                out[start : start + size].copy_(total[:size])
-
+    key, first = stream.reserve((pieces - 1) * (CHUNK * summands // 2) + ((last + 1) // 2) * summands)
     workers = max(1, min(int(workers) or torch.get_num_threads(), pieces))
-    if workers == 1:
-        fill(range(pieces))
+    if torch.get_num_threads() == 1 and workers == 1:
+        _fill_pieces(key, first, out, scale, summands, range(pieces))
         return
     bounds = [pieces * worker // workers for worker in range(workers + 1)]
-    with ThreadPoolExecutor(workers) as pool:
-        list(pool.map(fill, [range(bounds[w], bounds[w + 1]) for w in range(workers)]))
+    with ThreadPoolExecutor(workers) as pool:  # threads of our own, even one, so torch can run serially there
+        list(pool.map(lambda w: _fill_pieces(key, first, out, scale, summands, range(bounds[w], bounds[w + 1]),
+                                             worker=True), range(workers)))
 
 
-def _fill_small(stream: KeyStream, out: torch.Tensor, scale: float, summands: int) -> None:
-    """``fill_normals`` for a few values: the words of each summand in turn, from the stream's buffer."""
-    pairs = (out.numel() + 1) // 2
-    words = stream.words(2 * pairs * summands).reshape(summands, 2, pairs)
-    values = np.empty(2 * pairs, dtype=np.float64)
-    total = values if summands == 1 else np.zeros(2 * pairs, dtype=np.float64)
-    work = np.empty(2 * pairs, dtype=np.float64)
-    for summand in range(summands):
-        box_muller(words[summand, 0], words[summand, 1], scale, values, work)
+def _fill_pieces(key: bytes, first: int, out: torch.Tensor, scale: float, summands: int, pieces: range,
+                 worker: bool = False) -> None:
+    """Pieces ``pieces`` of a draw whose keystream starts at block ``first``: see :func:`fill_normals`.
+
+    Piece ``k``'s summand ``j`` reads its words from block ``first + k CHUNK summands / 2 + j pairs``,
+    radii in the first half and angles in the second; reused buffers in steps of ``_STEP`` pairs.
+    """
+    lib = torch if _serial_torch(worker) else np
+    flat = out.numpy()
+    count = flat.size
+    length = min(CHUNK, count + count % 2)
+    words = np.empty(length, dtype=np.uint64)
+    total = np.empty(length if summands > 1 else 0, dtype=np.float64)
+    steps = min(_STEP, (length + 1) // 2)
+    values = np.empty(2 * steps, dtype=np.float64)
+    work = np.empty(2 * steps, dtype=np.float64)
+    for piece in pieces:
+        start = piece * CHUNK
+        size = min(CHUNK, count - start)
+        pairs = (size + 1) // 2
+        target = flat[start : start + size] if summands == 1 else total
+        for summand in range(summands):
+            block = words[: 2 * pairs]
+            keystream_into(key, (first + piece * (CHUNK * summands // 2) + summand * pairs) % _COUNTER_MOD, block)
+            for low in range(0, pairs, _STEP):
+                high = min(low + _STEP, pairs)
+                step = high - low
+                box_muller(block[low:high], block[pairs + low : pairs + high], scale, values, work, lib)
+                sines = min(high, size - pairs) - low  # the last odd value has no sine partner
+                if summand == 0:
+                    np.copyto(target[low:high], values[:step], casting="same_kind")
+                    np.copyto(target[pairs + low : pairs + low + sines], values[step : step + sines], casting="same_kind")
+                else:
+                    target[low:high] += values[:step]
+                    target[pairs + low : pairs + low + sines] += values[step : step + sines]
         if summands > 1:
-            total += values
-    out.copy_(torch.from_numpy(total[: out.numel()]))
+            np.copyto(flat[start : start + size], total[:size], casting="same_kind")
 
 
 def bernoulli(stream: KeyStream, count: int, probability: float) -> np.ndarray:

@@ -67,16 +67,33 @@ def test_reserved_ranges_never_overlap_and_a_large_draw_matches_its_pieces():
     fill_normals(FixedStream(key, counter), wide, 1.7)
     fill_normals(FixedStream(key, counter), narrow, 1.7)
     assert torch.equal(narrow, wide.float())
-    # a summed draw is the scaled sum of its single draws, read from consecutive keystream
+    # with summands, too (the float64 sum is rounded once)
+    summed_wide, summed_narrow = torch.empty(count, dtype=torch.float64), torch.empty(count, dtype=torch.float32)
+    fill_normals(FixedStream(key, counter), summed_wide, 1.7, summands=2)
+    fill_normals(FixedStream(key, counter), summed_narrow, 1.7, summands=2)
+    assert torch.equal(summed_narrow, summed_wide.float())
+    # a small summed draw is the scaled sum of consecutive normals of the stream's buffer
     summed = torch.empty(6, dtype=torch.float64)
     fill_normals(FixedStream(key, counter), summed, 2.0, summands=2)
-    one, two = torch.empty(6, dtype=torch.float64), torch.empty(6, dtype=torch.float64)
-    fill_normals(FixedStream(key, counter), one, 1.0)
-    fill_normals(FixedStream(key, counter + 3), two, 1.0)  # 6 values take 3 blocks
-    scale = 2.0 / math.sqrt(2)
-    expected_sum = (one + two) * scale
-    rounding = 8 * 2.0**-53 * (one.abs() + two.abs()) * scale  # a few roundings per term
-    assert ((summed - expected_sum).abs() <= rounding).all()
+    singles = torch.empty(12, dtype=torch.float64)
+    fill_normals(FixedStream(key, counter), singles, 1.0)
+    assert torch.equal(summed, (singles[:6] + singles[6:]) * (2.0 / math.sqrt(2)))
+    # a small draw does not repeat the normals of the one before it
+    stream = FixedStream(key, counter)
+    small = [torch.empty(1000) for _ in range(3)]
+    for tensor in small:
+        fill_normals(stream, tensor, 1.0)
+    assert not torch.equal(small[0], small[1]) and not torch.equal(small[1], small[2])
+    reference = torch.from_numpy(stream_normals(key, counter, 3000)).float().double()
+    # numpy or torch may make either (their last float64 bit may differ): at most one float32 step apart
+    assert ((torch.cat(small).double() - reference).abs() <= reference.abs() * 2.0**-23).all()
+
+
+def stream_normals(key: bytes, counter: int, count: int) -> np.ndarray:
+    """The first ``count`` normals of a fresh stream's buffer (one large draw of its size)."""
+    values = torch.empty(1 << 16, dtype=torch.float64)
+    fill_normals(FixedStream(key, counter), values, 1.0)
+    return values.numpy()[:count]
 
 
 def test_uniforms_are_strictly_inside_the_unit_interval_and_box_muller_is_the_formula():
