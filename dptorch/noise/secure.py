@@ -26,6 +26,7 @@ for that choice is in ``dptorch.noise.gaussian``'s docstring.
 from __future__ import annotations
 
 import ctypes
+import glob
 import math
 import os
 import threading
@@ -188,10 +189,10 @@ def _serial_torch(worker: bool) -> bool:
     if not worker:
         return False
     if _omp_set_num_threads is None:
+        found = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
         try:
-            library = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1"))
-            _omp_set_num_threads = library.omp_set_num_threads
-        except (OSError, AttributeError):
+            _omp_set_num_threads = ctypes.CDLL(found[0]).omp_set_num_threads
+        except (IndexError, OSError, AttributeError):
             _omp_set_num_threads = False  # another OpenMP, or none: numpy does the math
     if _omp_set_num_threads is False:
         return False
