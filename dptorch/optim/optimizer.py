@@ -523,6 +523,14 @@ class DPOptimizer(torch.optim.Optimizer):
             self._reset_clipping_step()
             self.plan.on_discard()
 
+    def drop_unfinished_step(self) -> None:
+        """Forget the clipped gradients and skip signals of a logical batch left unfinished (a loop that
+        stopped iterating in the middle of a Poisson draw): they were never released, so they cost
+        nothing, and they must not join the next draw's step, which is accounted as one draw."""
+        self._step_skip_queue.clear()
+        self._last_step_skipped = False
+        self.zero_grad()
+
     def detach(self) -> None:
         """Stop listening to the controller."""
         self._remove_listener()

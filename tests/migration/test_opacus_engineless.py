@@ -135,3 +135,36 @@ def test_a_token_mean_over_the_batch_is_refused_before_any_update():
         model(input_ids=ids, labels=ids).loss.backward()
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     hooks.cleanup()
+
+
+def test_a_pass_stopped_inside_a_draw_leaves_nothing_for_the_next_pass():
+    """The Trainer reads len() once; a later epoch may be longer and end inside a Poisson draw. Its
+    held clipped gradients and signals are dropped when the next pass starts, not merged into a step."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 2)
+    wrap_model(model, grad_sample_mode="hooks", wrap_model=False, loss_reduction="sum")
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=16, loss_reduction="sum")
+    accountant = RDPAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(0.25))
+    loader = DPDataLoader(TensorDataset(torch.randn(64, 5), torch.randint(0, 2, (64,))), sample_rate=0.25, seed=1)
+    physical = wrap_data_loader(data_loader=loader, optimizer=optimizer, max_batch_size=2)
+    for x, y in physical:  # stop at the first physical batch that does not close its draw
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if optimizer._last_step_skipped:
+            break
+    assert optimizer.accumulated_iterations > 0 and len(accountant) == 0
+    batches = iter(physical)
+    assert optimizer.accumulated_iterations == 0 and optimizer._step_skip_queue == []
+    rows = []
+    for x, y in batches:  # the next pass: its first real step holds its first draw's batches only
+        rows.append(len(y))
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        held = optimizer.accumulated_iterations
+        optimizer.step()
+        optimizer.zero_grad()
+        if len(accountant):
+            break
+    assert held == len(rows) and sum(rows) == physical._opens[0][1] and len(accountant) == 1

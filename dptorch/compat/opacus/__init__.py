@@ -135,11 +135,22 @@ def wrap_data_loader(*, data_loader: Any, max_batch_size: int, optimizer: Any) -
     ``_step_skip_queue``), so a loop that fetches several batches ahead (the Trainer's gradient
     accumulation) still steps for real exactly at the last physical batch of every Poisson draw.
     """
-    physical = BatchMemoryManager(
-        data_loader=data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer
-    ).__enter__()
+    checked = BatchMemoryManager(data_loader=data_loader, max_physical_batch_size=max_batch_size, optimizer=optimizer)
+    physical = _EpochPhysicalBatches(data_loader, checked.max_physical_batch_size, optimizer)
     physical.plan_epoch()
     return physical
+
+
+class _EpochPhysicalBatches(PhysicalBatchLoader):
+    """Physical batches whose every pass starts clean: the HF Trainer reads ``len()`` once and may stop
+    a later epoch (planned anew, of another length) inside a Poisson draw; what that unfinished draw
+    left in the optimizer is dropped, never merged into the next draw's step."""
+
+    def __iter__(self) -> Any:
+        drop = getattr(self.optimizer, "drop_unfinished_step", None)
+        if drop is not None:
+            drop()
+        return super().__iter__()
 
 
 # ---------------------------------------------------------------------------------- optimizers
