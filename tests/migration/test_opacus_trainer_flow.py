@@ -136,14 +136,14 @@ class OpacusStyleTrainer(transformers.Trainer):
                                 max_batch_size=self._train_batch_size)
 
 
-def train(tmp_path, mode, lora, accumulation, clipping="flat"):
+def train(tmp_path, mode, lora, accumulation, clipping="flat", epochs=1):
     model = tiny_bert(lora)
     trained = [p for p in model.parameters() if p.requires_grad]
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     before = [p.detach().clone() for p in trained]
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), per_device_train_batch_size=PER_DEVICE, gradient_accumulation_steps=accumulation,
-        num_train_epochs=1, learning_rate=0.05, report_to=[], save_strategy="no", logging_strategy="no",
+        num_train_epochs=epochs, learning_rate=0.05, report_to=[], save_strategy="no", logging_strategy="no",
         disable_tqdm=True, use_cpu=True, dataloader_num_workers=0, seed=0,
     )
     trainer = OpacusStyleTrainer(model, args, Rows(), mode, clipping)
@@ -187,4 +187,16 @@ def test_adaptive_clipping_class_takes_opacus_keywords_in_the_flow(tmp_path):
     # the accountant records the stated sigma (the gradient gets the raised one, the count the rest)
     assert trainer.accountant.history == [[SIGMA, PER_DEVICE * 2 / N, draws]]
     assert optimizer.plan.gradient_noise_multiplier > SIGMA
+    trainer.hooks.cleanup()
+
+
+def test_later_epochs_of_another_length_still_account_each_real_step_once(tmp_path):
+    """The Trainer takes one epoch's length for all; each later epoch is drawn anew (other lengths), so
+    it may end early or inside a draw: every real step is still one draw and one accountant step."""
+    trainer, model, trained, before, _, draws = train(tmp_path, "hooks", False, 2, epochs=3)
+    steps = trainer.steps
+    assert steps.moved_without_step == 0 and all(not torch.equal(a, b) for a, b in zip(before, trained))
+    assert steps.real_steps == trainer.optimizer.optimizer.plan.steps == len(trainer.accountant)
+    assert draws < steps.real_steps <= 3 * draws  # the first epoch whole, later ones possibly cut inside a draw
+    assert trainer.accountant.history == [[SIGMA, PER_DEVICE * 2 / N, steps.real_steps]]
     trainer.hooks.cleanup()
