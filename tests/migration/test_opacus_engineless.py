@@ -22,6 +22,16 @@ def opacus_optimizer(params, **extra):
                        max_grad_norm=1.0, loss_reduction="mean", **extra)
 
 
+def summed_and_accounted(model, expected_batch_size, sample_rate):
+    """Opacus' engine-less set-up with summed losses: controller, optimizer, accountant hook."""
+    wrap_model(model, grad_sample_mode="hooks", wrap_model=False, loss_reduction="sum")
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+                            max_grad_norm=1.0, expected_batch_size=expected_batch_size, loss_reduction="sum")
+    accountant = RDPAccountant()
+    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(sample_rate))
+    return optimizer, accountant
+
+
 @pytest.mark.parametrize("attach", ["wrap_model", "GradSampleModule"])
 def test_without_hooks_the_optimizer_takes_the_controller_attached_to_its_parameters(attach):
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
@@ -78,11 +88,7 @@ def test_signals_queued_ahead_make_the_right_steps_real_and_each_is_accounted_on
 
 def test_without_virtual_steps_two_backward_passes_in_one_step_are_accounted_as_opacus_does():
     model = nn.Linear(3, 1)
-    wrap_model(model, grad_sample_mode="hooks", wrap_model=False, loss_reduction="sum")
-    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
-                            max_grad_norm=1.0, expected_batch_size=4, loss_reduction="sum")
-    accountant = RDPAccountant()
-    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(0.1))
+    optimizer, accountant = summed_and_accounted(model, expected_batch_size=4, sample_rate=0.1)
     for _ in range(2):  # two batches under one noise draw: Opacus records one step at twice the rate
         model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
@@ -142,11 +148,7 @@ def test_a_pass_stopped_inside_a_draw_leaves_nothing_for_the_next_pass():
     held clipped gradients and signals are dropped when the next pass starts, not merged into a step."""
     torch.manual_seed(0)
     model = nn.Linear(5, 2)
-    wrap_model(model, grad_sample_mode="hooks", wrap_model=False, loss_reduction="sum")
-    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
-                            max_grad_norm=1.0, expected_batch_size=16, loss_reduction="sum")
-    accountant = RDPAccountant()
-    optimizer.attach_step_hook(accountant.get_optimizer_hook_fn(0.25))
+    optimizer, accountant = summed_and_accounted(model, expected_batch_size=16, sample_rate=0.25)
     loader = DPDataLoader(TensorDataset(torch.randn(64, 5), torch.randint(0, 2, (64,))), sample_rate=0.25, seed=1)
     physical = wrap_data_loader(data_loader=loader, optimizer=optimizer, max_batch_size=2)
     for x, y in physical:  # stop at the first physical batch that does not close its draw
