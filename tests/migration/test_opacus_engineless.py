@@ -170,3 +170,31 @@ def test_a_pass_stopped_inside_a_draw_leaves_nothing_for_the_next_pass():
         if len(accountant):
             break
     assert held == len(rows) and sum(rows) == physical._opens[0][1] and len(accountant) == 1
+
+
+def test_opacus_shape_argument_gives_one_loss_per_sequence():
+    """``criterion(logits.view(-1, V), labels.view(-1), shape=(B, T, V))``: each sequence's mean over its
+    own non-ignored tokens, the batch's mean of those; its private step is the gradient of that loss."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 8), nn.Linear(8, 11))
+    ids = torch.randint(0, 11, (3, 5))
+    labels = ids.clone()
+    labels[0, 3:] = -100  # sequence 0 has 3 targets, the others 5
+    criterion = nn.CrossEntropyLoss(ignore_index=-100)
+    per_token = nn.functional.cross_entropy(model(ids).reshape(15, 11), labels.reshape(15), reduction="none")
+    expected = (per_token.reshape(3, 5).sum(1) / torch.tensor([3.0, 5.0, 5.0])).mean()
+    expected.backward()
+    reference = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    hooks = wrap_model(model, grad_sample_mode="ghost", wrap_model=False)
+    optimizer = DPOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=0.0,
+                            max_grad_norm=1e6, expected_batch_size=3, loss_reduction="mean")
+    wrapped = DPLossFastGradientClipping(hooks, optimizer, criterion, "mean")
+    logits = model(ids)
+    loss = wrapped(logits.reshape(15, 11), labels.reshape(15), shape=logits.shape)
+    torch.testing.assert_close(loss.detach(), expected.detach())
+    loss.backward()
+    optimizer.step()
+    for p, grad in zip(model.parameters(), reference):
+        torch.testing.assert_close(p.grad, grad, rtol=1e-4, atol=1e-6)
+    hooks.cleanup()

@@ -316,7 +316,9 @@ class DPLossFastGradientClipping(DPLoss):
             )
         super().__init__(criterion, hooks, loss_reduction=loss_reduction)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, shape: Optional[Tuple[int, ...]] = None, **kwargs: Any) -> Any:
+        if shape is not None:  # Opacus' generative case: per-token losses of logits flattened from (B, T, V)
+            return DPLoss(lambda: self._per_sequence(args, kwargs, shape), self.hooks)()
         if hasattr(self.criterion, "reduction"):
             return super().__call__(*args, **kwargs)
         # A transformers loss (no `reduction`): it returns the batch's reduced loss, not one per sample.
@@ -326,6 +328,23 @@ class DPLossFastGradientClipping(DPLoss):
         if isinstance(loss, torch.Tensor) and loss.dim() == 0:
             return loss
         return DPLoss(lambda: loss, self.hooks)()  # one loss per sample: checked and reduced as DPLoss does
+
+    def _per_sequence(self, args: tuple, kwargs: dict, shape: Tuple[int, ...]) -> torch.Tensor:
+        """One loss per sequence from per-token losses: their sum, or their mean over the sequence's own
+        targets that are not ``ignore_index`` (a divisor from the sample alone)."""
+        rows, steps = int(shape[0]), int(shape[1])
+        per_token = self._per_sample_losses(*args, **kwargs)
+        if per_token.numel() != rows * steps:
+            raise ValueError(f"shape={tuple(shape)} promises {rows} x {steps} token losses, the criterion gave "
+                             f"{per_token.numel()}; pass the shape of the logits before flattening")
+        per_token = per_token.reshape(rows, steps)
+        if self.loss_reduction == "sum":
+            return per_token.sum(1)
+        ignore = getattr(self.criterion, "ignore_index", None)
+        target = kwargs.get("target", args[1] if len(args) > 1 else None)
+        if ignore is None or target is None:
+            return per_token.mean(1)
+        return per_token.sum(1) / (target.reshape(rows, steps) != ignore).sum(1).clamp(min=1)
 
 
 __all__ = [
