@@ -95,8 +95,9 @@ class Accountant(ABC):
 
         Each time the optimizer takes a (real) step the hook records it at the optimizer's current
         ``noise_multiplier``: as many steps of rate ``sample_rate`` as the DPOptimizer says it
-        accounts (``steps_to_account()``: one per Poisson draw), or else one step at ``sample_rate``
-        times ``accumulated_iterations``, as in Opacus. ``PrivacyEngine`` needs no such hook: its
+        accounts (``steps_to_account()``: one per Poisson draw; a step after several backward passes
+        with no record of their draws is refused by it before anything changes), or, for an optimizer
+        that is not dptorch's, one step at ``sample_rate`` times ``accumulated_iterations``, as in Opacus. ``PrivacyEngine`` needs no such hook: its
         optimizer reports every step to the engine's accountant.
         """
         rate = check_sample_rate(sample_rate)
@@ -108,6 +109,7 @@ class Accountant(ABC):
                 steps, factor = 1, getattr(optimizer, "accumulated_iterations", 1)
             self.step(noise_multiplier=optimizer.noise_multiplier, sample_rate=rate * factor, num_steps=steps)
 
+        hook_fn.records_privacy = True  # the optimizer refuses, before it steps, a step this hook could only guess
         return hook_fn
 
     @property

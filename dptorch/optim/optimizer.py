@@ -48,7 +48,7 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.noise.banded.mechanism import attach_banded_noise
-from dptorch.plan import PrivacyPlan
+from dptorch.plan import PrivacyPlan, SamplingMismatchError
 
 StepHook = Callable[["DPOptimizer"], None]
 
@@ -398,14 +398,30 @@ class DPOptimizer(torch.optim.Optimizer):
         ``step()`` takes the oldest signal, and is a real step when none is queued."""
         self._step_skip_queue.append(bool(do_skip))
 
+    def _check_rounds_accountable(self) -> None:
+        """Refuse, before anything changes, a step an accountant hook would record on a guess: several
+        backward passes since the last ``step()`` call and no record of the draws behind them."""
+        rounds = self._rounds_since_call
+        accounting = any(getattr(hook, "records_privacy", False) for hook in self._step_hooks)
+        if not accounting or self.plan.draws is not None or rounds <= 1:
+            return
+        raise SamplingMismatchError(
+            f"DPOptimizer.step(): {rounds} backward passes since the last step() call, and no record of the "
+            "Poisson draws behind them, so the accountant hook cannot tell one draw split into physical batches "
+            "from several draws merged into one noised step (which no accountant covers; Opacus records it as one "
+            f"step at {rounds} times the sample rate, which is not a proven bound). For one draw in physical "
+            "batches, call signal_skip_step() before each step() but the last, or build the loader with "
+            "wrap_data_loader / BatchMemoryManager; for several draws, take one step per draw"
+        )
+
     def steps_to_account(self) -> Tuple[int, int]:
         """``(steps, rate factor)`` of the step being taken, for an accountant hook (Opacus' flow).
 
         With a draw ledger (the data loader tells the optimizer's plan of its draws: ``make_private``,
         ``wrap_data_loader``): one step at the sample rate per Poisson draw handed out since the last
-        step (a step fed by several draws was refused before). Without one: one step at
-        ``accumulated`` times the rate, ``accumulated`` the backward rounds since the last ``step()``
-        call, as Opacus counts its ``p.grad_sample`` entries (1 with virtual steps)."""
+        step (a step fed by several draws was refused before). Without one: one step at the rate,
+        for the one backward pass since the last ``step()`` call (several were refused before the step
+        changed anything: :meth:`_check_rounds_accountable`)."""
         if self._accounted_draws is not None:
             return self._accounted_draws, 1
         return 1, max(1, self._rounds_since_call)
@@ -481,6 +497,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._rounds_since_call = 0
             self.hooks.clear()
             return False
+        self._check_rounds_accountable()
         try:
             count = self.plan.close_step(batch_first=getattr(self.hooks, "batch_first", None))
         except Exception:

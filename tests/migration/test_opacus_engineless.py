@@ -13,6 +13,7 @@ from dptorch.data_loader import DPDataLoader
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.grad_sample.utils import wrap_model
 from dptorch.optimizers import DPOptimizer
+from dptorch.plan import SamplingMismatchError
 from dptorch.utils.batch_memory_manager import wrap_data_loader
 from dptorch.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
 
@@ -86,13 +87,20 @@ def test_signals_queued_ahead_make_the_right_steps_real_and_each_is_accounted_on
     assert math.isclose(accountant.get_epsilon(1e-5), reference.get_epsilon(1e-5), rel_tol=1e-9)
 
 
-def test_without_virtual_steps_two_backward_passes_in_one_step_are_accounted_as_opacus_does():
+def test_without_virtual_steps_two_backward_passes_in_one_step_are_refused_before_anything_changes():
     model = nn.Linear(3, 1)
     optimizer, accountant = summed_and_accounted(model, expected_batch_size=4, sample_rate=0.1)
-    for _ in range(2):  # two batches under one noise draw: Opacus records one step at twice the rate
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(2):  # two batches under one noise draw: one draw in two parts, or two draws merged?
         model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(SamplingMismatchError, match="2 backward passes since the last step"):
+        optimizer.step()
+    assert accountant.history == []
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    optimizer.zero_grad()
+    model(torch.randn(4, 3)).sum().backward()  # one pass per step: one step at the rate
     optimizer.step()
-    assert accountant.history == [[1.0, 0.2, 1]]
+    assert accountant.history == [[1.0, 0.1, 1]]
 
 
 def _ghost_with_the_models_own_loss(model, batch_size):
