@@ -37,7 +37,7 @@ not a proof of (epsilon, delta) in floating point (no value beyond ``sqrt(106 ln
 occurs, a Gaussian mass of about 1e-17, and the float32 addition rounds); the exact route would be
 a discrete Gaussian on an integer grid (Canonne-Kamath-Steinke 2020), not implemented; timing
 side channels are out of scope (the math has no value-dependent branches, but nothing is
-constant-time by construction). The cost is about 2.2x the default path on a (loaded) 2-core CPU
+constant-time by construction). The cost is 2.4x to 3.0x the default path on a quiet 2-core CPU
 (benchmarks/noise.py; docs/privacy.md has the figures).
 """
 
