@@ -210,31 +210,31 @@ def registered():
         remove_batch_rule(op)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_registered_elementwise_ops_train_exactly(mode, registered):
+def assert_refused_until_registered(mode, fn, unfollowed, register_rules):
+    """``Sandwich(fn)`` is refused (naming ``unfollowed``) before ``register_rules()``, exact after."""
     torch.manual_seed(0)
-    model = Sandwich(_rowwise)
+    model = Sandwich(fn)
     x = torch.randn(N, 4)
     with GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum"):
-        with pytest.raises(PerSampleGradientError, match="special_erfcx" if mode != "ew" else None):
+        with pytest.raises(PerSampleGradientError, match=unfollowed if mode != "ew" else None):
             model(x).sum().backward()
     model.zero_grad(set_to_none=True)
-    registered(torch.special.erfcx, "elementwise")
-    registered(torch.special.expit)
+    register_rules()
     assert_exact(model, (x,), (0,), projection_loss, mode, N)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registered_elementwise_ops_train_exactly(mode, registered):
+    def register_rules():
+        registered(torch.special.erfcx, "elementwise")
+        registered(torch.special.expit)
+
+    assert_refused_until_registered(mode, _rowwise, "special_erfcx", register_rules)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_registered_custom_op_trains_exactly(mode, registered):
-    torch.manual_seed(0)
-    model = Sandwich(scaled_tanh)
-    x = torch.randn(N, 4)
-    with GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum"):
-        with pytest.raises(PerSampleGradientError, match="scaled_tanh" if mode != "ew" else None):
-            model(x).sum().backward()
-    model.zero_grad(set_to_none=True)
-    registered(scaled_tanh)
-    assert_exact(model, (x,), (0,), projection_loss, mode, N)
+    assert_refused_until_registered(mode, scaled_tanh, "scaled_tanh", lambda: registered(scaled_tanh))
 
 
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
