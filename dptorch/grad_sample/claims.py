@@ -53,15 +53,7 @@ def controller_of(params: Sequence[nn.Parameter], who: str = "DPOptimizer") -> A
     if not params:
         raise ValueError(f"{who} has no trainable parameters to find a per-sample gradient controller for")
     by_param = [(index, param, claimants(param)) for index, param in enumerate(params)]
-    shared = [(index, found) for index, _, found in by_param if len(found) > 1]
-    if shared:
-        index, found = shared[0]
-        models = " and ".join(type(c.module).__name__ for c in found)
-        raise RuntimeError(
-            f"{who}: parameter {index} of the optimizer is captured by {len(found)} controllers (attached to "
-            f"{models}): its per-sample gradients would be split between them and no clipping bound would hold. "
-            "Attach one controller to one model holding every trained parameter, or pass hooks= explicitly"
-        )
+    _refuse_shared(who, [(index, found) for index, _, found in by_param])
     controllers = {id(found[0]): found[0] for _, _, found in by_param if found}
     unclaimed = [f"{index} (shape {tuple(param.shape)})" for index, param, found in by_param if not found]
     if not controllers:
@@ -81,6 +73,24 @@ def controller_of(params: Sequence[nn.Parameter], who: str = "DPOptimizer") -> A
             "the controller is attached to (attach it after adding heads or adapters), or pass hooks="
         )
     return next(iter(controllers.values()))
+
+
+def check_sole_claim(controller: Any, params: Sequence[nn.Parameter], who: str = "DPOptimizer") -> None:
+    """Refuse ``params`` when another attached controller than ``controller`` also claims one of them."""
+    _refuse_shared(who, [(index, [controller] + [c for c in claimants(param) if c is not controller])
+                         for index, param in enumerate(params)])
+
+
+def _refuse_shared(who: str, found_by_index: Sequence[Tuple[int, List[Any]]]) -> None:
+    """Refuse when a parameter is claimed by more than one controller (``(index, claimants)`` pairs)."""
+    for index, found in found_by_index:
+        if len(found) > 1:
+            models = " and ".join(type(c.module).__name__ for c in found)
+            raise RuntimeError(
+                f"{who}: parameter {index} of the optimizer is captured by {len(found)} controllers (attached to "
+                f"{models}): its per-sample gradients would be split between them and no clipping bound would "
+                "hold. Attach one controller to one model holding every trained parameter"
+            )
 
 
 def _live(key: int) -> List[Tuple["weakref.ref[nn.Parameter]", "weakref.ref[Any]"]]:

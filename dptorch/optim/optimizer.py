@@ -43,7 +43,7 @@ from dptorch.clipping.factors import (
 )
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
 from dptorch.distributed.noise import ShardedNoise
-from dptorch.grad_sample.claims import controller_of
+from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
@@ -109,6 +109,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         if hooks is None:
             hooks = controller_of(params)
+        else:
+            check_sole_claim(hooks, params)
         check_clipping(plan.clipping, plan.max_grad_norm, params, [hooks.parameter_name(p) for p in params])
         if loss_reduction == "mean" and not plan.expected_batch_size:
             raise ValueError("loss_reduction='mean' needs the expected logical batch size (expected_batch_size > 0)")

@@ -55,6 +55,8 @@ def test_the_optimizer_refuses_parameters_no_controller_or_two_controllers_claim
     one, two = GradSampleHooks(first), GradSampleHooks(second)
     with pytest.raises(RuntimeError, match=r"captured by 2 controllers \(attached to Sequential and Sequential\)"):
         opacus_optimizer(first.parameters())
+    with pytest.raises(RuntimeError, match=r"captured by 2 controllers"):  # naming one of them does not help
+        opacus_optimizer(first.parameters(), hooks=one)
     two.cleanup()
     assert opacus_optimizer(first.parameters()).hooks is one
     for controller in (hooks, one):
