@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from dptorch.accounting.validation import is_number
 from dptorch.clipping.adaptive import clipping_plan_fields, unclipped_fraction
 from dptorch.clipping.checks import check_clipping
 from dptorch.clipping.factors import (
@@ -205,6 +206,23 @@ class DPOptimizer(torch.optim.Optimizer):
     @property
     def max_grad_norm(self) -> Union[float, Sequence[float]]:
         return self.plan.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Union[float, Sequence[float]]) -> None:
+        """A new clipping bound (a clipping schedule), from the next backward pass on."""
+        if self.clipping in ("adaptive", "automatic"):
+            raise ValueError(
+                f"max_grad_norm cannot be set under clipping={self.clipping!r}: "
+                + ("the adaptive rule moves the bound itself" if self.clipping == "adaptive" else "automatic clipping has no bound")
+            )
+        if self._accumulated:
+            raise ValueError(
+                f"max_grad_norm cannot change while {self._accumulated} backward pass(es) of clipped gradients are held "
+                "for the next step: they were clipped at the old bound and the noise would be drawn at the new one. "
+                "Change it after optimizer.step() (or zero_grad())"
+            )
+        check_clipping(self.clipping, value, self.params)
+        self.plan.max_grad_norm = value if is_number(value) else list(value)
 
     @property
     def clipping(self) -> str:

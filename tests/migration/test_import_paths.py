@@ -55,10 +55,15 @@ OPACUS_PATHS = {
     "opacus.layers": ["DPLSTM", "DPGRU", "DPRNN", "DPMultiheadAttention"],
     "opacus.layers.dp_rnn": ["DPLSTM", "DPGRU", "DPRNN", "DPRNNBase"],
     "opacus.layers.dp_multihead_attention": ["DPMultiheadAttention"],
+    "opacus.schedulers": ["ExponentialNoise", "LambdaNoise", "StepNoise", "ExponentialGradClip", "LambdaGradClip",
+                          "StepGradClip", "_NoiseScheduler", "_GradClipScheduler"],
+    "opacus.schedulers.noise_scheduler": ["ExponentialNoise", "LambdaNoise", "StepNoise", "_NoiseScheduler"],
+    "opacus.schedulers.grad_clip_scheduler": ["ExponentialGradClip", "LambdaGradClip", "StepGradClip",
+                                              "_GradClipScheduler"],
 }
 
 # Opacus paths dptorch does not provide (the guide names the replacement of each).
-NOT_PROVIDED = ["opacus.schedulers", "opacus.scripts.compute_dp_sgd_privacy", "opacus.lightning"]
+NOT_PROVIDED = ["opacus.scripts.compute_dp_sgd_privacy", "opacus.lightning"]
 
 # Opacus names, inside provided paths, that raise OpacusCompatibilityError naming the replacement.
 UNMAPPED_NAMES = {
@@ -100,7 +105,7 @@ def dptorch_path(opacus_path):
 
 
 def test_the_list_covers_the_paths_the_brief_names():
-    assert len(OPACUS_PATHS) == 21
+    assert len(OPACUS_PATHS) == 24
     for path in ["opacus.validators", "opacus.utils.batch_memory_manager", "opacus.accountants.utils",
                  "opacus.data_loader", "opacus.optimizers", "opacus.utils.uniform_sampler", "opacus.distributed",
                  "opacus.grad_sample.utils", "opacus.layers", "opacus.privacy_engine"]:
