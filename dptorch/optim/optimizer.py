@@ -48,6 +48,7 @@ from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.optim.loss_scaling import plain_scaler_error, unscale_factors, unscale_norms
 from dptorch.noise.banded.mechanism import attach_banded_noise
 from dptorch.plan import PrivacyPlan, SamplingMismatchError
 
@@ -66,6 +67,11 @@ class DPOptimizer(torch.optim.Optimizer):
     ``GradSampleModule``, ``wrap_model(..., wrap_model=False)``) and is refused when there is none,
     or more than one.
     """
+
+    #: The ``DPGradScaler`` that scales this optimizer's losses (fp16), set by it; None: unscaled losses.
+    loss_scaler: Optional[Any] = None
+    #: torch's GradScaler.step then calls step() itself (with ``grad_scale`` set), where it is refused.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -277,6 +283,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
         self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
+        scale = self.loss_scaler.round_scale() if self.loss_scaler is not None else 1.0  # fp16: DPGradScaler's
+        norms = unscale_norms(norms, scale)
         total = flat_norms(norms)
         dropped = self._nonfinite(total)  # units whose gradient is not finite contribute 0 (None: none)
         within: Optional[torch.Tensor] = None  # per unit: no clipping applied (None: automatic, no bound)
@@ -297,6 +305,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"per-layer clipping: no threshold for {', '.join(unknown)} (not in the optimizer)")
             factors = {p: drop_nonfinite(clip_factors(n, thresholds[p]), dropped) for p, n in norms.items()}
             within = torch.stack([n <= thresholds[p] for p, n in norms.items()]).all(0)
+        factors = unscale_factors(factors, scale)  # applied to the scaled rows: the clipped sum in true units
         self._observe_clipping(total, within, dropped)
         if self._sharded:  # FSDP2: the clipped sums are reduce-scattered now; only this rank's shard is kept
             accumulate_sharded(self, hooks, factors, dropped)
@@ -325,6 +334,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "term) and was dropped: it contributes exactly zero to the step, the other units are unaffected. "
                 "Shown once; the number of such units per step is released only with clipping_stats='private' "
                 "(noised, covered by epsilon) or clipping_stats='raw' (not covered by epsilon)"
+                + (". Under fp16 loss scaling it is most likely an overflow of the scaled gradient: a lower "
+                   "DPGradScaler init_scale keeps such units (docs/privacy.md, fp16 loss scaling)"
+                   if self.loss_scaler is not None else "")
             ), stacklevel=2)
         return dropped
 
@@ -541,6 +553,9 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if self.__dict__.pop("grad_scale", None) is not None:  # set by torch's GradScaler.step (not DPGradScaler's)
+            self.__dict__.pop("found_inf", None)
+            raise RuntimeError(plain_scaler_error())
         loss = None
         if closure is not None:
             with torch.enable_grad():
