@@ -49,6 +49,13 @@ def check_delta(value: object, name: str = "delta") -> float:
     return delta
 
 
+#: Opacus' tutorials set ``DELTA = 1 / len(train_dataloader)``: one over the number of batches.
+_OPACUS_DELTA_IDIOM = (
+    ". (Opacus' tutorials set DELTA = 1 / len(train_dataloader), one over the number of batches, which is far "
+    "above 1/N; with dptorch use e.g. DELTA = 1 / (10 * len(train_dataloader.dataset)) or 1e-5.)"
+)
+
+
 def check_delta_for_units(
     delta: object, num_units: Optional[int], name: str = "delta", sample_rate: Optional[float] = None
 ) -> float:
@@ -66,14 +73,14 @@ def check_delta_for_units(
         raise ValueError(
             f"{name}={value:g} is not below 1/N for N={num_units} privacy units: such a delta allows releasing a "
             f"unit outright, so no epsilon at it means anything. Choose {name} < 1/N = {1 / num_units:.3g}"
-            + (" (1e-5 or smaller is usual)" if num_units <= 10**5 else "")
+            + (" (1e-5 or smaller is usual)" if num_units <= 10**5 else "") + _OPACUS_DELTA_IDIOM
         )
     if num_units is None and sample_rate is not None and value >= sample_rate:
         raise ValueError(
             f"{name}={value:g} is not below the sample rate {sample_rate:g}: a data set sampled at that rate with an "
             f"expected batch of one unit or more holds N >= 1/q = {1 / sample_rate:.3g} units, and a delta >= 1/N "
             f"allows releasing a unit outright, so no epsilon at it means anything. Choose {name} < 1/N "
-            "(1e-5 or smaller is usual)"
+            "(1e-5 or smaller is usual)" + _OPACUS_DELTA_IDIOM
         )
     return value
 
