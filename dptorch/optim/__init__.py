@@ -2,8 +2,9 @@
 
 from dptorch.clipping import CLIPPING_MODES, AdaptiveClipping, NonFiniteGradientWarning, clip_factors
 from dptorch.optim.adaclip import AdaClipDPOptimizer
+from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 
 __all__ = [
-    "CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "DPOptimizer", "NonFiniteGradientWarning", "clip_factors",
+    "CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "DPGradScaler", "DPOptimizer", "NonFiniteGradientWarning", "clip_factors",
 ]

@@ -61,7 +61,8 @@ def test_trainer_refusals_say_why():
         fsdp.is_fsdp_enabled = True
         fsdp.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
         assert ("FlatParameter" in " ".join(setup_problems(fsdp, privacy))) is refused  # FSDP2 is supported
-    assert "loss scale" in " ".join(setup_problems(fake_trainer(fp16=True), privacy))
+    assert not any("fp16" in p for p in setup_problems(fake_trainer(fp16=True), privacy))  # one process: DPGradScaler
+    assert "fp16 on several processes" in " ".join(setup_problems(fake_trainer(fp16=True, world_size=2), privacy))
     assert "DataParallel" in " ".join(setup_problems(fake_trainer(n_gpu=2), privacy))
 
     class TrlLike(SimpleNamespace):

@@ -40,9 +40,10 @@ What a callback cannot do, and how each gap is handled (the same list is in
 5. **Logs.** ``epsilon`` goes into ``trainer.state.log_history`` and the logs of callbacks that
    run after this one; reporting integrations (``report_to``) run before it and do not see it.
    The Trainer's ``grad_norm`` is that of the raw gradient, which is never formed here (0).
-6. The set-ups DPTrainer refuses (fp16, DeepSpeed, NEFTune, Liger, ``torch_compile``, LOMO
+6. The set-ups DPTrainer refuses (DeepSpeed, NEFTune, Liger, ``torch_compile``, LOMO
    optimizers, length-grouped sampling) are refused here too, and so are several processes and
-   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not; so is
+   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not, and fp16, which DPTrainer
+   trains with a ``DPGradScaler`` (the callback does not replace Accelerate's GradScaler); so is
    ``noise_mechanism="bandmf"`` (it needs cyclic Poisson sampling the callback cannot impose).
 """
 
@@ -328,7 +329,8 @@ def _refuse_setups(args: Any, state: Any) -> None:
          "at 0; use DPTrainer, whose checkpoints carry the privacy state"),
         (args.world_size > 1 or args.n_gpu > 1,
          "several processes or GPUs (the noise would be added per rank); DPTrainer supports DDP and FSDP2"),
-        (args.fp16, "fp16: its GradScaler scales the per-sample gradients before clipping; use bf16 or fp32"),
+        (args.fp16, "fp16: Accelerate's GradScaler scales the per-sample gradients before clipping and skips steps "
+                    "on overflow; use DPTrainer (it trains fp16 with a DPGradScaler), or bf16 or fp32"),
         (bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None)),
          "DeepSpeed and FSDP shard or replace the gradients clipping needs"),
         (args.neftune_noise_alpha is not None, "NEFTune adds data-dependent noise through an embedding hook"),

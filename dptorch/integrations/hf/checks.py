@@ -48,10 +48,10 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (getattr(args, "parallelism_config", None) is not None,
          "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
          "activations or gradient across ranks, and the per-sample norms would then be partial"),
-        (args.fp16,
-         "fp16 is not supported: its GradScaler multiplies the loss, so the per-sample gradients would be clipped at "
-         "max_grad_norm times the loss scale, and a step skipped for an overflow would still have looked at its "
-         "Poisson batch (which the accountant must count); use bf16 (supported) or fp32"),
+        (args.fp16 and args.world_size > 1,
+         "fp16 on several processes is not supported yet (one process is: its GradScaler is replaced by a "
+         "DPGradScaler, with a fixed scale and no skipped step); the fixed-scale path across DDP or FSDP2 ranks is "
+         "untested. Use bf16 (supported everywhere) or fp32, or fp16 on one process"),
         (trainer.model_init is not None,
          "model_init is not supported: it builds a new model in train(), after the hooks attached; pass model="),
         (args.auto_find_batch_size,

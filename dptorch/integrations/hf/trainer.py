@@ -38,7 +38,8 @@ clipped sums reduce-scattered, each rank noises its shard); Accelerate saves and
 optimizer with ``torch.distributed.checkpoint``, which is handed the inner optimizer. In
 ``compute_loss`` the metric gathers accept micro-batches of different sizes (:mod:`.metrics`).
 Every rank accounts the same steps, so epsilon is the same everywhere; the Trainer's loggers print
-it from rank 0. FSDP1, DeepSpeed and fp16 are refused (:mod:`.checks` says why).
+it from rank 0. FSDP1, DeepSpeed and fp16 on several processes are refused (:mod:`.checks` says why);
+``fp16=True`` on one process trains with a :class:`~dptorch.optim.DPGradScaler` in place of Accelerate's GradScaler.
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
@@ -87,6 +88,7 @@ from dptorch.integrations.hf.sampling import (
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
+from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, check_delta_for_units
 from dptorch.accounting.report import privacy_report, write_model_card
@@ -359,7 +361,16 @@ class PrivateTrainerMixin:
             )
             optimizer.attach_step_hook(self._after_private_step)
             self.optimizer = optimizer
+            self._use_dp_grad_scaler(optimizer)
         return self.optimizer
+
+    def _use_dp_grad_scaler(self, optimizer: DPOptimizer) -> None:
+        """fp16: the GradScaler Accelerate built (on a GPU, for ``fp16=True``) gives way to a fixed-scale
+        :class:`~dptorch.optim.DPGradScaler` before ``prepare`` hands a scaler to the optimizer wrapper: no step
+        skipped or scale lowered for an overflow, each unit unscaled before clipping (:mod:`dptorch.optim.loss_scaling`)."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and not isinstance(scaler, DPGradScaler):
+            self.accelerator.scaler = DPGradScaler.replacing(scaler, optimizer)
 
     def _after_private_step(self, optimizer: DPOptimizer) -> None:
         """Keep the norm of the privatised gradient for the logs (the optimizer accounted the step in the plan)."""
