@@ -41,6 +41,7 @@ from dptorch.grad_sample.tracking import (
     CallBatch,
     OriginCall,
     classify,
+    fed_no_batch,
     origin_grads,
     packed,
     rows_to_dense,
@@ -717,6 +718,8 @@ class GradSampleHooks:
         kind, dims, primary = classify(tags, n)
         if kind == "lost":
             raise self._lost_batch(layer, next(t for t, g in zip(tensors, tags) if g is primary), primary)
+        if kind == "batched" and layer.sampler is None and fed_no_batch([tracker.get(t) for t in outputs], n):
+            kind, dims = "origin", (None,) * len(tensors)  # its batched inputs gave it only their shapes
         if kind == "batched":
             for t, d in zip(tensors, dims):
                 if d is None:

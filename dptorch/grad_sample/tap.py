@@ -15,13 +15,28 @@ since each pass would be clipped on its own.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence, Tuple
 
 import torch
 
 from dptorch.grad_sample.errors import PerSampleGradientError
 
 OnBackward = Callable[[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]], None]
+
+
+_OWN_PASSES = [0]  # how many of the controller's own backward passes are running (``own_pass``)
+
+
+@contextmanager
+def own_pass() -> Iterator[None]:
+    """A backward pass of the controller's own (the per-sample vector-Jacobian product of a shared
+    tensor where it meets the batch): taps it goes through neither fire nor count as passed."""
+    _OWN_PASSES[0] += 1
+    try:
+        yield
+    finally:
+        _OWN_PASSES[0] -= 1
 
 
 class _Tap(torch.autograd.Function):
@@ -38,6 +53,8 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs: torch.Tensor):
+        if _OWN_PASSES[0]:  # a vector-Jacobian product of the controller's own (origins.py): not the step's backward
+            return (None, None, *grad_outputs, *([None] * ctx.num_inputs))
         if getattr(ctx, "fired", False):
             raise PerSampleGradientError(
                 "a second backward pass went through the same forward pass. Each pass would be clipped to "

@@ -9,7 +9,7 @@ means adding it to the ``RULES`` table of its family's file.
 from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking.origins import OriginCall, origin_grads, rows_to_dense
 from dptorch.grad_sample.tracking.registry import RULES, UNFOLLOWED, register_batch_rule, remove_batch_rule
-from dptorch.grad_sample.tracking.tags import INNER, PACKED, WEAK, CallBatch, Lost, classify, packed
+from dptorch.grad_sample.tracking.tags import INNER, PACKED, WEAK, CallBatch, Lost, classify, fed_no_batch, packed
 
 __all__ = [
     "INNER",
@@ -22,6 +22,7 @@ __all__ = [
     "Lost",
     "OriginCall",
     "classify",
+    "fed_no_batch",
     "origin_grads",
     "packed",
     "register_batch_rule",

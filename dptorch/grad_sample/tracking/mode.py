@@ -24,7 +24,7 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import skip
-from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.tags import DIM, INNER, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -221,8 +221,9 @@ class BatchTracker(TorchFunctionMode):
         origins = self.get(use)
         if not use.requires_grad or type(origins) is not tuple:
             return use
-        if out_dim & ~DIM:  # out_dim carries the merged factor of the batch dim, if any
-            raise self.unsupported_meeting(origins, "a tensor whose batch dimension is merged with another")
+        # a batch merged with an inner dim of ``group`` rows (Swin's windows, DeBERTa's heads): the
+        # result's dim holds each sample's ``group`` rows one after the other
+        group, out_dim = max(out_dim // INNER, 1), out_dim & DIM
         lead = out_ndim - use.ndim
         aligned = out_dim - lead
         if lead < 0:
@@ -230,8 +231,8 @@ class BatchTracker(TorchFunctionMode):
         view = use[(None,) * lead] if lead else use
         if broadcasts and (aligned < 0 or use.shape[aligned] == 1):
             broadcast = True
-            view = view.expand(*[self.n if i == out_dim else -1 for i in range(out_ndim)])
-        elif aligned >= 0 and use.shape[aligned] == self.n:
+            view = view.expand(*[self.n * group if i == out_dim else -1 for i in range(out_ndim)])
+        elif aligned >= 0 and use.shape[aligned] == self.n * group:
             broadcast = False
         else:
             return use  # the operation itself reports the shape mismatch
@@ -239,7 +240,7 @@ class BatchTracker(TorchFunctionMode):
         chained = tuple(o for o in origins if o.output() is not use)
         edges = tuple(o.edge for o in chained)
         on_backward = partial(meeting_backward, use if chained else None, tuple(use.shape), direct, chained, edges,
-                              broadcast, out_dim, lead, self.n, self.skip, self.quiet)
+                              broadcast, out_dim, group, lead, self.n, self.skip, self.quiet)
         return tap((view,), (), on_backward)[0]
 
     def add_origin(self, origin: OriginCall) -> None:

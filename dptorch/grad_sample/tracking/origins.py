@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.tap import own_pass
 
 class OriginCall:
     """A captured layer call whose inputs carry no batch dimension.
@@ -56,24 +57,33 @@ class OriginCall:
         return dense, rows
 
 
-def rows_to_dense(rows: Tensor, dim: int, n: int) -> Tensor:
-    """``(n, *rows.shape)`` where sample ``i`` keeps only row ``i`` (along ``dim``) of ``rows``."""
+def rows_to_dense(rows: Tensor, dim: int, n: int, group: int = 1) -> Tensor:
+    """``(n, *rows.shape)`` where sample ``i`` keeps only its rows (along ``dim``) of ``rows``: row
+    ``i``, or with ``group`` rows per sample, rows ``i * group`` to ``(i + 1) * group - 1``."""
     dense = rows.new_zeros((n, *rows.shape))
-    index = torch.arange(n, device=rows.device)
-    dense.movedim(dim + 1, 1)[index, index] = rows.movedim(dim, 0)
+    index = torch.arange(rows.shape[dim], device=rows.device)
+    dense.movedim(dim + 1, 1)[index // group, index] = rows.movedim(dim, 0)
     return dense
 
 
 def meeting_backward(use: Optional[Tensor], shape: Tuple[int, ...], direct: Tuple[OriginCall, ...],
-                      chained: Tuple[OriginCall, ...], edges: tuple, broadcast: bool, out_dim: int, lead: int, n: int,
-                      skip: Callable[[], bool], quiet: Callable[[], Any],
+                      chained: Tuple[OriginCall, ...], edges: tuple, broadcast: bool, out_dim: int, group: int,
+                      lead: int, n: int, skip: Callable[[], bool], quiet: Callable[[], Any],
                       saved: Tuple[Tensor, ...], grads: Tuple[Tensor, ...]) -> None:
-    """Per-sample gradients of an origin-derived tensor (``use``, of ``shape``) where it met the batch."""
+    """Per-sample gradients of an origin-derived tensor (``use``, of ``shape``) where it met the batch
+    along ``out_dim`` (``group`` rows per sample there)."""
     grad = grads[0]
     if grad is None or skip():
         return
-    if broadcast:  # the use was expanded along out_dim: row i of grad is sample i's
-        per_sample = grad.movedim(out_dim, 0).reshape(n, *shape)
+    if broadcast:  # the use was expanded along out_dim: row i of grad is sample i's (rows of group i)
+        rows = grad.movedim(out_dim, 0)
+        if group > 1:
+            rows = rows.unflatten(0, (n, group)).sum(1)
+        per_sample = rows.reshape(n, *shape)
+        for origin in direct:
+            origin.add_dense(per_sample)
+    elif group > 1:  # the use already had n groups of rows along out_dim, paired with the samples
+        per_sample = rows_to_dense(grad.reshape(shape), out_dim - lead, n, group)
         for origin in direct:
             origin.add_dense(per_sample)
     else:  # the use already had n rows along out_dim, paired with the samples
@@ -82,7 +92,7 @@ def meeting_backward(use: Optional[Tensor], shape: Tuple[int, ...], direct: Tupl
             origin.rows.append((rows, dim))
         per_sample = rows_to_dense(rows, dim, n) if chained else None
     if chained:  # through the operations between each origin's output and this use
-        with quiet():
+        with quiet(), own_pass():
             found = torch.autograd.grad([use], list(edges), [per_sample], retain_graph=True, allow_unused=True,
                                         is_grads_batched=True)
         for origin, g in zip(chained, found):

@@ -108,3 +108,11 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
     if lost is not None:
         return "lost", (), lost
     return "origin", (None,) * len(tags), None
+
+
+def fed_no_batch(output_tags: Sequence[Any], n: int) -> bool:
+    """Whether a layer call whose arguments carry the batch is still a call fed no batch: none of its
+    outputs (their ``output_tags``) derives from the batch, so its arguments gave it no more than
+    their shapes (BART's learned positions of ``input_ids``). Its outputs are then shared by the
+    samples, like those of a call on positions alone (an "origin" call)."""
+    return n > 1 and bool(output_tags) and all(g is None or type(g) is tuple for g in output_tags)
