@@ -2,7 +2,8 @@
 
 What FSDP2 changes, and what dptorch does about it:
 
-* **Parameters** are DTensors sharded along dim 0 over a 1-D device mesh; during a layer's
+* **Parameters** are DTensors sharded along dim 0 over a 1-D device mesh (or, under HSDP, over the
+  shard dimension of a 2-D ``(replicate, shard)`` mesh); during a layer's
   forward (and again in its backward) FSDP2 puts the all-gathered, unsharded parameter in its
   place. The controller remembers each gathered parameter as an alias of the sharded one and
   keys every per-sample result by the sharded parameter (the one the optimizer holds). As on one
@@ -24,8 +25,14 @@ What FSDP2 changes, and what dptorch does about it:
   the DP optimizer reduce-scatters as zeros.
 * **Noise**: each rank adds its shard's slice of one global stream (``noise.ShardedNoise``), then
   divides by the expected batch size; ``p.grad`` is a DTensor like the parameter.
+* **HSDP** (``fully_shard(mesh=...)`` on a 2-D ``(replicate, shard)`` mesh, placements
+  ``(Replicate(), Shard(0))``): the reduce-scatter of every backward pass runs inside the rank's
+  shard group, so the accumulator holds this replica's sum; at ``step()`` only the ranks of replica
+  0 add their shard's noise, then the shards are all-reduced over the replicate group. Every
+  element gets one draw over the whole mesh, and every replica ends with the same gradient.
 
-Refused: meshes of more than one dimension (HSDP), placements other than ``Shard(0)``.
+Refused: other meshes and placements (tensor parallelism: ``Shard(1)``, a TP mesh dimension;
+custom shard placements).
 """
 
 from __future__ import annotations
@@ -71,13 +78,15 @@ def any_sharded(params: Sequence[Any]) -> bool:
 class ShardLayout:
     """Where this rank's shard of a dim-0-sharded parameter lies in the full parameter."""
 
-    group: Any
-    rank: int
-    world_size: int
+    group: Any  # the shard group
+    rank: int  # in the shard group
+    world_size: int  # of the shard group
     shape: Tuple[int, ...]  # of the full parameter
     rows_per_rank: int  # torch.chunk semantics: ceil(rows / world_size)
     row_start: int
     row_end: int
+    replicas: Any = None  # HSDP: the replicate group (ranks holding this same shard); None on a 1-D mesh
+    replica: int = 0  # HSDP: this rank's index in the replicate group
 
     @property
     def row_numel(self) -> int:
@@ -99,26 +108,36 @@ class ShardLayout:
         return (self.row_end - self.row_start, *self.shape[1:])
 
 
-def shard_layout(param: Any, name: str = "") -> ShardLayout:
-    """The layout of ``param`` (a DTensor), refusing any FSDP set-up other than dim-0 sharding on 1-D."""
-    from torch.distributed.tensor import Shard
+def _is_plain_sharding(placements: Tuple[Any, ...]) -> bool:
+    """``(Shard(0),)`` on a 1-D mesh, or HSDP's ``(Replicate(), Shard(0))`` on a 2-D one."""
+    from torch.distributed.tensor import Replicate, Shard
 
+    last = placements[-1] if placements else None
+    if not isinstance(last, Shard) or last.dim != 0:
+        return False
+    return len(placements) == 1 or (len(placements) == 2 and isinstance(placements[0], Replicate))
+
+
+def shard_layout(param: Any, name: str = "") -> ShardLayout:
+    """The layout of ``param`` (a DTensor): dim-0 sharding on a 1-D mesh, or HSDP on a 2-D one; anything else is refused."""
     label = f" {name}" if name else ""
     mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+    if mesh.ndim != len(placements) or not _is_plain_sharding(placements):
         raise ValueError(
             f"parameter{label} is a DTensor with placements {placements} on a {mesh.ndim}-D mesh; private training "
-            "supports FSDP2's plain sharding only (fully_shard on a 1-D mesh, Shard(0)). Hybrid sharding (HSDP), "
-            "tensor parallelism and custom shard placements are not supported"
+            "supports FSDP2's sharding (fully_shard: Shard(0) on a 1-D mesh) and HSDP ((Replicate(), Shard(0)) on a "
+            "2-D (replicate, shard) mesh) only. Tensor parallelism and custom shard placements are not supported"
         )
     if len(param.shape) == 0:
         raise ValueError(f"parameter{label} is a 0-dimensional DTensor; it cannot be sharded along dim 0")
-    group = mesh.get_group()
-    rank, world = mesh.get_local_rank(), mesh.size()
+    shard_dim = mesh.ndim - 1
+    group = mesh.get_group(shard_dim)
+    rank, world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+    replicas, replica = (mesh.get_group(0), mesh.get_local_rank(0)) if mesh.ndim == 2 else (None, 0)
     rows = param.shape[0]
     per_rank = -(-rows // world)
     start, end = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
-    layout = ShardLayout(group, rank, world, tuple(param.shape), per_rank, start, end)
+    layout = ShardLayout(group, rank, world, tuple(param.shape), per_rank, start, end, replicas, replica)
     if tuple(param.to_local().shape) != layout.local_shape:
         raise ValueError(
             f"parameter{label}: the local shard has shape {tuple(param.to_local().shape)}, not the "
@@ -192,11 +211,20 @@ def sharded_noise(optimizer: Any) -> ShardedNoise:
     return generator
 
 
+def _all_reduce_into(tensors: List[torch.Tensor], indices: List[int], group: Any) -> None:
+    """Sum ``tensors[i]`` for ``i`` in ``indices`` over ``group``, in one collective, in place of the originals."""
+    flat = torch.cat([tensors[i].flatten() for i in indices])
+    torch.distributed.all_reduce(flat, group=group)
+    for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
+        tensors[i] = piece.view_as(tensors[i])
+
+
 def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> None:
     """Write ``p.grad = (clipped sum + noise) / expected batch size``, noise drawn per parameter element.
 
     Sharded parameters: the clipped sums are already summed over the ranks and sharded
-    (``accumulate_sharded``); each rank adds its shard's slice of the step's noise stream.
+    (``accumulate_sharded``); each rank adds its shard's slice of the step's noise stream (under
+    HSDP the ranks of replica 0 only, then the shards are summed over the replicate group).
     Replicated parameters (one process, or DDP): rank 0 adds the whole noise, then the sums are
     all-reduced, as in ``DPOptimizer.add_noise``; with a ``ShardedNoise`` the values are the
     same as the sharded ones, so 1-process, DDP and FSDP2 runs draw identical noise.
@@ -222,7 +250,7 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
             device = p.to_local().device
             local = held if held is not None else torch.zeros(layout.local_shape, dtype=torch.float32, device=device)
             start, end = layout.element_range
-            draws = True
+            draws = layout.replica == 0  # HSDP: one replica draws, the replicate all-reduce shares it
         else:
             device = p.device
             local = held.to(device) if held is not None else torch.zeros(p.shape, dtype=torch.float32, device=device)
@@ -235,10 +263,13 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
             local.view(-1).add_(noise.slice(key, index, numel, start, end, std, dtype=local.dtype, device=device))
         locals_.append(local)
     if world > 1 and replicated:
-        flat = torch.cat([locals_[i].flatten() for i in replicated])
-        torch.distributed.all_reduce(flat)
-        for i, piece in zip(replicated, flat.split([locals_[i].numel() for i in replicated])):
-            locals_[i] = piece.view_as(locals_[i])
+        _all_reduce_into(locals_, replicated, group=None)
+    across_replicas: Dict[Any, List[int]] = {}
+    for index, p in enumerate(params):
+        if is_sharded(p) and layouts[p].replicas is not None:
+            across_replicas.setdefault(layouts[p].replicas, []).append(index)
+    for group, indices in across_replicas.items():  # HSDP: the replicas' sums (noise from replica 0 only)
+        _all_reduce_into(locals_, indices, group=group)
     for p, local in zip(params, locals_):
         if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
             local = local / optimizer.plan.divisor

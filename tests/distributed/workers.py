@@ -92,22 +92,23 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat(values)
 
 
-def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "", physical: int = 1) -> dict:
+def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "", physical: int = 1,
+          mesh=None, noise_generator=None) -> dict:
     """One epoch of engine training (BatchMemoryManager, physical batches of at most ``physical``);
-    parameters, epsilon, batch counts."""
+    parameters, epsilon, batch counts. ``mesh``: the device mesh of ``fully_shard`` (HSDP: 2-D)."""
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        kwargs = {}
+        kwargs = {} if mesh is None else {"mesh": mesh}
         if shard.startswith("bf16"):  # parameters gathered in bf16 for the forward and backward
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if shard == "per-layer":
             for layer in (model[0], model[3]):
-                fully_shard(layer)
+                fully_shard(layer, **kwargs)
         elif shard in ("blocks", "bf16-blocks"):
             for block in model.blocks:
                 fully_shard(block, **kwargs)
@@ -117,7 +118,8 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
     engine = PrivacyEngine(accountant="rdp")
     _hooks, optimizer, loader = engine.make_private(
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=CLIP,
-        loss_reduction="sum", grad_sample_mode=mode, wrap_model=False, noise_generator=ShardedNoise(seed=NOISE_SEED),
+        loss_reduction="sum", grad_sample_mode=mode, wrap_model=False,
+        noise_generator=noise_generator or ShardedNoise(seed=NOISE_SEED),
     )
     per_step, rows_per_step, count, rows = [], [], 0, 0
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
@@ -139,16 +141,17 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
     }
 
 
-def noise_only(shard: Optional[bool], generator) -> dict:
+def noise_only(shard: Optional[bool], generator, mesh=None) -> dict:
     """BIG_STEPS noise-only steps (empty batches) on a Linear(BIG_IN, BIG_OUT): the gradient is the noise / B.
 
-    ``shard``: True for FSDP2, False for DDP, None for one process without torch.distributed."""
+    ``shard``: True for FSDP2 (on ``mesh``: HSDP when 2-D), False for DDP, None for one process without
+    torch.distributed."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(BIG_IN, BIG_OUT))
     if shard:
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(model)
+        fully_shard(model, **({} if mesh is None else {"mesh": mesh}))
     elif shard is not None:
         model = nn.parallel.DistributedDataParallel(model)
     hooks = GradSampleHooks(model, loss_reduction="sum")
@@ -259,13 +262,13 @@ def scenarios(rank: int):
     yield "ddp-uneven-forwards", ddp_ranks_skip_different_forwards
 
 
-def worker(rank: int, store: str, results) -> None:
+def worker(rank: int, store: str, results, runs=scenarios, world: int = WORLD) -> None:
     # A file store: no TCP port to pick, so concurrent test runs cannot meet in one rendezvous.
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     torch.set_num_threads(1)
     try:
-        for name, run in scenarios(rank):
+        for name, run in runs(rank):
             try:
                 results[(name, rank)] = run()
             except Exception:  # reported by the test that reads it
@@ -275,16 +278,17 @@ def worker(rank: int, store: str, results) -> None:
         dist.destroy_process_group()
 
 
-def spawn_all() -> dict:
+def spawn_all(runs=scenarios, world: int = WORLD) -> dict:
+    """Run the scenarios of ``runs(rank)`` in ``world`` processes; their results by ``(name, rank)``."""
     with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
         results = manager.dict()
-        context = mp.spawn(worker, args=(os.path.join(folder, "store"), results), nprocs=WORLD, join=False)
+        context = mp.spawn(worker, args=(os.path.join(folder, "store"), results, runs, world), nprocs=world, join=False)
         deadline = time.monotonic() + SPAWN_TIMEOUT_S
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
                 for process in context.processes:
                     process.terminate()
-                raise TimeoutError(f"the {WORLD} processes did not finish within {SPAWN_TIMEOUT_S} s; "
+                raise TimeoutError(f"the {world} processes did not finish within {SPAWN_TIMEOUT_S} s; "
                                    f"finished scenarios: {sorted(dict(results))}")
         return dict(results)
 
