@@ -70,6 +70,46 @@ def is_fully_sharded_module(module: Any) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def _fully_shard_params(module: nn.Module) -> set:
+    """The parameters ``fully_shard`` manages anywhere in ``module`` (its sharded DTensors)."""
+    managed: set = set()
+    for sub in module.modules():
+        if not is_fully_sharded_module(sub):
+            continue
+        try:
+            groups = sub._get_fsdp_state()._fsdp_param_groups
+            managed.update(fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params)
+        except AttributeError:  # FSDP2's internals moved: every DTensor below a fully_shard module
+            managed.update(p for p in sub.parameters() if is_sharded(p))
+    return managed
+
+
+def check_sharding(module: nn.Module) -> None:
+    """Refuse, before anything is attached, DTensor parameters that are not FSDP2's (or HSDP's) shards.
+
+    A DTensor that ``fully_shard`` does not manage is never gathered for its layer's call: under
+    tensor parallelism (``parallelize_module`` with ``ColwiseParallel``, ``RowwiseParallel``, ...)
+    each rank computes with its slice of the weight, so one sample's gradient is split across the
+    ranks and a per-sample norm formed on one rank would miss the others' parts.
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
+    if not named:
+        return
+    managed = _fully_shard_params(module)
+    foreign = [name for name, p in named if p not in managed]
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ValueError(
+            f"parameters {shown} are DTensors that fully_shard does not manage (tensor parallelism: "
+            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand). "
+            "Each rank computes with its slice of such a weight, so one sample's gradient is split across the ranks "
+            "and its norm on one rank would miss the others' parts: private training refuses it. Use FSDP2 "
+            "(fully_shard) or HSDP (fully_shard on a 2-D (replicate, shard) mesh), or DDP"
+        )
+    for name, p in named:
+        shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
+
+
 def any_sharded(params: Sequence[Any]) -> bool:
     return any(is_sharded(p) for p in params)
 
@@ -288,6 +328,7 @@ __all__ = [
     "accumulate_sharded",
     "add_noise_per_parameter",
     "any_sharded",
+    "check_sharding",
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",

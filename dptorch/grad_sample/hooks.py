@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.data import drawn
 from dptorch.distributed.ddp import keep_out_of_gradient_sync
-from dptorch.distributed.fsdp import is_fully_sharded_module
+from dptorch.distributed.fsdp import check_sharding, is_fully_sharded_module
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -177,6 +177,7 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ attach / detach
 
     def _check_compatible(self, strict: bool) -> None:
+        check_sharding(self.module)  # tensor parallelism splits one sample's gradient across ranks
         if self.grad_sample_mode == "ew":
             unsupported = expanded_weights.unsupported_modules(self.module)
             if unsupported:
@@ -564,10 +565,15 @@ class GradSampleHooks:
             self._watch(p)
         if not self._suppressing or not self._capturing(module):
             return
-        params = {name: p for name, p in live.items() if p.requires_grad}
+        params = {name: p for name, p in live.items() if p.requires_grad or self._suppressed_around(p)}
         for p in params.values():
             p.requires_grad_(False)
         self._suppressed[module] = params
+
+    def _suppressed_around(self, param: nn.Parameter) -> bool:
+        """Whether an enclosing call holds ``param`` out of autograd (a parameter shared by a module and
+        its child, as BERT's MLM bias and its decoder's): the inner call still captures it."""
+        return any(p is param for held in self._suppressed.values() for p in held.values())
 
     def _attach_wrapper_input_tags(self) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
@@ -637,7 +643,8 @@ class GradSampleHooks:
         suppressed = self._suppressed.pop(module, None)
         if suppressed:
             for p in suppressed.values():
-                p.requires_grad_(True)
+                if not self._suppressed_around(p):
+                    p.requires_grad_(True)
             inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad and id(t) not in inputs:

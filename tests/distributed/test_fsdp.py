@@ -76,3 +76,10 @@ def test_sharded_noise_does_not_depend_on_the_cut():
     torch.testing.assert_close(pieces, whole, rtol=0, atol=0)
     assert not torch.equal(noise.slice(key, 5, 50, 0, 50, 1.0), whole)  # another parameter, other values
     assert not torch.equal(noise.slice(noise.step_key(), 4, 50, 0, 50, 1.0), whole)  # another step, too
+
+
+def test_tensor_parallelism_is_refused_when_the_controller_attaches(result):
+    for rank in range(WORLD):  # ColwiseParallel: each rank holds half the rows and computes with them alone
+        message = result("tp-refused", rank)
+        assert "0.weight, 0.bias are DTensors that fully_shard does not manage" in message
+        assert "one sample's gradient is split across the ranks" in message

@@ -243,6 +243,36 @@ def ddp_ranks_skip_different_forwards() -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def sharding_refusal(kind: str) -> str:
+    """The error attaching a controller raises on a model whose DTensor weights fully_shard does not
+    manage or places otherwise (``"accepted"`` if none): ``tp`` (ColwiseParallel on a 1-D mesh),
+    ``tp-fsdp`` (TP x FSDP2 on a 2-D (dp, tp) mesh), ``hand-2d`` (HSDP's placements on a 2-D mesh,
+    made by hand: no all-gather ever happens)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6))
+    world = dist.get_world_size()
+    if kind == "tp":
+        parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
+    elif kind == "tp-fsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    elif kind == "hand-2d":
+        mesh = init_device_mesh("cpu", (2, world // 2))
+        for name, p in list(model[0].named_parameters()):
+            setattr(model[0], name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Shard(0)])))
+    try:
+        GradSampleHooks(model, loss_reduction="sum").cleanup()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
 def scenarios(rank: int):
     yield "allreduce-hooks", lambda: train(model_like(), "hooks", distributed=True)  # no DDP wrapper at all
     yield "ddp-hooks", lambda: train(model_like(), "hooks", distributed=True, ddp=True)
@@ -260,6 +290,7 @@ def scenarios(rank: int):
     yield "unseen-ddp", unseen_path_under_ddp
     yield "ddp-sync", ddp_sync_restored
     yield "ddp-uneven-forwards", ddp_ranks_skip_different_forwards
+    yield "tp-refused", lambda: sharding_refusal("tp")
 
 
 def worker(rank: int, store: str, results, runs=scenarios, world: int = WORLD) -> None:
