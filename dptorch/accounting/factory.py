@@ -21,6 +21,23 @@ ACCOUNTANTS: Dict[str, Type[Accountant]] = {
 }
 
 
+def register_accountant(name: str, accountant: Type[Accountant], force: bool = False) -> None:
+    """Make ``create_accountant(name)`` (and ``make_private(accountant=name)``) build ``accountant``.
+
+    ``accountant`` is an :class:`Accountant` subclass taking no constructor argument; a name already
+    taken is refused unless ``force=True`` replaces it.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"an accountant's name must be a non-empty string, got {name!r}")
+    if not (isinstance(accountant, type) and issubclass(accountant, Accountant)):
+        raise TypeError(f"register_accountant needs a subclass of dptorch.accounting.Accountant, got {accountant!r}")
+    canonical = name.strip().lower()
+    if canonical in ACCOUNTANTS and not force:
+        raise ValueError(f"an accountant named {canonical!r} is already registered ({ACCOUNTANTS[canonical].__name__}); "
+                         "pass force=True to replace it")
+    ACCOUNTANTS[canonical] = accountant
+
+
 def check_accountant_name(name: object, argument: str = "accountant") -> str:
     """Return the canonical (lower-case) accountant name, or raise ValueError listing the valid ones."""
     canonical = name.strip().lower() if isinstance(name, str) else name

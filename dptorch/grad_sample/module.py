@@ -18,10 +18,13 @@ from dptorch.grad_sample.hooks import GradSampleHooks
 class GradSampleModule(nn.Module):
     """Wrap ``module`` and capture per-sample gradients (keywords as ``GradSampleHooks``)."""
 
+    #: The controller class the wrapper holds (a subclass may hold a subclass).
+    hooks_class = GradSampleHooks
+
     def __init__(self, module: nn.Module, **hooks_kwargs: Any) -> None:
         super().__init__()
         self._module = module
-        self.__dict__["hooks"] = GradSampleHooks(module, **hooks_kwargs)
+        self.__dict__["hooks"] = self.hooks_class(module, **hooks_kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._module(*args, **kwargs)

@@ -273,11 +273,8 @@ def get_hooks_class(grad_sample_mode: str) -> Type[GradSampleHooks]:
     return GradSampleHooks
 
 
-#: Opacus' ghost-clipping wrapper class: dptorch's wrapper with ``grad_sample_mode="ghost"``.
+#: ``opacus.grad_sample.utils`` names with no counterpart.
 GRAD_SAMPLE_UNMAPPED = {
-    "GradSampleModuleFastGradientClipping": "GradSampleModule(model, grad_sample_mode='ghost') "
-    "(or make_private(grad_sample_mode='ghost'))",
-    "GradSampleModuleExpandedWeights": "GradSampleModule(model, grad_sample_mode='ew')",
     "register_norm_sampler": "dptorch.grad_sample.registry.register_norm_sampler (a NormSampler object, "
     "not a function)",
 }
