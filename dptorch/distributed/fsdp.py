@@ -31,6 +31,10 @@ What FSDP2 changes, and what dptorch does about it:
   0 add their shard's noise, then the shards are all-reduced over the replicate group. Every
   element gets one draw over the whole mesh, and every replica ends with the same gradient.
 
+* **CPU offloading** (``offload_policy=CPUOffloadPolicy()``): the clipped sums are formed and
+  reduce-scattered on the compute device, then each shard moves to the CPU, where the shard lives,
+  its noise is drawn and the optimizer steps (as FSDP2's own offloaded gradients do).
+
 Refused: other meshes and placements (tensor parallelism: ``Shard(1)``, a TP mesh dimension;
 custom shard placements).
 """
@@ -70,18 +74,27 @@ def is_fully_sharded_module(module: Any) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _fully_shard_params(module: nn.Module) -> set:
-    """The parameters ``fully_shard`` manages anywhere in ``module`` (its sharded DTensors)."""
-    managed: set = set()
+def _fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, Optional[torch.device]]:
+    """The parameters ``fully_shard`` manages anywhere in ``module`` (its sharded DTensors), each with
+    the device its layer computes on (None where FSDP2's internals do not say)."""
+    managed: Dict[nn.Parameter, Optional[torch.device]] = {}
     for sub in module.modules():
         if not is_fully_sharded_module(sub):
             continue
         try:
             groups = sub._get_fsdp_state()._fsdp_param_groups
-            managed.update(fsdp_param.sharded_param for group in groups for fsdp_param in group.fsdp_params)
+            managed.update((fsdp_param.sharded_param, fsdp_param.device)
+                           for group in groups for fsdp_param in group.fsdp_params)
         except AttributeError:  # FSDP2's internals moved: every DTensor below a fully_shard module
-            managed.update(p for p in sub.parameters() if is_sharded(p))
+            managed.update((p, None) for p in sub.parameters() if is_sharded(p))
     return managed
+
+
+def compute_devices(module: nn.Module) -> Dict[nn.Parameter, torch.device]:
+    """Where each sharded parameter's layer computes: its shard's device, except under CPU offloading
+    (``CPUOffloadPolicy``), where the shard lives on the CPU and the layer runs on the accelerator."""
+    return {p: device if device is not None else p.to_local().device
+            for p, device in _fully_shard_params(module).items()}
 
 
 def check_sharding(module: nn.Module) -> None:
@@ -210,6 +223,13 @@ def _layouts(optimizer: Any, params: Sequence[nn.Parameter]) -> Dict[nn.Paramete
     return cache
 
 
+def _compute_device(optimizer: Any, param: nn.Parameter) -> torch.device:
+    cache = optimizer.__dict__.get("_dp_compute_devices")
+    if cache is None or param not in cache:
+        cache = optimizer.__dict__["_dp_compute_devices"] = compute_devices(optimizer.hooks.module)
+    return cache.get(param, param.to_local().device)
+
+
 def _groups_by_module(hooks: Any, params: Sequence[nn.Parameter]) -> List[List[nn.Parameter]]:
     """``params`` grouped by the module that owns them directly (one clipped-sum call per layer)."""
     owner: Dict[nn.Parameter, int] = {}
@@ -237,8 +257,9 @@ def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, t
             layout = layouts[p]
             full = sums.pop(p, None)
             if full is None:
-                full = torch.zeros(layout.shape, dtype=torch.float32, device=p.to_local().device)
+                full = torch.zeros(layout.shape, dtype=torch.float32, device=_compute_device(optimizer, p))
             shard = reduce_to_shard(full if full.dtype == torch.float64 else full.float(), layout)
+            shard = shard.to(p.to_local().device)  # CPU offloading: the shard (and its noise) live on the CPU
             held = optimizer._summed.get(p)
             optimizer._summed[p] = shard if held is None else held + shard
 
@@ -329,6 +350,7 @@ __all__ = [
     "add_noise_per_parameter",
     "any_sharded",
     "check_sharding",
+    "compute_devices",
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",

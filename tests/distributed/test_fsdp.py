@@ -19,7 +19,7 @@ def references():
     return {mode: workers.reference(mode) for mode in ("hooks", "bk")}
 
 
-@pytest.mark.parametrize("name", ["fsdp-per-layer-hooks", "fsdp-per-layer-bk", "fsdp-whole-bk"])
+@pytest.mark.parametrize("name", ["fsdp-per-layer-hooks", "fsdp-per-layer-bk", "fsdp-whole-bk", "fsdp-offload-bk"])
 def test_sharded_runs_end_where_one_process_ends(result, references, name):
     mode = name.rsplit("-", 1)[1]
     runs = [result(name, rank) for rank in range(WORLD)]

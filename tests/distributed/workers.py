@@ -106,7 +106,11 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
             from torch.distributed.fsdp import MixedPrecisionPolicy
 
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if shard == "per-layer":
+        if shard == "offload":  # parameters offloaded to the CPU between uses (pinned memory needs CUDA)
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+        if shard in ("per-layer", "offload"):
             for layer in (model[0], model[3]):
                 fully_shard(layer, **kwargs)
         elif shard in ("blocks", "bf16-blocks"):
@@ -280,6 +284,7 @@ def scenarios(rank: int):
     yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer", physical=3)
     yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole", physical=3)
     yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer", physical=3)
+    yield "fsdp-offload-bk", lambda: train(model_like(), "bk", distributed=True, shard="offload", physical=3)
     yield "fsdp-checkpointed-bk", lambda: train(blocks_like(True), "bk", distributed=True, shard="blocks", physical=3)
     yield "fsdp-bf16-checkpointed-hooks", lambda: train(blocks_like(True), "hooks", distributed=True,
                                                         shard="bf16-blocks", physical=3)
