@@ -1,0 +1,66 @@
+"""Every family of the zoo (``zoo.py``), in every mode, against the batch-of-one oracle.
+
+A private step's per-sample gradients (hooks, functorch), or its per-sample norms and clipped sums
+(bk, ghost), equal those of each sample run alone, at a sequence length unlike the batch size and
+at one equal to it (where sizes alone cannot tell a batch from a sequence); with tied embeddings
+where the family ties them, and with LoRA adapters (PEFT) in place of the full parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dptorch.grad_sample import PerSampleGradientError
+from tests.grad_sample.oracle import assert_exact
+from tests.helpers import single_thread  # noqa: F401  (autouse: one intra-op thread)
+from tests.models.zoo import ZOO
+
+peft = pytest.importorskip("peft")
+
+MODES = ("bk", "hooks", "ghost", "functorch")
+SIZES = {"T != n": (3, 5), "T == n": (4, 4)}
+# (family, mode) -> what the refusal names: the torch.func fallback replays a layer once per sample, so
+# it cannot take Swin's windows, where each sample's rows are merged with its windows along one dim
+REFUSED = {("swin", "functorch"): r"q_proj \(Linear\).*merged with another dimension"}
+
+
+def run(name, model, mode, n, t):
+    family = ZOO[name]
+    inputs = family.inputs(n, t, torch.Generator().manual_seed(n * 31 + t))
+    dims = {key: 0 for key in inputs}
+    if (name, mode) in REFUSED:
+        with pytest.raises(PerSampleGradientError, match=REFUSED[name, mode]):
+            assert_exact(model, inputs, dims, family.loss, mode, n)
+        return
+    assert_exact(model, inputs, dims, family.loss, mode, n)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(ZOO))
+def test_family_is_exact(name, mode, size):
+    torch.manual_seed(0)
+    model = ZOO[name].build()
+    if ZOO[name].tied is not None:
+        assert ZOO[name].tied(model), f"{name} was meant to tie its output embedding to its input embedding"
+    run(name, model, mode, *SIZES[size])
+
+
+LORA = [name for name in ZOO if ZOO[name].lora_targets]
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost", "hooks"])
+@pytest.mark.parametrize("name", LORA)
+def test_lora_adapters_are_exact(name, mode):
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(ZOO[name].lora_targets), init_lora_weights=False)
+    model = peft.get_peft_model(ZOO[name].build(), config)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    run(name, model, mode, *SIZES["T != n"])
+
+
+def test_zoo_spans_the_families():
+    assert {f.kind for f in ZOO.values()} == {"encoder", "decoder", "seq2seq", "vision"}
+    assert sum(f.tied is not None for f in ZOO.values()) >= 4
