@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
+from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
 from dptorch.data.poisson import (
     DPDataLoader,
     check_map_style,
@@ -406,16 +407,22 @@ class PrivacyEngine:
         at the top level (a name the checkpoint uses itself is refused). What only dptorch needs
         (privacy plan, sampler position with ``data_loader=``, torch's RNG) is under ``"dptorch"``.
         ``path`` may be a file object; a file path is written atomically (a run killed mid-save
-        keeps its previous checkpoint). ``checkpoint_dict`` is not modified.
+        keeps its previous checkpoint). ``checkpoint_dict`` is not modified. An FSDP2-sharded model
+        (HSDP included) is saved to the directory ``path`` by every rank together: weights and inner
+        optimizer state through ``torch.distributed.checkpoint``, the rest by rank 0
+        (:mod:`dptorch.distributed.checkpoint`); ``load_checkpoint(path)`` on every rank reads it.
         """
         if path is None:
             raise TypeError("save_checkpoint needs path=")
         user = _user_entries(checkpoint_dict, extra)
         state: Dict[str, Any] = dict(user)
-        state["module_state_dict"] = _unwrap(module).state_dict(**(module_state_dict_kwargs or {}))
+        target = _unwrap(module)
+        sharded = is_sharded_model(target)  # FSDP2: weights and optimizer state go through DCP
+        if not sharded:
+            state["module_state_dict"] = target.state_dict(**(module_state_dict_kwargs or {}))
         state["privacy_accountant_state_dict"] = self.accountant.state_dict()
         if optimizer is not None:
-            state["optimizer_state_dict"] = optimizer.state_dict()
+            state["optimizer_state_dict"] = _dp_entry(optimizer) if sharded else optimizer.state_dict()
         for key, scheduler in _schedulers_given(optimizer_scheduler, noise_scheduler, grad_clip_scheduler):
             state[key] = scheduler.state_dict()
         ours: Dict[str, Any] = {
@@ -427,6 +434,9 @@ class PrivacyEngine:
         if data_loader is not None and hasattr(data_loader, "state_dict"):
             ours["data_loader"] = data_loader.state_dict()
         state[_OURS] = ours
+        if sharded:  # a directory: every rank writes its shards, rank 0 the rest
+            save_sharded(path, target, optimizer.original_optimizer if optimizer is not None else None, state)
+            return
         if not isinstance(path, (str, os.PathLike)):  # a file object, as Opacus allows
             torch.save(state, path, **(torch_save_kwargs or {}))
             return
@@ -461,7 +471,9 @@ class PrivacyEngine:
         """
         if path is None:
             raise TypeError("load_checkpoint needs path=")
-        checkpoint = _normalised_checkpoint(torch.load(path, **{"weights_only": True, **(torch_load_kwargs or {})}))
+        sharded = is_sharded_checkpoint(path)  # a directory of save_checkpoint under FSDP2
+        load_kwargs = {"weights_only": True, **(torch_load_kwargs or {})}
+        checkpoint = read_state(path, **load_kwargs) if sharded else _normalised_checkpoint(torch.load(path, **load_kwargs))
         ours = checkpoint.get(_OURS)
         if ours is None:  # an Opacus checkpoint: the accountant history is all the privacy state it has
             self._load_opacus_accountant(checkpoint["privacy_accountant_state_dict"])
@@ -472,12 +484,17 @@ class PrivacyEngine:
             if self.plan is not None:
                 self.plan.steps = len(self.accountant)
         target = _unwrap(module)
-        target.load_state_dict(_matching_keys(checkpoint["module_state_dict"], target),
-                               **(module_load_dict_kwargs or {}))
+        optimizer_state = checkpoint.pop("optimizer_state_dict", None)
+        if sharded:
+            load_sharded(path, target, optimizer.original_optimizer if optimizer is not None and optimizer_state else None)
+        else:
+            target.load_state_dict(_matching_keys(checkpoint["module_state_dict"], target),
+                                   **(module_load_dict_kwargs or {}))
         if ours is not None and ours.get("torch_rng_state") is not None:
             torch.set_rng_state(ours["torch_rng_state"])
-        optimizer_state = checkpoint.pop("optimizer_state_dict", None)
-        if optimizer is not None and optimizer_state:
+        if optimizer is not None and optimizer_state and sharded:  # the inner state came through DCP
+            optimizer.load_state_dict({**optimizer.original_optimizer.state_dict(), **optimizer_state})
+        elif optimizer is not None and optimizer_state:
             optimizer.load_state_dict(optimizer_state)
         elif optimizer is not None or optimizer_state:
             warnings.warn(
@@ -547,6 +564,20 @@ _CHECKPOINT_VERSION = 2
 _SCHEDULER_STATE_KEYS = ("scheduler_state_dict", "noise_scheduler_state_dict", "grad_clip_scheduler_state_dict")
 _RESERVED_KEYS = frozenset({"module_state_dict", "privacy_accountant_state_dict", "optimizer_state_dict",
                             "optimizer_scheduler_state_dict", _OURS, *_SCHEDULER_STATE_KEYS})
+
+
+def _dp_entry(optimizer: DPOptimizer) -> Dict[str, Any]:
+    """The DP optimizer's own state (noise generator, flags) for a sharded checkpoint, whose inner state goes
+    through DCP; refused mid-step, while clipped sums (this rank's shards) are held for the next step."""
+    if optimizer.accumulated_iterations:
+        raise ValueError(
+            f"save_checkpoint of an FSDP2-sharded run while {optimizer.accumulated_iterations} backward pass(es) of "
+            "clipped gradients are held for the next step (virtual steps): those sums are sharded across the ranks. "
+            "Save after optimizer.step()"
+        )
+    dp = dict(optimizer.state_dict()["dp"])
+    dp["summed"] = {}
+    return {"dp": dp}
 
 
 def _schedulers_given(optimizer_scheduler: Any, noise_scheduler: Any, grad_clip_scheduler: Any):

@@ -253,7 +253,9 @@ class PoissonBatchSampler:
                 "this sampler state was saved by an older dptorch (it has no 'position'); resume with the version "
                 "that saved it, or start the sampling anew"
             )
-        for key in ("num_samples", "sample_rate", "steps", "rank", "world_size"):
+        # Not the rank: every rank's draw is a function of (seed, position) (its own slice of it), so any
+        # rank's state of the run describes this rank's too (a checkpoint written by rank 0 resumes all).
+        for key in ("num_samples", "sample_rate", "steps", "world_size"):
             if state[key] != getattr(self, key):
                 raise ValueError(f"state has {key}={state[key]}, this sampler has {getattr(self, key)}")
         if bool(state.get("secure", False)) != self.secure:

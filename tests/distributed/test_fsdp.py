@@ -83,3 +83,14 @@ def test_tensor_parallelism_is_refused_when_the_controller_attaches(result):
         message = result("tp-refused", rank)
         assert "0.weight, 0.bias are DTensors that fully_shard does not manage" in message
         assert "one sample's gradient is split across the ranks" in message
+
+
+def test_an_engine_checkpoint_of_a_sharded_run_resumes_exactly(result):
+    """save_checkpoint writes a directory (DCP shards + rank 0's privacy state); a fresh run with other
+    initial weights, resumed from it, takes the same second epoch: parameters, momentum, sampler, noise."""
+    for rank in range(WORLD):
+        run = result("fsdp-resume", rank)
+        torch.testing.assert_close(run["resumed"]["params"], run["first"]["params"], rtol=0, atol=0)
+        assert run["resumed"]["epsilon"] == run["first"]["epsilon"] and run["resumed"]["steps"] == run["first"]["steps"]
+        assert run["first"]["steps"] > 0
+        assert "clipped gradients are held for the next step" in run["mid_step"]

@@ -247,6 +247,62 @@ def ddp_ranks_skip_different_forwards() -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def _sharded_private(seed: int, folder: Optional[str] = None):
+    """A per-layer FSDP2 model, momentum SGD and the engine (rdp), made private; with ``folder``, resumed from it."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = model_like()
+    if seed:
+        torch.manual_seed(seed)  # other initial weights: a resumed run must take the checkpoint's
+        for p in model.parameters():
+            nn.init.normal_(p)
+    for layer in (model[0], model[3]):
+        fully_shard(layer)
+    fully_shard(model)
+    engine = PrivacyEngine(accountant="rdp")
+    _hooks, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        data_loader=DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED, distributed=True),
+        noise_multiplier=SIGMA, max_grad_norm=CLIP, loss_reduction="sum", grad_sample_mode="bk", wrap_model=False,
+        noise_generator=ShardedNoise(seed=NOISE_SEED),
+    )
+    if folder is not None:
+        engine.load_checkpoint(folder, module=model, optimizer=optimizer, data_loader=loader)
+    return engine, model, optimizer, loader
+
+
+def _sharded_epoch(model, optimizer, loader) -> None:
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as batches:
+        for x, y in batches:
+            ((model(x) - y) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def sharded_resume() -> dict:
+    """FSDP2 engine checkpoint: one epoch, save, one more epoch; then a fresh run resumed from the save
+    takes the same second epoch. Parameters and epsilon of both, and a save refused mid-step."""
+    box = [tempfile.mkdtemp(prefix="dptorch-sharded-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    folder = os.path.join(box[0], "checkpoint")
+    engine, model, optimizer, loader = _sharded_private(seed=0)
+    _sharded_epoch(model, optimizer, loader)
+    engine.save_checkpoint(folder, module=model, optimizer=optimizer, data_loader=loader)
+    _sharded_epoch(model, optimizer, loader)
+    first = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
+    engine, model, optimizer, loader = _sharded_private(seed=3, folder=folder)
+    _sharded_epoch(model, optimizer, loader)
+    resumed = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
+    x, y = next(iter(loader))
+    ((model(x) - y) ** 2).sum().backward()
+    try:
+        engine.save_checkpoint(os.path.join(box[0], "mid-step"), module=model, optimizer=optimizer)
+        mid_step = "accepted"
+    except ValueError as error:
+        mid_step = str(error)
+    return {"first": first, "resumed": resumed, "mid_step": mid_step}
+
+
 def sharding_refusal(kind: str) -> str:
     """The error attaching a controller raises on a model whose DTensor weights fully_shard does not
     manage or places otherwise (``"accepted"`` if none): ``tp`` (ColwiseParallel on a 1-D mesh),
@@ -296,6 +352,7 @@ def scenarios(rank: int):
     yield "ddp-sync", ddp_sync_restored
     yield "ddp-uneven-forwards", ddp_ranks_skip_different_forwards
     yield "tp-refused", lambda: sharding_refusal("tp")
+    yield "fsdp-resume", sharded_resume
 
 
 def worker(rank: int, store: str, results, runs=scenarios, world: int = WORLD) -> None:
