@@ -7,8 +7,8 @@ happens and what every later step's scale is, a data-dependent event no accounta
 scaler.update()``) and changes what they decide:
 
 * the scale follows a schedule fixed before training (:func:`loss_scale_at`): constant, or
-  multiplied by ``growth_factor`` every ``growth_interval`` steps up to ``max_scale``; ``update()``
-  advances it by one step and never looks at a gradient;
+  multiplied by ``growth_factor`` every ``growth_interval`` steps up to ``max_scale``, a function of
+  the number of real optimizer steps only; ``update()`` advances it and never looks at a gradient;
 * ``scale(loss)`` tells the bound :class:`~dptorch.optim.DPOptimizer` that this backward pass's
   gradients are ``S`` times too large: the optimizer divides each unit's norm by ``S`` before
   clipping and the clip factor by ``S`` (:func:`unscale_norms`, :func:`unscale_factors`), so the
@@ -16,7 +16,7 @@ scaler.update()``) and changes what they decide:
   are in true units. A unit whose gradient overflowed (inf or NaN) is dropped by the rule every
   non-finite unit follows (``dptorch.clipping.factors.drop_nonfinite``): it contributes zero,
   the others are unaffected;
-* ``step(optimizer)`` always steps.
+* ``step(optimizer)`` always steps (a virtual step stays one: it neither steps nor advances the schedule).
 
 The scale and the growth factor are powers of two, so scaling and unscaling are exact in
 float16 and float32 (outside the subnormal range): the norms the clip factors are formed from,
@@ -127,7 +127,8 @@ class DPGradScaler(GradScaler):
         self.optimizer = dp
         self.schedule = {"init_scale": float(init_scale), "growth_factor": float(growth_factor),
                          "growth_interval": growth_interval, "max_scale": None if max_scale is None else float(max_scale)}
-        self._steps = 0
+        self._steps = 0  # real (privatised) optimizer steps: the schedule's clock
+        self._stepped = False  # a real step was taken since the last update()
         self._pending = False  # a loss was scaled since the last backward round the optimizer consumed
         if self._enabled:
             dp.loss_scaler = self
@@ -179,11 +180,15 @@ class DPGradScaler(GradScaler):
         self._record_no_inf(optimizer)
         self._pending = False
         result = optimizer.step(*args, **kwargs)
+        self._stepped = self._stepped or not self.optimizer._last_step_skipped
         state["stage"] = OptState.STEPPED
         return result
 
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
-        """Advance the schedule by one step (whatever the gradients held)."""
+        """Advance the schedule by one step if a real step was taken since the last update, whatever the
+        gradients held. A virtual step (one physical batch of a logical one: ``BatchMemoryManager``,
+        ``signal_skip_step``) does not advance it: how many physical batches a Poisson draw filled is not
+        released, so the scale must not depend on it, and every batch of a logical step shares one scale."""
         if not self._enabled:
             return
         if new_scale is not None:
@@ -192,8 +197,8 @@ class DPGradScaler(GradScaler):
                 "(a scale chosen from the gradients would be a data-dependent release); set init_scale, "
                 "growth_interval, growth_factor and max_scale when building it"
             )
-        self._steps += 1
-        self._pending = False
+        self._steps += int(self._stepped)
+        self._stepped = self._pending = False
         self._sync_torch_scale()
         self._per_optimizer_states.clear()
 

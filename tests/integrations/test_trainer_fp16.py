@@ -7,8 +7,8 @@ autocasts the forward to float16; the second test sets up exactly that on CPU (`
 a ``torch.amp.GradScaler("cpu")``, torch's float16 CPU autocast) and checks that DPTrainer swaps
 in a ``DPGradScaler`` of the same initial scale, that the forward ran in float16, and that the
 step is the float32 one within ``4 u`` (``u = 2^-11``, float16's unit roundoff; the argument of
-tests/optim/test_fp16_loss_scaling.py; measured here: 0.69 u). With a scale at which every
-unit overflows, the step is still taken (and accounted), and adds nothing.
+tests/optim/test_fp16_loss_scaling.py; measured here: 0.68 u, and 0.71 u in the overflow test). A unit whose gradient overflows
+float16 under the scale contributes zero, and the step is still taken and accounted.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
+from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim import DPGradScaler, NonFiniteGradientWarning  # noqa: E402
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, trainable_copy, word_tokenizer  # noqa: E402
 
@@ -29,17 +30,36 @@ TOKENIZER = word_tokenizer()
 BOUND = 4 * 2.0**-11
 
 
-def train(tmp_path, *, fp16: bool, gpu_like_scale=None):
-    """One private step (q = 1/4, two micro-batches, noiseless, lr 1); returns the trainer, the update applied
-    and the dtypes of an MLP output seen in the forwards."""
+def marked_rows(count: int, marked: int):
+    """``count`` sentences; row ``marked`` starts with BOS, which no other row holds first."""
+    rows = lm_dataset(TOKENIZER, count)
+    ids = [list(r) for r in rows["input_ids"]]
+    assert all(r[0] != TOKENIZER.bos_token_id for r in ids)
+    ids[marked][0] = TOKENIZER.bos_token_id
+    return rows.from_dict({"input_ids": ids})
+
+
+def weighted_loss(weight: float):
+    """The causal LM loss of each row, times ``weight`` for the BOS-marked row (whose gradient it scales)."""
+    def per_sample_loss(outputs, labels):
+        marked = labels[:, 0] == TOKENIZER.bos_token_id
+        return causal_lm_per_sample_loss(outputs, labels) * torch.where(marked, weight, 1.0)
+
+    return per_sample_loss
+
+
+def train(tmp_path, *, fp16: bool, gpu_like_scale=None, dataset=None, per_sample_loss_func=None):
+    """One private step (two micro-batches of 4, noiseless, lr 1; q = 1/4, or 1 on a dataset of 8); returns the
+    trainer, the update applied, the dtypes of an MLP output seen in the forwards and the non-finite warnings."""
     torch.manual_seed(0)
     model = tiny_gpt2(TOKENIZER)
     before = trainable_copy(model)
     args = cpu_training_args(str(tmp_path), max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              optim="sgd", lr_scheduler_type="constant", learning_rate=1.0, max_grad_norm=0.0, fp16=fp16)
-    trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(TOKENIZER, 32),
+    trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(TOKENIZER, 32) if dataset is None else dataset,
                         data_collator=DataCollatorForPrivateCausalLanguageModeling(TOKENIZER),
-                        privacy_args=PrivacyArguments(noise_multiplier=0.0, per_sample_max_grad_norm=1.0, sampling_seed=0))
+                        privacy_args=PrivacyArguments(noise_multiplier=0.0, per_sample_max_grad_norm=1.0, sampling_seed=0),
+                        per_sample_loss_func=per_sample_loss_func)
     if gpu_like_scale is not None:  # what Accelerate sets up for fp16=True on a CUDA device
         trainer.accelerator.native_amp = True
         trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=gpu_like_scale)
@@ -74,9 +94,16 @@ def test_fp16_with_accelerates_gpu_scaler_trains_with_a_dp_grad_scaler(tmp_path)
     assert float((update - reference).norm() / reference.norm()) <= BOUND
 
 
-def test_every_unit_overflowing_still_takes_and_accounts_the_step(tmp_path):
-    trainer, update, _, nonfinite = train(tmp_path, fp16=True, gpu_like_scale=2.0**22)
+def test_an_overflowed_unit_contributes_zero_and_the_step_is_taken(tmp_path):
+    """Every unit is drawn (q = 1); the marked unit's loss, times 10^6, overflows float16 under the scale 2^8."""
+    dataset = marked_rows(8, marked=3)
+    trainer, update, _, nonfinite = train(tmp_path / "a", fp16=True, gpu_like_scale=2.0**8, dataset=dataset,
+                                          per_sample_loss_func=weighted_loss(1e6))
     assert len(nonfinite) == 1 and "DPGradScaler init_scale" in str(nonfinite[0].message)
     assert trainer.privacy_plan.steps == trainer.state.global_step == 1 and not trainer.optimizer.step_was_skipped
-    assert trainer.accelerator.scaler.get_scale() == 2.0**22  # no backoff
-    assert torch.count_nonzero(update) == 0  # noiseless: every unit dropped, so nothing was added
+    assert trainer.accelerator.scaler.get_scale() == 2.0**8  # no backoff
+    _, without16, _, none = train(tmp_path / "b", fp16=True, gpu_like_scale=2.0**8, dataset=dataset,
+                                  per_sample_loss_func=weighted_loss(0.0))  # the unit adds nothing
+    assert not none and float((update - without16).abs().max()) <= 2.0**-22 * float(without16.abs().max())
+    _, without32, _, _ = train(tmp_path / "c", fp16=False, dataset=dataset, per_sample_loss_func=weighted_loss(0.0))
+    assert float((update - without32).norm() / without32.norm()) <= BOUND

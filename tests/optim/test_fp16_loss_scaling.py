@@ -17,7 +17,6 @@ on scaled norms, or a clipped sum left scaled, is off by a factor up to 256 here
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -118,42 +117,48 @@ def test_overflowed_unit_contributes_zero_and_the_step_is_taken(mode):
     assert relative(private_step(model, x, t, mode=mode, fp16=False), without32) > 100 * BOUND
 
 
+def scaled_training(init_scale, growth_interval, max_scale, batches, *, overflow=False, virtual_every=0):
+    """The plain recipe over ``batches`` physical batches (every ``virtual_every``-th one a virtual step; with
+    ``overflow`` one unit of each batch overflows); returns the scale each batch saw, the optimizer steps called
+    and the scaler."""
+    model = net()
+    hooks = GradSampleHooks(model, grad_sample_mode="bk")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=1.0, expected_batch_size=N)
+    scaler = DPGradScaler(optimizer, init_scale=init_scale, growth_interval=growth_interval, max_scale=max_scale)
+    seen, steps, original = [], [], optimizer.step
+    optimizer.step = lambda *args, **kwargs: steps.append(1) or original(*args, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NonFiniteGradientWarning)
+        for physical in range(batches):
+            x, t = batch(physical)
+            if overflow:
+                t[physical % N] = 1e6
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            seen.append(scaler.get_scale())
+            scaler.scale(nn.functional.mse_loss(out.float(), t)).backward()
+            if virtual_every and physical % virtual_every == 0:
+                optimizer.signal_skip_step()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    hooks.cleanup()
+    return seen, len(steps), scaler
+
+
 def test_schedule_depends_on_the_step_count_only():
     """Overflowing data every step or none: the same scales, those of ``loss_scale_at``; no step skipped."""
-    def scales(overflow: bool):
-        model = net()
-        hooks = GradSampleHooks(model, grad_sample_mode="bk")
-        optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), hooks=hooks, noise_multiplier=0.0,
-                                max_grad_norm=1.0, expected_batch_size=N)
-        scaler = DPGradScaler(optimizer, init_scale=2.0**4, growth_interval=2, max_scale=2.0**6)
-        seen, steps = [], 0
-        original = optimizer.step
-
-        def counted(*args, **kwargs):
-            nonlocal steps
-            steps += 1
-            return original(*args, **kwargs)
-
-        optimizer.step = counted
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", NonFiniteGradientWarning)
-            for step in range(6):
-                x, t = batch(step)
-                if overflow:
-                    t[step % N] = 1e6
-                with torch.autocast("cpu", dtype=torch.float16):
-                    out = model(x)
-                seen.append(scaler.get_scale())
-                scaler.scale(nn.functional.mse_loss(out.float(), t)).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad()
-        hooks.cleanup()
-        return seen, steps
-
     expected = [loss_scale_at(s, 2.0**4, 2.0, 2, 2.0**6) for s in range(6)]
     assert expected == [16.0, 16.0, 32.0, 32.0, 64.0, 64.0]
-    assert scales(False) == scales(True) == (expected, 6)
+    clean, overflowing = (scaled_training(2.0**4, 2, 2.0**6, 6, overflow=o)[:2] for o in (False, True))
+    assert clean == overflowing == (expected, 6)
+
+
+def test_virtual_steps_share_the_scale_of_their_logical_step():
+    """Two physical batches per logical step (signal_skip_step): the scale advances once per real step."""
+    seen, _, _ = scaled_training(2.0**4, 1, 2.0**10, 6, virtual_every=2)
+    assert seen == [16.0, 16.0, 32.0, 32.0, 64.0, 64.0]
 
 
 def test_schedule_function():
@@ -242,18 +247,11 @@ def test_bad_settings_are_refused_with_the_fix():
 
 
 def test_state_dict_carries_the_schedule_position():
-    model = net()
-    hooks = GradSampleHooks(model)
-    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), hooks=hooks, noise_multiplier=0.0,
-                            max_grad_norm=1.0, expected_batch_size=N)
-    scaler = DPGradScaler(optimizer, init_scale=2.0**4, growth_interval=1, max_scale=2.0**10)
-    for _ in range(3):
-        scaler.update()
+    _, _, scaler = scaled_training(2.0**4, 1, 2.0**10, 3)
     state = scaler.state_dict()
     assert state["scale"] == 2.0**7 and state["dp_steps"] == 3
-    resumed = DPGradScaler(optimizer, init_scale=2.0**4, growth_interval=1, max_scale=2.0**10)
+    resumed = DPGradScaler(scaler.optimizer, init_scale=2.0**4, growth_interval=1, max_scale=2.0**10)
     resumed.load_state_dict(state)
-    assert resumed.get_scale() == 2.0**7 and resumed.current_scale == 2.0**7
+    assert resumed.get_scale() == resumed.current_scale == 2.0**7
     with pytest.raises(ValueError, match="not saved by a DPGradScaler"):
         resumed.load_state_dict(torch.amp.GradScaler("cpu").state_dict())
-    assert math.log2(resumed.current_scale).is_integer()
