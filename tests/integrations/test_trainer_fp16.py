@@ -7,8 +7,9 @@ autocasts the forward to float16; the second test sets up exactly that on CPU (`
 a ``torch.amp.GradScaler("cpu")``, torch's float16 CPU autocast) and checks that DPTrainer swaps
 in a ``DPGradScaler`` of the same initial scale, that the forward ran in float16, and that the
 step is the float32 one within ``4 u`` (``u = 2^-11``, float16's unit roundoff; the argument of
-tests/optim/test_fp16_loss_scaling.py; measured here: 0.68 u, and 0.71 u in the overflow test). A unit whose gradient overflows
-float16 under the scale contributes zero, and the step is still taken and accounted.
+tests/optim/test_fp16_loss_scaling.py; measured here: 0.68 u, and 0.71 u in the overflow test).
+A unit whose gradient overflows float16 under the scale contributes zero, and the step is still
+taken and accounted.
 """
 
 from __future__ import annotations

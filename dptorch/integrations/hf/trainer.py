@@ -367,7 +367,8 @@ class PrivateTrainerMixin:
     def _use_dp_grad_scaler(self, optimizer: DPOptimizer) -> None:
         """fp16: the GradScaler Accelerate built (on a GPU, for ``fp16=True``) gives way to a fixed-scale
         :class:`~dptorch.optim.DPGradScaler` before ``prepare`` hands a scaler to the optimizer wrapper: no step
-        skipped or scale lowered for an overflow, each unit unscaled before clipping (:mod:`dptorch.optim.loss_scaling`)."""
+        skipped or scale lowered for an overflow, each unit unscaled before clipping
+        (:mod:`dptorch.optim.loss_scaling`)."""
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and not isinstance(scaler, DPGradScaler):
             self.accelerator.scaler = DPGradScaler.replacing(scaler, optimizer)
