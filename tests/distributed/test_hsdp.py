@@ -32,6 +32,7 @@ def hsdp_scenarios(rank: int):
     yield "hsdp-noise", lambda: workers.noise_only(
         True, ShardedNoise(NoiseGenerator(seed=workers.NOISE_SEED + rank), chunk_size=workers.CHUNK), mesh=mesh())
     yield "hsdp-noise-secure", lambda: workers.noise_only(True, SecureNoiseGenerator(), mesh=mesh())
+    yield "hsdp-resume", lambda: workers.sharded_resume(mesh())
     yield "tp-fsdp-refused", lambda: workers.sharding_refusal("tp-fsdp")
     yield "hand-2d-refused", lambda: workers.sharding_refusal("hand-2d")
 
@@ -97,3 +98,10 @@ def test_hsdp_placements_made_by_hand_are_refused(hsdp):
     for rank in range(WORLD):  # (Replicate(), Shard(0)) like HSDP, but nothing gathers the weight for its call
         message = hsdp("hand-2d-refused", rank)
         assert "0.weight, 0.bias are DTensors that fully_shard does not manage" in message
+
+
+def test_an_engine_checkpoint_of_an_hsdp_run_resumes_exactly(hsdp):
+    for rank in range(WORLD):
+        run = hsdp("hsdp-resume", rank)
+        torch.testing.assert_close(run["resumed"]["params"], run["first"]["params"], rtol=0, atol=0)
+        assert run["resumed"]["epsilon"] == run["first"]["epsilon"] and run["first"]["steps"] > 0

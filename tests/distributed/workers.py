@@ -247,18 +247,20 @@ def ddp_ranks_skip_different_forwards() -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _sharded_private(seed: int, folder: Optional[str] = None):
-    """A per-layer FSDP2 model, momentum SGD and the engine (rdp), made private; with ``folder``, resumed from it."""
+def _sharded_private(seed: int, folder: Optional[str] = None, mesh=None):
+    """A per-layer FSDP2 model (on ``mesh``: HSDP when 2-D), momentum SGD and the engine (rdp), made private;
+    with ``folder``, resumed from it."""
     from torch.distributed.fsdp import fully_shard
 
+    on = {} if mesh is None else {"mesh": mesh}
     model = model_like()
     if seed:
         torch.manual_seed(seed)  # other initial weights: a resumed run must take the checkpoint's
         for p in model.parameters():
             nn.init.normal_(p)
     for layer in (model[0], model[3]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, **on)
+    fully_shard(model, **on)
     engine = PrivacyEngine(accountant="rdp")
     _hooks, optimizer, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
@@ -279,18 +281,18 @@ def _sharded_epoch(model, optimizer, loader) -> None:
             optimizer.zero_grad()
 
 
-def sharded_resume() -> dict:
+def sharded_resume(mesh=None) -> dict:
     """FSDP2 engine checkpoint: one epoch, save, one more epoch; then a fresh run resumed from the save
     takes the same second epoch. Parameters and epsilon of both, and a save refused mid-step."""
     box = [tempfile.mkdtemp(prefix="dptorch-sharded-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     folder = os.path.join(box[0], "checkpoint")
-    engine, model, optimizer, loader = _sharded_private(seed=0)
+    engine, model, optimizer, loader = _sharded_private(seed=0, mesh=mesh)
     _sharded_epoch(model, optimizer, loader)
     engine.save_checkpoint(folder, module=model, optimizer=optimizer, data_loader=loader)
     _sharded_epoch(model, optimizer, loader)
     first = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
-    engine, model, optimizer, loader = _sharded_private(seed=3, folder=folder)
+    engine, model, optimizer, loader = _sharded_private(seed=3, folder=folder, mesh=mesh)
     _sharded_epoch(model, optimizer, loader)
     resumed = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
     x, y = next(iter(loader))
