@@ -46,6 +46,7 @@ from dptorch.grad_sample.tracking import (
     packed,
     rows_to_dense,
 )
+from dptorch.grad_sample.tracking.reads import ParameterReads
 from dptorch.grad_sample import claims
 from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
@@ -166,6 +167,7 @@ class GradSampleHooks:
         self._root_depth = 0
         self._tracking_off: Any = False  # "popped"/"paused": the tracker stepped aside for a layer call
         self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
+        self._reads = ParameterReads(self._owners, self.parameter_name, self._read_backward)  # tracking/reads.py
         self._in_backward = False
         self._round_done = False
         self._round_consumed = False
@@ -236,6 +238,7 @@ class GradSampleHooks:
         self.clear()
         for handle in self._handles:
             handle.remove()
+        self._reads.remove()
         for param, previous in self._restore_param_hooks:
             param._post_accumulate_grad_hooks = previous
         self._handles.clear()
@@ -751,7 +754,26 @@ class GradSampleHooks:
         if kind == "origin":
             call = CallBatch("origin", n, dims, call.output_dims, tuple(OriginCall(layer.name, n) for _ in outputs))
         chained = tuple(dict.fromkeys(o for g in tags if type(g) is tuple for o in g))
+        if kind == "origin":  # parameters read outside their module's call, fed to it (DeBERTa-v2's rel_embeddings)
+            chained += self._reads.origins(tensors, n, layer.params.values(), tracker.param_origins)
         return call, primary, chained
+
+    def _owners(self) -> Dict[int, List[nn.Module]]:
+        """id(parameter) -> the hooked modules holding it directly."""
+        owners: Dict[int, List[nn.Module]] = {}
+        for module, layer in self._layers.items():
+            for param in layer.params.values():
+                owners.setdefault(id(param), []).append(module)
+        return owners
+
+    def _read_backward(self, param: nn.Parameter, grads: torch.Tensor) -> None:
+        """Per-sample gradients of a parameter read outside its module's call (``tracking/reads.py``)."""
+        if self._suspended:
+            return
+        self._begin_round()
+        grads = self._per_sample_scale(grads, grads.shape[0])
+        call = LayerCall(self.parameter_name(param), self.module, {"read": param}, None, None, (), grads)
+        self._strategy.add(call, {param: grads})
 
     def _tag_outputs(self, call: CallBatch, tapped: Sequence[torch.Tensor], tags: Sequence[Any], chained: tuple) -> None:
         """Tag the tapped outputs for the tracker: a batched call's outputs keep the batch;
@@ -931,7 +953,8 @@ class GradSampleHooks:
         covered = self._strategy.covers()
         received, self._received = list(self._received), {}
         if self._suppressing or self.grad_sample_mode == "ew":  # (expanded weights never write p.grad)
-            self._refuse_unseen_paths([p for p in received if p in covered])
+            self._refuse_unseen_paths([p for p in received if p in covered and p not in self._reads.delivered])
+        self._reads.delivered.clear()
         missing = [p for p in received if p not in covered] + self._unwatched_parameters_with_grads(covered)
         self.uncaptured = [self.parameter_name(p) for p in missing]
         if missing and (covered or self.module.training):

@@ -70,6 +70,16 @@ class _Tap(torch.autograd.Function):
         return (None, None, *grad_outputs, *([None] * ctx.num_inputs))
 
 
+def in_own_pass() -> bool:
+    """Whether one of the controller's own backward passes (``own_pass``) is running."""
+    return bool(_OWN_PASSES[0])
+
+
+def is_tap_node(node: object) -> bool:
+    """Whether an autograd graph node is a tap's backward."""
+    return isinstance(node, _Tap._backward_cls)
+
+
 def tap(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], on_backward: OnBackward) -> Tuple[torch.Tensor, ...]:
     """Return aliases of ``outputs``; ``on_backward(inputs, grad_outputs)`` runs in backward."""
     result = _Tap.apply(on_backward, len(outputs), *outputs, *inputs)

@@ -96,17 +96,15 @@ def mbart() -> nn.Module:
     return transformers.MBartForConditionalGeneration(_bart_config(transformers.MBartConfig)).train()
 
 
-def deberta_v2() -> nn.Module:
-    """Relative attention (content-to-position and position-to-content) over layer-normed relative
-    embeddings. The table of relative embeddings itself is frozen: the encoder reads its weight
-    directly (``rel_embeddings.weight``), outside any call of its module, which stays refused."""
-    model = transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
+def deberta_v2(norm_rel_ebd: str = "layer_norm") -> nn.Module:
+    """Relative attention (content-to-position and position-to-content) over relative embeddings
+    whose weight the encoder reads itself (``rel_embeddings.weight``, the Embedding never called),
+    layer-normed (DeBERTa-v3's setting) or not (the config's default)."""
+    return transformers.DebertaV2ForSequenceClassification(transformers.DebertaV2Config(
         vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+        relative_attention=True, position_buckets=4, pos_att_type=["p2c", "c2p"], norm_rel_ebd=norm_rel_ebd,
         num_labels=3, pooler_dropout=0.0)).train()
-    model.deberta.encoder.rel_embeddings.weight.requires_grad_(False)
-    return model
 
 
 def vit() -> nn.Module:
@@ -128,6 +126,7 @@ def _tied(embedding: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], 
 ZOO: Dict[str, Family] = {
     "bert": Family(bert, _ids_and_mask, "encoder", ("query", "value"), _tied(lambda m: m.bert.embeddings.word_embeddings)),
     "deberta-v2": Family(deberta_v2, _ids, "encoder", ("query_proj", "value_proj")),
+    "deberta-v2-unnormed": Family(lambda: deberta_v2("none"), _ids, "encoder"),
     "gpt2": Family(gpt2, _ids, "decoder", ("c_attn",), _tied(lambda m: m.transformer.wte)),
     "llama": Family(llama, _ids_and_mask, "decoder", ("q_proj", "v_proj")),
     "llama-tied": Family(lambda: llama(tie=True), _ids, "decoder", (), _tied(lambda m: m.model.embed_tokens)),

@@ -43,6 +43,7 @@ class BatchTracker(TorchFunctionMode):
         self.paused = False
         self._table: Dict[int, Tuple[Any, Any]] = {}
         self._origins: List[OriginCall] = []
+        self.param_origins: Dict[Tensor, OriginCall] = {}  # parameters read outside their module's call (reads.py)
         self._out: Any = _NOT_RUN
         # the loss (loss.py): the controller's reduction, what backward() tells it, totals formed so far,
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
