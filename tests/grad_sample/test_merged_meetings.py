@@ -41,6 +41,12 @@ class BartLike(nn.Module):
         return self.out(torch.tanh(self.tok(ids) + self.pos(ids)))
 
 
+def relative_index(window: int) -> torch.Tensor:
+    """``(w, w)`` indices into a table of ``2w - 1`` relative offsets (a constant: no batch)."""
+    offsets = torch.arange(window)
+    return offsets[:, None] - offsets[None, :] + window - 1
+
+
 class WindowBias(nn.Module):
     """Swin's pattern: rows merged with windows ``(B * W, w, d)``; a bias table indexed by a constant
     index, of shape ``(1, w, w)``, broadcast against the scores of every window of every sample."""
@@ -50,8 +56,7 @@ class WindowBias(nn.Module):
         self.window = window
         self.inp = nn.Linear(D, D)
         self.table = nn.Parameter(torch.randn(2 * window - 1))
-        offsets = torch.arange(window)
-        self.register_buffer("index", offsets[:, None] - offsets[None, :] + window - 1, persistent=False)
+        self.register_buffer("index", relative_index(window), persistent=False)
         self.out = nn.Linear(D, D)
 
     def bias(self) -> torch.Tensor:
@@ -70,8 +75,7 @@ class BiasTable(nn.Module):
     def __init__(self, window: int):
         super().__init__()
         self.table = nn.Parameter(torch.randn(2 * window - 1))
-        offsets = torch.arange(window)
-        self.register_buffer("index", offsets[:, None] - offsets[None, :] + window - 1, persistent=False)
+        self.register_buffer("index", relative_index(window), persistent=False)
 
     def forward(self) -> torch.Tensor:
         return self.table[self.index].unsqueeze(0)

@@ -7,6 +7,12 @@ replaces it by its expansion along the batch dim behind an identity tap, so that
 gradient of it is kept apart in backward and mapped back to the layer's output (through the
 operations in between, with one batched vector-Jacobian product). Each layer call then gets
 exact per-sample gradients, whatever ``T`` and ``n``.
+
+Where the batch is merged with an inner dim (Swin's ``(B * windows, ...)``, DeBERTa-v2's
+``(B * heads, ...)``), a meeting either broadcasts the shared tensor over the merged dim (each
+sample's gradient is the sum over its group of rows) or pairs its rows with the result's (each
+sample keeps its own group of rows). A layer whose arguments carry the batch but whose outputs do
+not (BART's positions read from ``input_ids``' length) is such a call too.
 """
 
 from __future__ import annotations
