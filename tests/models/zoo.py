@@ -68,11 +68,19 @@ def gpt2() -> nn.Module:
         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)).train()
 
 
-def llama(tie: bool = False) -> nn.Module:
+def llama(tie: bool = False, attention: str = "sdpa") -> nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        tie_word_embeddings=tie)).train()
+        tie_word_embeddings=tie, attn_implementation=attention)).train()
+
+
+def mixtral() -> nn.Module:
+    """Mixture of experts: a top-2 router over three experts."""
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_local_experts=3, num_experts_per_tok=2, max_position_embeddings=16,
+        router_jitter_noise=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
 
 
 def t5() -> nn.Module:
@@ -130,6 +138,8 @@ ZOO: Dict[str, Family] = {
     "gpt2": Family(gpt2, _ids, "decoder", ("c_attn",), _tied(lambda m: m.transformer.wte)),
     "llama": Family(llama, _ids_and_mask, "decoder", ("q_proj", "v_proj")),
     "llama-tied": Family(lambda: llama(tie=True), _ids, "decoder", (), _tied(lambda m: m.model.embed_tokens)),
+    "llama-eager": Family(lambda: llama(attention="eager"), _ids_and_mask, "decoder"),
+    "mixtral": Family(mixtral, _ids, "decoder"),
     "t5": Family(t5, _seq2seq, "seq2seq", ("q", "v"), _tied(lambda m: m.shared)),
     "bart": Family(bart, _seq2seq, "seq2seq", ("q_proj", "v_proj"), _tied(lambda m: m.model.shared)),
     "mbart": Family(mbart, _seq2seq, "seq2seq", (), _tied(lambda m: m.model.shared)),
