@@ -19,6 +19,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.tracking.tags import INNER
 
 
 def functorch_per_sample_grads(
@@ -46,20 +47,26 @@ def functorch_per_sample_grads(
     names = list(params)
     tensor_positions = [i for i, leaf in enumerate(call_leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [call_leaves[i] for i in tensor_positions]
-    tensor_dims = tuple(tensor_dims)
+    # a batch merged with an inner dim of k rows per sample (``d + k * INNER``): each sample's k rows
+    # are replayed together, in the place of the merged dim
+    merged = tuple(d is not None and d >= INNER for d in tensor_dims)
+    tensors = [t.unflatten(d % INNER, (batch_size, d // INNER)) if m else t for t, d, m in zip(tensors, tensor_dims, merged)]
+    tensor_dims = tuple(None if d is None else d % INNER for d in tensor_dims)
+    out_merged = tuple(d is not None and d >= INNER for d in output_dims)
+    output_dims = tuple(None if d is None else d % INNER for d in output_dims)
 
     def sample_loss(param_values, sample_tensors, sample_grads):
         leaves = list(call_leaves)
-        for pos, t, dim in zip(tensor_positions, sample_tensors, tensor_dims):
-            leaves[pos] = t if dim is None else t.unsqueeze(dim)
+        for pos, t, dim, m in zip(tensor_positions, sample_tensors, tensor_dims, merged):
+            leaves[pos] = t if dim is None or m else t.unsqueeze(dim)
         args, kwargs = tree_unflatten(leaves, call_spec)
         # module.forward, not module(): the module's own forward hooks ran before the capture point
         # (or after it) in the real call, and must not run twice here.
         with _reparametrize_module(module, dict(zip(names, param_values))):
             out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
         return sum(
-            (out_leaves[pos] * (g if dim is None else g.unsqueeze(dim))).sum()
-            for pos, g, dim in zip(output_positions, sample_grads, output_dims)
+            (out_leaves[pos] * (g if dim is None or m else g.unsqueeze(dim))).sum()
+            for pos, g, dim, m in zip(output_positions, sample_grads, output_dims, out_merged)
         )
 
     per_sample = vmap(grad(sample_loss), in_dims=(None, tensor_dims, 0))

@@ -734,15 +734,13 @@ class GradSampleHooks:
             for t, d in zip(tensors, dims):
                 if d is None:
                     continue
-                if d >= INNER and layer.sampler is None:  # the torch.func replay needs the batch as a dim of its own
-                    raise self._lost_batch(layer, t, _Merged)
                 if not _has_rows(t, d, n):
                     raise self._not_per_sample(layer, t, n, d % INNER)
             if layer.sampler is not None:
                 out_dims: Tuple[Optional[int], ...] = (primary & ~WEAK,)
             else:
                 out_tags = [tracker.get(t) for t in outputs]
-                out_dims = tuple(g & _DIM_BITS if type(g) is int and g & ~WEAK < INNER else None for g in out_tags)
+                out_dims = tuple(g & ~WEAK if type(g) is int else None for g in out_tags)
             if n <= 1:
                 out_dims = tuple(d if d is not None and _has_rows(o, d, n) else None for o, d in zip(outputs, out_dims))
             call = CallBatch("batched", n, dims, out_dims)
@@ -898,7 +896,7 @@ class GradSampleHooks:
                     if grad is not None and bool((grad != 0).any()):
                         raise self._not_per_sample(layer, grad, n, None)
                     continue
-                grad = grad.movedim(dim, 0)
+                grad = _to_batch_first(grad, dim, n)  # a batch merged with an inner dim: (n, rows, ...)
             elif call.kind == "origin":
                 grad = origin_grads(call.origins[j], grad, rows_ok=False)[0]
             else:
@@ -1057,11 +1055,6 @@ def _tensor_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[tor
 
 
 _AMBIGUOUS: Any = object()  # a layer call signature seen with different decisions
-_DIM_BITS = WEAK - 1
-
-
-class _Merged:
-    reason = "merged with another dimension, which the torch.func fallback cannot replay per sample"
 
 
 def _has_rows(t: torch.Tensor, dim: int, n: int) -> bool:

@@ -225,11 +225,12 @@ def test_batch_merged_with_frames_into_a_conv_is_exact(mode, n, t):
     assert_exact(FramesFlattened(), (torch.randn(n, t, 2, 4, 4),), (0,), projection_loss, mode, n)
 
 
-def test_merged_batch_is_refused_by_the_functorch_replay():
-    model = TokensFlattened()
-    with GradSampleHooks(model, grad_sample_mode="functorch"):
-        with pytest.raises(PerSampleGradientError, match=r"norm \(LayerNorm\).*\(6, 8\).*merged with another dimension"):
-            model(torch.randint(0, 11, (2, 3)))
+@pytest.mark.parametrize("n,t", [(3, 3), (2, 4)])
+def test_merged_batch_is_replayed_per_sample_by_the_functorch_fallback(n, t):
+    """Each sample's T rows of the (B * T, d) batch are replayed together."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 11, (n, t), generator=torch.Generator().manual_seed(n * 7 + t))
+    assert_exact(TokensFlattened(), (ids,), (0,), projection_loss, "functorch", n)
 
 
 # ------------------------------------------------------------------------------------ refused
