@@ -40,6 +40,7 @@ from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.hooks import _name_list, is_attached
 from dptorch.grad_sample.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.optim.adaclip import AdaClipDPOptimizer
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.clipping import CLIPPING_MODES, check_clipping
 from dptorch.clipping.adaptive import clipping_plan_fields
@@ -331,7 +332,8 @@ class PrivacyEngine:
             hooks = GradSampleHooks(module, **hooks_kwargs)
             returned = hooks  # Opacus 1.6: the controller; the model stays in the caller's variable
         try:
-            dp_optimizer = DPOptimizer(
+            optimizer_class = AdaClipDPOptimizer if plan.clipping == "adaptive" else DPOptimizer  # Opacus' class
+            dp_optimizer = optimizer_class(
                 optimizer,
                 hooks=hooks,
                 plan=plan,

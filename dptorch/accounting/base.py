@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Dict, List, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
 
@@ -117,6 +117,11 @@ class Accountant(ABC):
         """A copy of the compressed history: a list of ``[sigma, q, count]``."""
         return [list(entry) for entry in self._history]
 
+    @history.setter
+    def history(self, entries: List[Any]) -> None:
+        """Replace the history by ``entries`` (``(sigma, q, count)`` each, checked), as Opacus' attribute allows."""
+        self.load_state_dict({"mechanism": str(self.mechanism), "history": list(entries)})
+
     def __len__(self) -> int:
         return sum(entry[2] for entry in self._history)
 
@@ -162,13 +167,18 @@ class Accountant(ABC):
 
     # -- checkpointing ---------------------------------------------------------------------
 
-    def state_dict(self) -> Dict[str, Any]:
-        """Plain Python state (str, int, float, lists) that ``torch.load(weights_only=True)`` accepts."""
-        return {
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """Plain Python state (str, int, float, lists) that ``torch.load(weights_only=True)`` accepts; written
+        into ``destination`` (and returned) when given, as Opacus' ``state_dict(destination)`` does."""
+        state = {
             "mechanism": str(self.mechanism),  # a plain str: weights_only loads no str subclass
             "version": STATE_VERSION,
             "history": [[float(sigma), float(q), int(count)] for sigma, q, count in self._history],
         }
+        if destination is None:
+            return state
+        destination.update(state)
+        return destination
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Replace the history by the one in ``state_dict`` (as made by :meth:`state_dict`)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Type
+from typing import Any, Dict, Optional, Type
 
 from dptorch.accounting.base import Accountant
 from dptorch.accounting.gdp import GDPAccountant
@@ -47,12 +47,16 @@ def check_accountant_name(name: object, argument: str = "accountant") -> str:
     return canonical  # type: ignore[return-value]
 
 
-def create_accountant(name: str = DEFAULT_ACCOUNTANT, **options: Any) -> Accountant:
+def create_accountant(name: Optional[str] = None, *, mechanism: Optional[str] = None, **options: Any) -> Accountant:
     """A new accountant by name: "pld" (default), "prv", "rdp" or "gdp" (approximation).
 
-    ``options`` go to the accountant's constructor (e.g. ``orders`` for "rdp").
+    ``mechanism=`` is Opacus' keyword for the name. ``options`` go to the accountant's constructor
+    (e.g. ``orders`` for "rdp").
     """
-    return ACCOUNTANTS[check_accountant_name(name)](**options)
+    if name is not None and mechanism is not None:
+        raise TypeError(f"create_accountant got the name twice ({name!r} and mechanism={mechanism!r}): pass one")
+    chosen = next((given for given in (name, mechanism) if given is not None), DEFAULT_ACCOUNTANT)
+    return ACCOUNTANTS[check_accountant_name(chosen)](**options)
 
 
 def accountant_from_state_dict(state_dict: Dict[str, Any]) -> Accountant:

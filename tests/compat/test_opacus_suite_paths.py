@@ -264,3 +264,71 @@ def test_generate_noise_is_dptorchs_gaussian_noise():
     assert abs(float(_generate_noise(2.0, reference, secure_mode=True).std()) - 2.0) < 5 * 2.0 / math.sqrt(2 * 4000)
     with pytest.raises(ValueError, match="generator"):
         _generate_noise(1.0, reference, generator=torch.Generator(), secure_mode=True)
+
+
+def test_an_accountant_written_to_opacus_interface_registers_and_runs():
+    from dptorch.accountants import IAccountant, PLDAccountant, create_accountant, register_accountant
+
+    class Counting(IAccountant):  # Opacus' interface: step, get_epsilon, __len__, mechanism
+        def __init__(self):
+            self.steps = 0
+
+        def step(self, *, noise_multiplier, sample_rate):
+            self.steps += 1
+
+        def get_epsilon(self, delta):
+            return float(self.steps)
+
+        def __len__(self):
+            return self.steps
+
+        def mechanism(cls):
+            return "counting"
+
+    assert isinstance(PLDAccountant(), IAccountant) and issubclass(PLDAccountant, IAccountant)
+    register_accountant("counting", Counting)
+    try:
+        accountant = create_accountant("counting")
+        accountant.step(noise_multiplier=1.0, sample_rate=0.1)
+        assert accountant.get_epsilon(1e-5) == 1.0 and len(accountant) == 1 and accountant.mechanism() == "counting"
+    finally:
+        ACCOUNTANTS.pop("counting", None)
+
+    class Incomplete(IAccountant):
+        pass
+
+    incomplete = Incomplete()
+    incomplete.step(noise_multiplier=1.0, sample_rate=0.1)
+    with pytest.raises(NotImplementedError, match="get_epsilon"):
+        incomplete.get_epsilon(1e-5)
+
+
+def test_opacus_accountant_spellings_history_setter_destination_and_mechanism_keyword():
+    from dptorch.accountants import create_accountant
+
+    accountant = create_accountant(mechanism="rdp")
+    assert isinstance(accountant, RDPAccountant)
+    accountant.history = [(1.1, 0.01, 100)]
+    same = RDPAccountant()
+    same.step(noise_multiplier=1.1, sample_rate=0.01, num_steps=100)
+    assert len(accountant) == 100 and accountant.get_epsilon(1e-5) == same.get_epsilon(1e-5)
+    with pytest.raises(ValueError):
+        accountant.history = [(1.1, 2.0, 100)]  # a sample rate above 1 is refused, as by load_state_dict
+    destination = {"kept": 1}
+    assert accountant.state_dict(destination) is destination
+    assert destination["kept"] == 1 and destination["history"] == [[1.1, 0.01, 100]]
+    with pytest.raises(TypeError, match="twice"):
+        create_accountant("rdp", mechanism="prv")
+
+
+def test_make_private_with_adaptive_clipping_returns_opacus_class():
+    from dptorch.optimizers.adaclipoptimizer import AdaClipDPOptimizer
+
+    model = nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,))), batch_size=8)
+    engine = dptorch.PrivacyEngine(accountant="rdp")
+    _, optimizer, _ = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                          data_loader=loader, noise_multiplier=1.5, max_grad_norm=1.0,
+                                          clipping="adaptive", unclipped_num_std=1.0)
+    assert isinstance(optimizer, AdaClipDPOptimizer) and optimizer.noise_multiplier == 1.5
+    engine.detach()

@@ -115,7 +115,6 @@ SAME_OBJECT = {
     "UniformWithReplacementSampler": PoissonBatchSampler,
     "RDPAccountant": RDPAccountant,
     "GaussianAccountant": GDPAccountant,
-    "IAccountant": Accountant,
     "create_accountant": create_accountant,
     "get_noise_multiplier": get_noise_multiplier,
     "DPDataLoader": DPDataLoader,

@@ -60,8 +60,28 @@ def unmapped_names(module_name: str, replacements: Mapping[str, str]) -> Callabl
 
 # ---------------------------------------------------------------------------------- accountants
 
-#: ``opacus.accountants.IAccountant``: the interface every accountant implements.
-IAccountant = Accountant
+class _AnyAccountant(type(Accountant)):
+    """``isinstance(x, IAccountant)`` holds for every dptorch accountant, as Opacus' interface does for its own."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return cls.__subclasscheck__(type(instance))
+
+    def __subclasscheck__(cls, subclass: type) -> bool:
+        # By the MRO alone: ABCMeta's check of Accountant asks its subclasses, this class among them.
+        return Accountant in getattr(subclass, "__mro__", ()) if cls is IAccountant else super().__subclasscheck__(subclass)
+
+
+class IAccountant(Accountant, metaclass=_AnyAccountant):
+    """``opacus.accountants.IAccountant``: the base of an accountant written to Opacus' interface.
+
+    Such an accountant overrides ``step``, ``get_epsilon``, ``__len__`` and ``mechanism``; dptorch's
+    accountants compose their history in ``_compute_epsilon(runs, delta)`` instead, which a subclass
+    that keeps dptorch's ``get_epsilon`` must implement. Every dptorch accountant is an ``IAccountant``.
+    """
+
+    def _compute_epsilon(self, runs: Tuple[Any, ...], delta: float) -> float:
+        raise NotImplementedError(f"{type(self).__name__} must override get_epsilon(delta) (Opacus' interface) or "
+                                  "_compute_epsilon(runs, delta) (dptorch's)")
 #: ``opacus.accountants.GaussianAccountant``: the GDP central-limit approximation (warns; not a bound).
 GaussianAccountant = GDPAccountant
 
