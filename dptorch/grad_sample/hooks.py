@@ -251,6 +251,9 @@ class GradSampleHooks:
         _ATTACHED.pop(self.module, None)
         self._attached = False
 
+    #: Opacus' name for :meth:`cleanup`.
+    remove_hooks = cleanup
+
     def __deepcopy__(self, memo: dict) -> "GradSampleHooks":
         # A deep copy of the model (a reference model, ModuleValidator.fix) carries our hooks;
         # they must keep pointing here, where they ignore modules and parameters they don't own.

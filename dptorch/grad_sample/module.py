@@ -39,6 +39,10 @@ class GradSampleModule(nn.Module):
     def grad_samples(self) -> Dict[nn.Parameter, torch.Tensor]:
         return self.hooks.grad_samples
 
+    def remove_hooks(self) -> None:
+        """Detach the controller (Opacus' name); the wrapped model is exactly as it was."""
+        self.hooks.cleanup()
+
     def to_standard_module(self) -> nn.Module:
         """Detach the controller and return the wrapped model, exactly as it was."""
         self.hooks.cleanup()

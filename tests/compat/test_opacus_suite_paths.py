@@ -332,3 +332,17 @@ def test_make_private_with_adaptive_clipping_returns_opacus_class():
                                           clipping="adaptive", unclipped_num_std=1.0)
     assert isinstance(optimizer, AdaClipDPOptimizer) and optimizer.noise_multiplier == 1.5
     engine.detach()
+
+
+def test_remove_hooks_detaches_and_an_unsupported_model_is_also_not_implemented():
+    from dptorch.grad_sample import GradSampleHooks
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    wrapped = GradSampleModule(model)
+    wrapped.remove_hooks()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    hooks = GradSampleHooks(model)
+    hooks.remove_hooks()
+    assert not hooks.attached and not any(m._forward_hooks for m in model.modules())
+    with pytest.raises(NotImplementedError, match="BatchNorm"):
+        GradSampleModule(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
