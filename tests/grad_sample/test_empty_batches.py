@@ -18,6 +18,7 @@ from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
 from dptorch.layers import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
 from dptorch.layers.attention import AppendedVector
+from dptorch.layers.sequence_bias import SequenceBias
 from dptorch.layers.rnn import RecurrentSweep
 from dptorch.optim import DPOptimizer
 from tests.helpers import projection_loss
@@ -81,6 +82,7 @@ LAYERS = {
     nn.InstanceNorm3d: (lambda: nn.InstanceNorm3d(3, affine=True), channels(3, 3, 3, 3)),
     RecurrentSweep: (lambda: DPLSTM(4, 5, num_layers=2, bidirectional=True, batch_first=True), tokens(3, 4)),
     AppendedVector: (Attention, tokens(3, 8)),
+    SequenceBias: (lambda: SequenceBias(4, batch_first=True), tokens(3, 4)),
     "hf_conv1d": (hf_conv1d, tokens(3, 4)),
     "hf_rms_norm": (hf_rms_norm, tokens(3, 6)),
     "dpgru": (lambda: DPGRU(4, 3, batch_first=True), tokens(3, 4)),
