@@ -1,15 +1,25 @@
-"""Step time and peak memory per rank: 1 against 2 processes, non-private against private.
+"""Step time, peak memory and collective bytes per rank: 1, 2 and 4 processes, non-private against private.
 
     python benchmarks/distributed.py [--width 256] [--layers 4] [--seq 32] [--batch 32] [--steps 7]
-                                     [--modes bk hooks] [--device cpu|cuda]
+                                     [--modes bk hooks] [--device cpu|cuda] [--configs ...]
+    python benchmarks/distributed.py --comm-table   # computed collective bytes, 8B Llama on 64 GPUs
 
 A small transformer-shaped model (token embedding, ``--layers`` blocks of LayerNorm + two-layer MLP
 of width ``4 * --width``, LM head; no attention, which has no parameters to clip) trained on random
 tokens. The *global* batch is ``--batch`` sequences of ``--seq`` tokens: one process takes all of
-it, two processes take half each (DDP, or FSDP2 with ``fully_shard`` on every block and the
-root). Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
+it, two or four processes split it (DDP; FSDP2 with ``fully_shard`` on every block and the
+root; HSDP: the same on a 2 x 2 ``(replicate, shard)`` mesh). Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
 intra-op thread each); the step is forward, backward and optimizer step (plus clipping and noise
 when private), median of ``--steps`` steps after two warm-up steps.
+
+Collective bytes per rank per step: the size of the full tensor of every collective called through
+``torch.distributed``'s Python API (all-reduce, reduce-scatter, all-gather, broadcast; object
+collectives by their pickled size), counted by wrapping those functions (FSDP2's own all-gathers
+and reduce-scatters included). What a rank sends on a ring is (n-1)/n of that (2(n-1)/n for an
+all-reduce). DDP's own gradient
+all-reduce runs in its C++ reducer and is not seen: for plain DDP it is the parameters' bytes per
+step (added to the figure, marked ``+reducer``); private DDP switches it off and all-reduces the
+clipped sums through the Python API (counted).
 
 Peak memory per rank: on CPU the growth of the process's peak RSS over the step loop (the model
 and optimizer state are built before, so what shows is activations, gradients and what DP adds);
@@ -51,7 +61,52 @@ CONFIGS = [
     ("private", 1, "none", True),
     ("private DDP", 2, "ddp", True),
     ("private FSDP2", 2, "fsdp", True),
+    ("plain DDP x4", 4, "ddp", False),
+    ("plain FSDP2 x4", 4, "fsdp", False),
+    ("plain HSDP 2x2", 4, "hsdp", False),
+    ("private DDP x4", 4, "ddp", True),
+    ("private FSDP2 x4", 4, "fsdp", True),
+    ("private HSDP 2x2", 4, "hsdp", True),
 ]
+
+#: The ``torch.distributed`` functions whose payload is counted, and the argument holding the full tensor
+#: (the one reduced, scattered from, or gathered into).
+COUNTED = {"all_reduce": 0, "broadcast": 0, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
+           "_reduce_scatter_base": 1, "all_gather_into_tensor": 0, "all_gather_single": 0, "_all_gather_base": 0}
+OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object")
+
+
+def count_collective_bytes() -> dict:
+    """Wrap ``torch.distributed``'s collectives to add their payload bytes to the returned counter."""
+    import pickle
+
+    counter = {"bytes": 0}
+
+    def wrap(function, position):
+        import inspect
+
+        signature = inspect.signature(function)
+        name = list(signature.parameters)[position]
+
+        def counted(*args, **kwargs):
+            tensor = signature.bind_partial(*args, **kwargs).arguments.get(name)  # FSDP2 passes keywords
+            if isinstance(tensor, torch.Tensor):
+                counter["bytes"] += tensor.numel() * tensor.element_size()
+            return function(*args, **kwargs)
+        return counted
+
+    def wrap_objects(function):
+        def counted(objects, *args, **kwargs):
+            counter["bytes"] += len(pickle.dumps(objects))
+            return function(objects, *args, **kwargs)
+        return counted
+
+    for name, position in COUNTED.items():
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(getattr(dist, name), position))
+    for name in OBJECT_COLLECTIVES:
+        setattr(dist, name, wrap_objects(getattr(dist, name)))
+    return counter
 
 
 class MLPBlock(nn.Module):
@@ -98,12 +153,16 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
     model = TinyLM(vocab, width, layers).to(device)
     if parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
-    elif parallel == "fsdp":
+    elif parallel in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        shape = (2, world // 2) if parallel == "hsdp" else (world,)
+        names = ("replicate", "shard") if parallel == "hsdp" else ("shard",)
+        mesh = {"mesh": init_device_mesh(device.type, shape, mesh_dim_names=names)}
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **mesh)
+        fully_shard(model, **mesh)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     local_batch = opts["batch"] // world
     if private:
@@ -121,8 +180,10 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = peak_rss_mib()
-    times = []
+    counter = count_collective_bytes() if world > 1 else {"bytes": 0}
+    times, sent = [], []
     for ids in batches:
+        counted = counter["bytes"]
         start = time.perf_counter()
         logits = model(ids[:, :-1])
         loss_fn(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
@@ -131,11 +192,16 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         if opts["device"] == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        sent.append(counter["bytes"] - counted)
     if opts["device"] == "cuda":
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = peak_rss_mib() - before
-    results[rank] = {"step_ms": 1000 * statistics.median(times[2:]), "peak_mib": peak}
+    reducer = 0
+    if parallel == "ddp" and not private:  # DDP's C++ reducer all-reduces every gradient: not seen by the wrapper
+        reducer = sum(p.numel() * p.element_size() for p in model.parameters())
+    results[rank] = {"step_ms": 1000 * statistics.median(times[2:]), "peak_mib": peak,
+                     "comm_mib": (statistics.median(sent[2:]) + reducer) / 2**20, "reducer": bool(reducer)}
     if world > 1:
         dist.destroy_process_group()
 
@@ -154,6 +220,7 @@ def measure(name: str, world: int, parallel: str, private: bool, mode: str, opts
     return {
         "config": name, "processes": world, "mode": mode if private else "-",
         "step_ms": max(r["step_ms"] for r in per_rank), "peak_mib_per_rank": max(r["peak_mib"] for r in per_rank),
+        "comm_mib_per_rank": max(r["comm_mib"] for r in per_rank), "reducer_added": per_rank[0]["reducer"],
     }
 
 
@@ -236,9 +303,62 @@ def print_memory_table(tokens_per_rank: int, lora_rank: int) -> None:
               f"{r['bk_kept']:.1f} GiB ({r['kept_mib_per_1k_tokens']:.0f} MiB) | **{r['total']:.1f} GiB** |")
 
 
+# ------------------------------------------------------------------------------------------------
+# Computed (not measured) collective bytes per rank and optimizer step: 8B Llama on 64 GPUs.
+
+LLAMA_8B = (32, 4096, 14336, 1024, 128256)  # layers, width, MLP width, key/value width (GQA), vocab
+
+
+def ring(kind: str, size: float, ranks: int) -> float:
+    """Bytes one rank sends in a ring collective over ``ranks`` whose full tensor has ``size`` bytes."""
+    if ranks <= 1:
+        return 0.0
+    share = (ranks - 1) / ranks
+    return 2 * share * size if kind == "all_reduce" else share * size  # reduce-scatter, all-gather: once
+
+
+def comm_rows(micro_batches: int = 1, gpus: int = 64, replicas: int = 8):
+    """(set-up, plain bytes, private bytes, what differs) per rank and optimizer step of ``micro_batches``
+    backward passes: bf16 parameters gathered for forward and backward, gradients reduced in fp32
+    (private: the clipped sums, always fp32)."""
+    params = model_sizes(*LLAMA_8B)[0]
+    k, shards = micro_batches, gpus // replicas
+    fp32, bf16 = 4 * params, 2 * params
+    key = 8 * 2  # the step's noise key, broadcast (sharded noise): one int, pickled
+    rows = [
+        ("DDP, 64 ranks", ring("all_reduce", fp32, gpus) * k, ring("all_reduce", fp32, gpus),
+         "one all-reduce per step, of the noised clipped sums (rank 0 adds the noise first); plain DDP all-reduces "
+         "every backward pass unless the loop uses no_sync()"),
+        ("FSDP2, 64 shards", k * (2 * ring("all_gather", bf16, gpus) + ring("reduce_scatter", fp32, gpus)),
+         k * (2 * ring("all_gather", bf16, gpus) + ring("reduce_scatter", fp32, gpus)) + key,
+         "the same; plus the noise key (16 bytes); a bf16 reduce_dtype halves plain's reduce-scatter, not ours"),
+        (f"HSDP, {replicas} x {shards}",
+         k * (2 * ring("all_gather", bf16, shards) + ring("reduce_scatter", fp32, shards)
+              + ring("all_reduce", fp32 / shards, replicas)),
+         k * (2 * ring("all_gather", bf16, shards) + ring("reduce_scatter", fp32, shards))
+         + ring("all_reduce", fp32 / shards, replicas) + key,
+         "the replicas' all-reduce runs once per step (FSDP2's default: once per backward pass)"),
+    ]
+    return params, rows
+
+
+def print_comm_table(micro_batches: int) -> None:
+    params, rows = comm_rows(micro_batches)
+    print(f"Computed, not measured: {params / 1e9:.2f} B parameters (8B Llama), {micro_batches} backward pass(es) per "
+          "step, ring collectives (a rank sends 2(n-1)/n of an all-reduce's tensor, (n-1)/n of a reduce-scatter's or "
+          "an all-gather's); bf16 gathers, fp32 gradient reduction.")
+    print("| set-up | plain (GB per rank and step) | private (GB per rank and step) | what private changes |")
+    print("|---|---|---|---|")
+    for name, plain, private, note in rows:
+        print(f"| {name} | {plain / 1e9:.2f} | {private / 1e9:.2f} | {note} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--memory-table", action="store_true", help="print the computed 7B/70B table and exit")
+    parser.add_argument("--comm-table", action="store_true",
+                        help="print the computed collective bytes of an 8B Llama on 64 GPUs and exit")
+    parser.add_argument("--micro-batches", type=int, default=1, help="backward passes per step (--comm-table)")
     parser.add_argument("--tokens-per-rank", type=int, default=4 * 2048)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)
@@ -256,6 +376,9 @@ def main() -> None:
     if args.memory_table:
         print_memory_table(args.tokens_per_rank, args.lora_rank)
         return
+    if args.comm_table:
+        print_comm_table(args.micro_batches)
+        return
     opts = {k: getattr(args, k) for k in ("width", "layers", "vocab", "seq", "batch", "steps", "threads", "device")}
     if args.device == "cuda":
         opts["threads"] = max(opts["threads"], 1)
@@ -269,13 +392,16 @@ def main() -> None:
         for mode in (args.modes if private else ["-"]):
             rows.append(measure(name, world, parallel, private, mode, opts))
             r = rows[-1]
-            print(f"{r['config']:<14} {r['processes']:>2} proc  {r['mode']:<5} {r['step_ms']:9.1f} ms/step  "
-                  f"{r['peak_mib_per_rank']:8.1f} MiB/rank", flush=True)
+            print(f"{r['config']:<17} {r['processes']:>2} proc  {r['mode']:<5} {r['step_ms']:9.1f} ms/step  "
+                  f"{r['peak_mib_per_rank']:8.1f} MiB/rank  {r['comm_mib_per_rank']:8.2f} MiB sent/rank", flush=True)
     params = sum(p.numel() for p in TinyLM(args.vocab, args.width, args.layers).parameters())
     print(f"\nmodel: {params / 1e6:.2f} M parameters; global batch {args.batch} x {args.seq} tokens; device {args.device}")
-    print(f"| config | processes | mode | step (ms) | peak memory per rank (MiB) |\n|---|---|---|---|---|")
+    print("| config | processes | mode | step (ms) | peak memory per rank (MiB) | collective payload per rank and step (MiB) |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['config']} | {r['processes']} | {r['mode']} | {r['step_ms']:.1f} | {r['peak_mib_per_rank']:.1f} |")
+        reducer = " (+reducer)" if r["reducer_added"] else ""
+        print(f"| {r['config']} | {r['processes']} | {r['mode']} | {r['step_ms']:.1f} | {r['peak_mib_per_rank']:.1f} | "
+              f"{r['comm_mib_per_rank']:.2f}{reducer} |")
     place = OutputPlace(args, "distributed")
     place.file("distributed.json", RESULTS / "distributed.json").write_text(json.dumps({"options": opts, "rows": rows}, indent=1))
     place.report()
