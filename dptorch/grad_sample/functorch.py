@@ -64,15 +64,20 @@ def functorch_per_sample_grads(
         # (or after it) in the real call, and must not run twice here.
         with _reparametrize_module(module, dict(zip(names, param_values))):
             out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
-        return sum(
-            (out_leaves[pos] * (g if dim is None or m else g.unsqueeze(dim))).sum()
-            for pos, g, dim, m in zip(output_positions, sample_grads, output_dims, out_merged)
-        )
+        total = 0
+        for pos, g, dim, m in zip(output_positions, sample_grads, output_dims, out_merged):
+            target = g if dim is None or m else g.unsqueeze(dim)
+            if out_leaves[pos].shape != target.shape:  # broadcasting would sum copies of the sample silently
+                raise PerSampleGradientError(_shape_mismatch(module, out_leaves[pos].shape, target.shape))
+            total = total + (out_leaves[pos] * target).sum()
+        return total
 
     per_sample = vmap(grad(sample_loss), in_dims=(None, tensor_dims, 0))
     values = tuple(p.detach() for p in params.values())
     try:
         grads = per_sample(values, tuple(tensors), tuple(grad_outputs))
+    except PerSampleGradientError:
+        raise
     except RuntimeError as err:
         raise PerSampleGradientError(_explain(module, err)) from err
     return dict(zip(params.values(), grads))
@@ -86,4 +91,14 @@ def _explain(module: nn.Module, err: RuntimeError) -> str:
         f"cannot compute per-sample gradients of {type(module).__name__} with the torch.func fallback: "
         f"{cause}. Register an exact sampler with @dptorch.grad_sample.register_grad_sampler"
         f"({type(module).__name__}), move the offending operation into a child module, or freeze its parameters."
+    )
+
+
+def _shape_mismatch(module: nn.Module, got: torch.Size, want: torch.Size) -> str:
+    return (
+        f"{type(module).__name__}, replayed for one sample by the torch.func fallback, returns an output of shape "
+        f"{tuple(got)} instead of the sample's {tuple(want)}: an argument it takes as shared by the samples has the "
+        "batch's rows (a mask built from the batch's shape, such as torch.ones(input_shape) when the model gets no "
+        "attention_mask), so the replay would count the sample once per row. Pass the model the argument it builds "
+        "(e.g. attention_mask), so that it carries the batch, or freeze the module's direct parameters."
     )

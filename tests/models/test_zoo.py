@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dptorch.grad_sample import PerSampleGradientError
+from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
 from tests.grad_sample.oracle import assert_exact
 from tests.helpers import single_thread  # noqa: F401  (autouse: one intra-op thread)
 from tests.models.zoo import ZOO
@@ -64,3 +64,13 @@ def test_lora_adapters_are_exact(name, mode):
 def test_zoo_spans_the_families():
     assert {f.kind for f in ZOO.values()} == {"encoder", "decoder", "seq2seq", "vision"}
     assert sum(f.tied is not None for f in ZOO.values()) >= 4
+
+
+def test_deberta_without_attention_mask_is_refused():
+    """Given no attention_mask, DeBERTa builds one of ones from the batch's shape: shared by the samples but
+    with the batch's rows, so replaying its attention for one sample would count the sample once per row."""
+    model = ZOO["deberta"].build()
+    inputs = ZOO["deberta"].inputs(3, 5, torch.Generator().manual_seed(0))
+    with GradSampleHooks(model, loss_reduction="sum"):
+        with pytest.raises(PerSampleGradientError, match=r"DisentangledSelfAttention, replayed for one sample.*attention_mask"):
+            ZOO["deberta"].loss(model(input_ids=inputs["input_ids"])).sum().backward()

@@ -115,6 +115,15 @@ def deberta_v2(norm_rel_ebd: str = "layer_norm") -> nn.Module:
         num_labels=3, pooler_dropout=0.0)).train()
 
 
+def deberta() -> nn.Module:
+    """DeBERTa (v1): relative attention with the query and value biases as the attention's own parameters
+    (replayed by torch.func); it builds its attention mask from the batch's shape when given none."""
+    return transformers.DebertaForSequenceClassification(transformers.DebertaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        relative_attention=True, pos_att_type=["c2p", "p2c"], max_relative_positions=8, num_labels=3)).train()
+
+
 def vit() -> nn.Module:
     return transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=IMAGE, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
@@ -133,6 +142,7 @@ def _tied(embedding: Callable[[nn.Module], nn.Module]) -> Callable[[nn.Module], 
 
 ZOO: Dict[str, Family] = {
     "bert": Family(bert, _ids_and_mask, "encoder", ("query", "value"), _tied(lambda m: m.bert.embeddings.word_embeddings)),
+    "deberta": Family(deberta, _ids_and_mask, "encoder", ("in_proj",)),
     "deberta-v2": Family(deberta_v2, _ids, "encoder", ("query_proj", "value_proj")),
     "deberta-v2-unnormed": Family(lambda: deberta_v2("none"), _ids, "encoder"),
     "gpt2": Family(gpt2, _ids, "decoder", ("c_attn",), _tied(lambda m: m.transformer.wte)),
