@@ -107,11 +107,18 @@ def _instance_norm_type(module: nn.Module) -> Optional[Type[nn.Module]]:
 
 
 @register_module_fixer(nn.modules.batchnorm._BatchNorm)
-def replace_batch_norm(module: nn.modules.batchnorm._BatchNorm, *, batchnorm: str = "groupnorm") -> nn.Module:
+def replace_batch_norm(module: nn.modules.batchnorm._BatchNorm, *, batchnorm: str = "groupnorm",
+                       num_groups: Optional[int] = None, replace_bn_with_in: bool = False) -> nn.Module:
     """BatchNorm (any dim, SyncBatchNorm) to GroupNorm whose group count is the largest divisor of the
-    channels up to 32; with ``batchnorm="instancenorm"``, to InstanceNorm1d/2d/3d without running
+    channels up to 32 (or ``num_groups``, which must divide them); with ``batchnorm="instancenorm"``
+    (Opacus: ``replace_bn_with_in=True``), to InstanceNorm1d/2d/3d without running
     statistics (for SyncBatchNorm, whose dim is unknown, GroupNorm with one group per channel, which
     is instance normalisation). Affine weights carry over; running statistics are dropped."""
+    batchnorm = "instancenorm" if replace_bn_with_in else batchnorm
+    if num_groups is not None and (batchnorm != "groupnorm" or not isinstance(num_groups, int) or num_groups < 1
+                                   or module.num_features % num_groups):
+        raise ValueError(f"num_groups={num_groups!r} must be a whole divisor of the {module.num_features} channels of "
+                         f"{type(module).__name__}, for the GroupNorm replacement")
     if batchnorm not in BATCHNORM_REPLACEMENTS:
         raise ValueError(f"batchnorm must be one of {BATCHNORM_REPLACEMENTS}, got {batchnorm!r}")
     if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
@@ -121,7 +128,7 @@ def replace_batch_norm(module: nn.modules.batchnorm._BatchNorm, *, batchnorm: st
     if instance_norm is not None:
         fixed: nn.Module = instance_norm(channels, eps=module.eps, affine=module.affine, track_running_stats=False, **factory)
     else:
-        groups = channels if batchnorm == "instancenorm" else largest_divisor_at_most(channels, MAX_GROUPS)
+        groups = channels if batchnorm == "instancenorm" else num_groups or largest_divisor_at_most(channels, MAX_GROUPS)
         fixed = nn.GroupNorm(groups, channels, eps=module.eps, affine=module.affine, **factory)
     _copy_parameter(module.weight, fixed.weight)
     _copy_parameter(module.bias, fixed.bias)

@@ -8,6 +8,7 @@ a deep copy of the model.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Dict, List
 
 from torch import nn
@@ -15,6 +16,8 @@ from torch import nn
 from dptorch.grad_sample.errors import UnsupportedModuleError
 from dptorch.grad_sample.validation import Incompatibility, incompatibilities
 from dptorch.validate.fixers import apply_fixer, find_module_fixer, known_options
+
+logger = logging.getLogger(__name__)
 
 
 class ModuleValidator:
@@ -51,6 +54,7 @@ class ModuleValidator:
             fixer = find_module_fixer(target)
             if fixer is not None and target not in replacements:
                 replacements[target] = apply_fixer(fixer, target, options)
+                logger.info("Replaced sub_module %s : %s with %s", problem.path, target, replacements[target])
         for parent in list(model.modules()):
             for name, child in list(parent._modules.items()):  # named_children() skips repeats
                 if child in replacements:

@@ -346,3 +346,16 @@ def test_remove_hooks_detaches_and_an_unsupported_model_is_also_not_implemented(
     assert not hooks.attached and not any(m._forward_hooks for m in model.modules())
     with pytest.raises(NotImplementedError, match="BatchNorm"):
         GradSampleModule(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)))
+
+
+def test_module_validator_fix_takes_opacus_batchnorm_options_and_logs_each_replacement(caplog):
+    from dptorch.validators import ModuleValidator
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm2d(16))
+    with caplog.at_level("INFO", logger="dptorch.validate.validator"):
+        assert ModuleValidator.fix(model)[1].num_groups == 16
+    assert any("Replaced sub_module 1" in record.getMessage() for record in caplog.records)
+    assert ModuleValidator.fix(model, num_groups=4)[1].num_groups == 4
+    assert isinstance(ModuleValidator.fix(model, replace_bn_with_in=True)[1], nn.InstanceNorm2d)
+    with pytest.raises(ValueError, match="divisor of the 16 channels"):
+        ModuleValidator.fix(model, num_groups=5)
