@@ -75,6 +75,21 @@ def llama(tie: bool = False, attention: str = "sdpa") -> nn.Module:
         tie_word_embeddings=tie, attn_implementation=attention)).train()
 
 
+def opt() -> nn.Module:
+    """OPT: its feed-forward runs on the batch flattened with the tokens, ``(B * T, d)``."""
+    return transformers.OPTForCausalLM(transformers.OPTConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, ffn_dim=32, num_attention_heads=2,
+        max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=16, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0)).train()
+
+
+def bloom() -> nn.Module:
+    """BLOOM: ALiBi biases and attention on the batch merged with the heads, ``(B * H, T, T)``."""
+    return transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=16, n_layer=1, n_head=2, hidden_dropout=0.0, attention_dropout=0.0,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).train()
+
+
 def mixtral() -> nn.Module:
     """Mixture of experts: a top-2 router over three experts."""
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
@@ -149,6 +164,8 @@ ZOO: Dict[str, Family] = {
     "llama": Family(llama, _ids_and_mask, "decoder", ("q_proj", "v_proj")),
     "llama-tied": Family(lambda: llama(tie=True), _ids, "decoder", (), _tied(lambda m: m.model.embed_tokens)),
     "llama-eager": Family(lambda: llama(attention="eager"), _ids_and_mask, "decoder"),
+    "opt": Family(opt, _ids_and_mask, "decoder", (), _tied(lambda m: m.model.decoder.embed_tokens)),
+    "bloom": Family(bloom, _ids_and_mask, "decoder", (), _tied(lambda m: m.transformer.word_embeddings)),
     "mixtral": Family(mixtral, _ids, "decoder"),
     "t5": Family(t5, _seq2seq, "seq2seq", ("q", "v"), _tied(lambda m: m.shared)),
     "bart": Family(bart, _seq2seq, "seq2seq", ("q_proj", "v_proj"), _tied(lambda m: m.model.shared)),
