@@ -50,6 +50,8 @@ OPACUS_PATHS = (
     "schedulers.grad_clip_scheduler",
     "schedulers.noise_scheduler",
     "utils",
+    "utils.adaptive_clipping",
+    "utils.adaptive_clipping.adaptive_clipping_utils",
     "utils.batch_memory_manager",
     "utils.fast_gradient_clipping_utils",
     "utils.module_utils",

@@ -359,3 +359,25 @@ def test_module_validator_fix_takes_opacus_batchnorm_options_and_logs_each_repla
     assert isinstance(ModuleValidator.fix(model, replace_bn_with_in=True)[1], nn.InstanceNorm2d)
     with pytest.raises(ValueError, match="divisor of the 16 channels"):
         ModuleValidator.fix(model, num_groups=5)
+
+
+def test_the_adaptive_clipping_engine_clips_adaptively_in_ghost_mode():
+    from dptorch.optimizers import AdaClipDPOptimizer
+    from dptorch.utils.adaptive_clipping.adaptive_clipping_utils import PrivacyEngineAdaptiveClipping
+
+    torch.manual_seed(4)
+    model = nn.Linear(4, 2)
+    loader = DataLoader(TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,))), batch_size=8)
+    engine = PrivacyEngineAdaptiveClipping(accountant="rdp")
+    model, optimizer, criterion, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+        noise_multiplier=1.0, max_grad_norm=1.0, criterion=nn.CrossEntropyLoss(), grad_sample_mode="ghost",
+        unclipped_num_std=1.0, min_clipbound=0.1)
+    assert isinstance(optimizer, AdaClipDPOptimizer)
+    for x, y in loader:
+        optimizer.zero_grad()
+        criterion(model(x), y).backward()
+        optimizer.step()
+    assert optimizer.max_grad_norm != 1.0 and len(engine.accountant) == len(loader)
+    with pytest.raises(ValueError, match="adaptively"):
+        PrivacyEngineAdaptiveClipping().make_private(clipping="flat")

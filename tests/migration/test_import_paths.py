@@ -90,6 +90,7 @@ SUITE_PATHS = {
         "compute_opacus_grad_sample", "get_grad_sample_modes", "is_batch_empty", "clone_module",
     ],
     "opacus.utils.tensor_utils": ["unfold2d"],
+    "opacus.utils.adaptive_clipping.adaptive_clipping_utils": ["PrivacyEngineAdaptiveClipping"],
     "opacus.validators.errors": ["IllegalModuleConfigurationError", "ShouldReplaceModuleError", "UnsupportedModuleError"],
     "opacus.accountants": ["register_accountant", "registry"],
 }

@@ -1,0 +1,1 @@
+"""``opacus.utils.adaptive_clipping``: Opacus' adaptive-clipping engine (``adaptive_clipping_utils``)."""
