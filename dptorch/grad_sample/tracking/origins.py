@@ -36,11 +36,12 @@ class OriginCall:
     ``dim`` pairs row ``i`` with sample ``i`` (the output already had ``n`` rows there).
     """
 
-    __slots__ = ("name", "n", "shape", "output", "edge", "dense", "rows", "__weakref__")
+    __slots__ = ("name", "n", "read", "shape", "output", "edge", "dense", "rows", "__weakref__")
 
-    def __init__(self, name: str, n: int) -> None:
+    def __init__(self, name: str, n: int, read: bool = False) -> None:
         self.name = name
         self.n = n
+        self.read = read  # it stands for a parameter read outside its module's call (reads.py), not a layer call
         self.shape: Tuple[int, ...] = ()
         self.output: Callable[[], Optional[Tensor]] = lambda: None
         self.edge: Any = None
@@ -133,11 +134,19 @@ def _check_total(origin: OriginCall, got: Tensor, total: Tensor) -> None:
         return
     scale = float(total.abs().max()) if total.numel() else 0.0
     tol = (1e-3 if total.dtype in (torch.float32, torch.float64) else 2e-2) * scale + 1e-7
-    if total.numel() and float((got.to(total.dtype) - total).abs().max()) > tol:
+    if not total.numel() or float((got.to(total.dtype) - total).abs().max()) <= tol:
+        return
+    if origin.read:
         raise PerSampleGradientError(
-            f"{origin.name} is called on inputs that carry no batch dimension (its output is shared by the samples), "
-            "and part of its output's gradient reached it by a path where the samples could not be told apart (the "
-            "output, or a tensor derived from it, met the batch outside the model's forward, in reentrant activation "
-            "checkpointing, or through an operation the batch tracker does not follow). Give the layer inputs with a "
-            "leading batch dimension (e.g. positions[None].expand(batch_size, -1)), or freeze its parameters."
+            f"{origin.name}: the parameter is read outside its module's call and fed, without a batch, to layers, "
+            "and part of its gradient reached it by a path where the samples could not be told apart (it also met "
+            "the batch directly, or through an operation the batch tracker does not follow). Call its module "
+            "instead of reading its weight, or freeze it."
         )
+    raise PerSampleGradientError(
+        f"{origin.name} is called on inputs that carry no batch dimension (its output is shared by the samples), "
+        "and part of its output's gradient reached it by a path where the samples could not be told apart (the "
+        "output, or a tensor derived from it, met the batch outside the model's forward, in reentrant activation "
+        "checkpointing, or through an operation the batch tracker does not follow). Give the layer inputs with a "
+        "leading batch dimension (e.g. positions[None].expand(batch_size, -1)), or freeze its parameters."
+    )

@@ -82,7 +82,7 @@ class ParameterReads:
         for param in parameters_reached(tensors, lambda p: self.followed(p, exclude)):
             origin = table.get(param)
             if origin is None:
-                origin = OriginCall(f"{self._name_of(param)} (read outside its module's call)", n)
+                origin = OriginCall(self._name_of(param), n, read=True)
                 origin.bind(param)
                 table[param] = origin
                 self._watch(param, origin)
