@@ -74,6 +74,20 @@ def unscale_factors(factors: Dict[Any, torch.Tensor], scale: float) -> Dict[Any,
     return factors if scale == 1.0 else {key: f / scale for key, f in factors.items()}
 
 
+def check_schedule(init_scale: Any, growth_factor: Any = 2.0, growth_interval: Any = None, max_scale: Any = None) -> None:
+    """Refuse a loss-scale schedule :class:`DPGradScaler` cannot keep exact (powers of two) or data-independent."""
+    for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor)):
+        if not _is_power_of_two(value):
+            raise ValueError(f"{name} must be a power of two (scaling and unscaling are then exact), got {value!r}")
+    if growth_interval is not None:
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a whole number of steps >= 1 or None, got {growth_interval!r}")
+        if growth_factor < 2:
+            raise ValueError(f"growth_factor must be >= 2 for a growing schedule, got {growth_factor!r}")
+    if max_scale is not None and not (_is_power_of_two(max_scale) and max_scale >= init_scale):
+        raise ValueError(f"max_scale must be a power of two >= init_scale={init_scale}, got {max_scale!r}")
+
+
 class DPGradScaler(GradScaler):
     """A ``torch.amp.GradScaler`` for a :class:`~dptorch.optim.DPOptimizer`: fixed schedule, no skipped step.
 
@@ -101,16 +115,7 @@ class DPGradScaler(GradScaler):
                 f"DPGradScaler scales the loss for a DPOptimizer (which unscales each unit's gradient before clipping); "
                 f"got a {type(optimizer).__name__}. Pass the optimizer make_private returned"
             )
-        for name, value in (("init_scale", init_scale), ("growth_factor", growth_factor)):
-            if not _is_power_of_two(value):
-                raise ValueError(f"{name} must be a power of two (scaling and unscaling are then exact), got {value!r}")
-        if growth_interval is not None:
-            if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-                raise ValueError(f"growth_interval must be a whole number of steps >= 1 or None, got {growth_interval!r}")
-            if growth_factor < 2:
-                raise ValueError(f"growth_factor must be >= 2 for a growing schedule, got {growth_factor!r}")
-        if max_scale is not None and not (_is_power_of_two(max_scale) and max_scale >= init_scale):
-            raise ValueError(f"max_scale must be a power of two >= init_scale={init_scale}, got {max_scale!r}")
+        check_schedule(init_scale, growth_factor, growth_interval, max_scale)
         params = dp.params
         low = [dp.hooks.parameter_name(p) for p in params if p.dtype in (torch.float16, torch.bfloat16)]
         if low:
@@ -236,12 +241,15 @@ class DPGradScaler(GradScaler):
         self._sync_torch_scale()
 
     @classmethod
-    def replacing(cls, scaler: GradScaler, optimizer: torch.optim.Optimizer) -> "DPGradScaler":
-        """A fixed-scale DPGradScaler in place of torch's ``scaler`` (built by Accelerate for ``fp16=True``): its
-        initial scale rounded down to a power of two, and none of its growth or backoff."""
-        init = float(getattr(scaler, "_init_scale", 2.0**16))
-        return cls(optimizer, init_scale=2.0 ** math.floor(math.log2(init)), device=getattr(scaler, "_device", None),
-                   enabled=scaler.is_enabled())
+    def replacing(cls, scaler: GradScaler, optimizer: torch.optim.Optimizer, init_scale: Optional[float] = None,
+                  growth_interval: Optional[int] = None) -> "DPGradScaler":
+        """A DPGradScaler in place of torch's ``scaler`` (built by Accelerate for ``fp16=True``): ``init_scale``, or
+        the scaler's initial scale rounded down to a power of two; fixed unless ``growth_interval`` is given (then
+        doubling every ``growth_interval`` steps up to 2^24); none of torch's backoff."""
+        if init_scale is None:
+            init_scale = 2.0 ** math.floor(math.log2(float(getattr(scaler, "_init_scale", 2.0**16))))
+        return cls(optimizer, init_scale=init_scale, growth_interval=growth_interval,
+                   device=getattr(scaler, "_device", None), enabled=scaler.is_enabled())
 
 
 def plain_scaler_error() -> str:

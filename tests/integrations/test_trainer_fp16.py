@@ -49,7 +49,7 @@ def weighted_loss(weight: float):
     return per_sample_loss
 
 
-def train(tmp_path, *, fp16: bool, gpu_like_scale=None, dataset=None, per_sample_loss_func=None):
+def train(tmp_path, *, fp16: bool, gpu_like_scale=None, dataset=None, per_sample_loss_func=None, **privacy):
     """One private step (two micro-batches of 4, noiseless, lr 1; q = 1/4, or 1 on a dataset of 8); returns the
     trainer, the update applied, the dtypes of an MLP output seen in the forwards and the non-finite warnings."""
     torch.manual_seed(0)
@@ -59,7 +59,8 @@ def train(tmp_path, *, fp16: bool, gpu_like_scale=None, dataset=None, per_sample
                              optim="sgd", lr_scheduler_type="constant", learning_rate=1.0, max_grad_norm=0.0, fp16=fp16)
     trainer = DPTrainer(model=model, args=args, train_dataset=lm_dataset(TOKENIZER, 32) if dataset is None else dataset,
                         data_collator=DataCollatorForPrivateCausalLanguageModeling(TOKENIZER),
-                        privacy_args=PrivacyArguments(noise_multiplier=0.0, per_sample_max_grad_norm=1.0, sampling_seed=0),
+                        privacy_args=PrivacyArguments(noise_multiplier=0.0, per_sample_max_grad_norm=1.0, sampling_seed=0,
+                                                      **privacy),
                         per_sample_loss_func=per_sample_loss_func)
     if gpu_like_scale is not None:  # what Accelerate sets up for fp16=True on a CUDA device
         trainer.accelerator.native_amp = True
@@ -108,3 +109,19 @@ def test_an_overflowed_unit_contributes_zero_and_the_step_is_taken(tmp_path):
     assert not none and float((update - without16).abs().max()) <= 2.0**-22 * float(without16.abs().max())
     _, without32, _, _ = train(tmp_path / "c", fp16=False, dataset=dataset, per_sample_loss_func=weighted_loss(0.0))
     assert float((update - without32).norm() / without32.norm()) <= BOUND
+
+
+def test_the_trainers_loss_scale_and_its_growth_come_from_the_privacy_arguments(tmp_path):
+    trainer, _, dtypes, _ = train(tmp_path, fp16=True, gpu_like_scale=2.0**8, fp16_loss_scale=2.0**10,
+                                  fp16_scale_growth_interval=5)
+    scaler = trainer.accelerator.scaler
+    assert isinstance(scaler, DPGradScaler) and dtypes == {torch.float16}
+    assert scaler.schedule["init_scale"] == 2.0**10 and scaler.schedule["growth_interval"] == 5
+    assert scaler.get_scale() == 2.0**10  # one step taken, the first growth after five
+
+
+@pytest.mark.parametrize("fields, problem", [({"fp16_loss_scale": 1000.0}, "init_scale must be a power of two"),
+                                             ({"fp16_scale_growth_interval": 0}, "growth_interval must be a whole")])
+def test_a_loss_scale_that_cannot_be_exact_is_refused_in_the_arguments(fields, problem):
+    with pytest.raises(ValueError, match=problem):
+        PrivacyArguments(noise_multiplier=1.0, **fields)

@@ -16,6 +16,7 @@ from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
 from dptorch.noise.banded.mechanism import NOISE_MECHANISMS, _check_mechanism
 from dptorch.clipping.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.clipping.factors import CLIPPING_MODES
+from dptorch.optim.loss_scaling import check_schedule
 
 #: "auto" (the default: the fastest exact mode for the model) and every controller mode; "ghost" is
 #: book-keeping under Opacus' name (one backward pass).
@@ -122,6 +123,18 @@ class PrivacyArguments:
                   "(with target_epsilon): the b of lowest expected error, DP-SGD's b=1 where no band is lower."},
     )
 
+    fp16_loss_scale: Optional[float] = field(
+        default=None,
+        metadata={"help": "fp16=True: the loss scale of the DPGradScaler that replaces Accelerate's GradScaler, a power "
+                  "of two (default: Accelerate's initial scale, 2^16). Fixed: no step is skipped or scale lowered for "
+                  "an overflow; an overflowed unit contributes zero (docs/privacy.md, fp16 loss scaling)."},
+    )
+    fp16_scale_growth_interval: Optional[int] = field(
+        default=None,
+        metadata={"help": "fp16=True: double the loss scale every this many steps, up to 2^24 (a schedule of the step "
+                  "count only); default None keeps it fixed."},
+    )
+
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(
@@ -163,6 +176,10 @@ class PrivacyArguments:
             raise ValueError(
                 "secure_mode draws the Poisson sampling from the OS CSPRNG and takes no sampling_seed; remove one of them"
             )
+
+        if self.fp16_loss_scale is not None or self.fp16_scale_growth_interval is not None:
+            check_schedule(2.0**16 if self.fp16_loss_scale is None else self.fp16_loss_scale,
+                           growth_interval=self.fp16_scale_growth_interval)
 
         if isinstance(self.bands, str) and self.bands.strip().isdecimal():
             self.bands = int(self.bands)  # the command line's --bands 4

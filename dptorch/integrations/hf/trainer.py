@@ -371,7 +371,9 @@ class PrivateTrainerMixin:
         (:mod:`dptorch.optim.loss_scaling`)."""
         scaler = getattr(self.accelerator, "scaler", None)
         if scaler is not None and not isinstance(scaler, DPGradScaler):
-            self.accelerator.scaler = DPGradScaler.replacing(scaler, optimizer)
+            self.accelerator.scaler = DPGradScaler.replacing(
+                scaler, optimizer, init_scale=self.privacy_args.fp16_loss_scale,
+                growth_interval=self.privacy_args.fp16_scale_growth_interval)
 
     def _after_private_step(self, optimizer: DPOptimizer) -> None:
         """Keep the norm of the privatised gradient for the logs (the optimizer accounted the step in the plan)."""
