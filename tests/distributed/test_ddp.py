@@ -28,6 +28,19 @@ def test_two_processes_end_where_one_process_ends(result, reference_hooks, name)
     assert (reference_hooks["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
 
 
+def test_fp16_with_a_dp_grad_scaler_under_ddp_is_the_float32_run_within_float16_rounding(result, reference_hooks):
+    """CPU float16 autocast, a fixed DPGradScaler (the same schedule on every rank: a function of the step
+    count): both ranks end equal, and within 4u (u = 2^-11) of the one-process float32 run, relative to how far
+    that run moved (3 steps; the float32 noise is the same draw)."""
+    runs = [result("ddp-fp16-bk", rank) for rank in range(WORLD)]
+    torch.testing.assert_close(runs[0]["params"], runs[1]["params"], rtol=0, atol=0)
+    start = workers.flat_params(workers.model_like())
+    moved = reference_hooks["params"] - start
+    error = (runs[0]["params"] - reference_hooks["params"]).norm() / moved.norm()
+    assert 0 < float(error) <= 4 * 2.0**-11  # not bit-equal: the forward really ran in float16
+    assert runs[0]["epsilon"] == pytest.approx(reference_hooks["epsilon"], rel=1e-12)
+
+
 @pytest.mark.parametrize("name", ["ddp-hooks", "fsdp-whole-bk"])
 def test_each_step_is_accounted_once_with_the_global_sample_rate(result, reference_hooks, name):
     runs = [result(name, rank) for rank in range(WORLD)]

@@ -27,7 +27,7 @@ from dptorch.distributed import ShardedNoise
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.noise import NoiseGenerator
-from dptorch.optim import DPOptimizer
+from dptorch.optim import DPGradScaler, DPOptimizer
 
 WORLD = 2
 SAMPLES = 20
@@ -93,9 +93,10 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 
 def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, shard: str = "", physical: int = 1,
-          mesh=None, noise_generator=None) -> dict:
+          mesh=None, noise_generator=None, fp16: bool = False) -> dict:
     """One epoch of engine training (BatchMemoryManager, physical batches of at most ``physical``);
-    parameters, epsilon, batch counts. ``mesh``: the device mesh of ``fully_shard`` (HSDP: 2-D)."""
+    parameters, epsilon, batch counts. ``mesh``: the device mesh of ``fully_shard`` (HSDP: 2-D); ``fp16``:
+    the forward under float16 autocast, the loss scaled by a fixed ``DPGradScaler``."""
     if ddp:
         model = nn.parallel.DistributedDataParallel(model)
     if shard:
@@ -125,12 +126,21 @@ def train(model: nn.Module, mode: str, *, distributed: bool, ddp: bool = False, 
         loss_reduction="sum", grad_sample_mode=mode, wrap_model=False,
         noise_generator=noise_generator or ShardedNoise(seed=NOISE_SEED),
     )
+    scaler = DPGradScaler(optimizer, init_scale=2.0**8) if fp16 else None
     per_step, rows_per_step, count, rows = [], [], 0, 0
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
             count, rows = count + 1, rows + len(x)
-            ((model(x) - y) ** 2).sum().backward()
-            optimizer.step()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                out = model(x)
+            loss = ((out.float() - y) ** 2).sum()
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
             optimizer.zero_grad()
             if not optimizer._last_step_skipped:
                 per_step.append(count)
@@ -339,6 +349,7 @@ def scenarios(rank: int):
     yield "allreduce-hooks", lambda: train(model_like(), "hooks", distributed=True)  # no DDP wrapper at all
     yield "ddp-hooks", lambda: train(model_like(), "hooks", distributed=True, ddp=True)
     yield "ddp-bk", lambda: train(model_like(), "bk", distributed=True, ddp=True)
+    yield "ddp-fp16-bk", lambda: train(model_like(), "bk", distributed=True, ddp=True, fp16=True)
     yield "fsdp-per-layer-hooks", lambda: train(model_like(), "hooks", distributed=True, shard="per-layer", physical=3)
     yield "fsdp-whole-bk", lambda: train(model_like(), "bk", distributed=True, shard="whole", physical=3)
     yield "fsdp-per-layer-bk", lambda: train(model_like(), "bk", distributed=True, shard="per-layer", physical=3)
