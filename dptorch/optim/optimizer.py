@@ -93,7 +93,12 @@ class DPOptimizer(torch.optim.Optimizer):
         min_clipbound: Optional[float] = None,
         unclipped_num_std: Optional[float] = None,
         clipping_stats: Optional[str] = None,
+        generator: Optional[Any] = None,
     ) -> None:
+        if generator is not None:  # Opacus' DPOptimizer(generator=): the noise generator
+            if noise_generator is not None:
+                raise TypeError("pass the noise generator once: noise_generator= or Opacus' generator=, not both")
+            noise_generator = generator
         options = dict(gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
                        clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound,
                        min_clipbound=min_clipbound, unclipped_num_std=unclipped_num_std, clipping_stats=clipping_stats)

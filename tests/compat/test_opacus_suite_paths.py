@@ -381,3 +381,24 @@ def test_the_adaptive_clipping_engine_clips_adaptively_in_ghost_mode():
     assert optimizer.max_grad_norm != 1.0 and len(engine.accountant) == len(loader)
     with pytest.raises(ValueError, match="adaptively"):
         PrivacyEngineAdaptiveClipping().make_private(clipping="flat")
+
+
+def test_dp_optimizer_takes_opacus_generator_keyword_for_its_noise():
+    from dptorch.grad_sample import GradSampleHooks
+    from dptorch.optimizers import DPOptimizer
+
+    def noised_step(**keywords):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        with GradSampleHooks(model):
+            optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0,
+                                    max_grad_norm=1.0, expected_batch_size=4, **keywords)
+            model(torch.randn(4, 3)).sum().backward()
+            optimizer.step()
+        return model.weight.detach().clone()
+
+    seeded = noised_step(generator=torch.Generator().manual_seed(9))
+    assert torch.equal(seeded, noised_step(noise_generator=torch.Generator().manual_seed(9)))
+    assert not torch.equal(seeded, noised_step(generator=torch.Generator().manual_seed(10)))
+    with pytest.raises(TypeError, match="once"):
+        noised_step(generator=torch.Generator(), noise_generator=torch.Generator())
