@@ -17,8 +17,9 @@ its ops). Opacus is never a dependency; fetch it for this check only::
     python scripts/opacus_suite.py --opacus-path /tmp/opacus_pkg --deps-path /tmp/suite_deps
 
 ``--keep DIR`` writes the renamed suite to DIR (and keeps it); ``--junit FILE`` keeps pytest's
-report; ``--failures`` lists every failing test with the last line of its error; extra arguments
-after ``--`` go to pytest (``-- -k privacy_engine``).
+report; ``--failures`` lists every failing test with the last line of its error; ``--max-examples N``
+caps hypothesis' examples per test (a quicker run; its default is 100); extra arguments after ``--``
+go to pytest (``-- -k privacy_engine``).
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def _torchvision_op_schemas():
 _torchvision_op_schemas()
 '''
 
+#: Appended to the conftest with ``--max-examples N``: hypothesis draws at most N examples per test.
+HYPOTHESIS_PROFILE = '''
+from hypothesis import settings
+
+settings.register_profile("opacus_suite", max_examples={count})
+settings.load_profile("opacus_suite")
+'''
+
 
 def rename(source: str) -> str:
     """A test file's text after the rename: ``opacus.tests`` -> the local package, then ``opacus`` -> ``dptorch``."""
@@ -96,8 +105,9 @@ def opacus_tests_from(opacus_path: Optional[Path], wheel: Optional[Path], scratc
     return tests
 
 
-def write_renamed_suite(tests: Path, destination: Path) -> List[str]:
-    """Copy the ``.py`` files of ``tests`` under ``destination/opacus_tests``, renamed; return the test files."""
+def write_renamed_suite(tests: Path, destination: Path, max_examples: Optional[int] = None) -> List[str]:
+    """Copy the ``.py`` files of ``tests`` under ``destination/opacus_tests``, renamed; return the test files.
+    ``max_examples`` caps hypothesis' examples per test (its default is 100)."""
     package = destination / LOCAL_PACKAGE
     test_files = []
     for path in sorted(tests.rglob("*.py")):
@@ -107,7 +117,8 @@ def write_renamed_suite(tests: Path, destination: Path) -> List[str]:
         target.write_text(rename(path.read_text()))
         if path.name.endswith("_test.py"):
             test_files.append(str(Path(LOCAL_PACKAGE) / relative))
-    (destination / "conftest.py").write_text(CONFTEST)
+    profile = HYPOTHESIS_PROFILE.format(count=int(max_examples)) if max_examples else ""
+    (destination / "conftest.py").write_text(CONFTEST + profile)
     return test_files
 
 
@@ -157,6 +168,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--junit", type=Path, help="keep pytest's junit report here")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per test (pytest-timeout)")
     parser.add_argument("--failures", action="store_true", help="list every failing test and its error")
+    parser.add_argument("--max-examples", type=int, help="hypothesis examples per test (default: hypothesis' 100)")
     arguments, extra = parser.parse_known_args(argv)
     extra = [item for item in extra if item != "--"]
     with tempfile.TemporaryDirectory(prefix="opacus_suite_") as scratch_name:
@@ -165,7 +177,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if arguments.keep is not None and root.exists():
             shutil.rmtree(root / LOCAL_PACKAGE, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
-        test_files = write_renamed_suite(opacus_tests_from(arguments.opacus_path, arguments.wheel, scratch), root)
+        test_files = write_renamed_suite(opacus_tests_from(arguments.opacus_path, arguments.wheel, scratch), root,
+                                         arguments.max_examples)
         junit = arguments.junit or scratch / "junit.xml"
         run_pytest(root, junit, arguments.deps_path, arguments.timeout, extra)
         counts, import_errors, failures = read_report(junit)

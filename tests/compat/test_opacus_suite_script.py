@@ -56,8 +56,9 @@ def test_the_tests_come_from_the_wheel_too(suite, tmp_path):
         for path in (root / "opacus").rglob("*.py"):
             archive.write(path, path.relative_to(root).as_posix())
     tests = suite.opacus_tests_from(None, wheel, tmp_path / "scratch")
-    written = suite.write_renamed_suite(tests, tmp_path / "suite")
+    written = suite.write_renamed_suite(tests, tmp_path / "suite", max_examples=5)
     assert sorted(written) == ["opacus_tests/engine_test.py", "opacus_tests/missing_test.py"]
+    assert "max_examples=5" in (tmp_path / "suite" / "conftest.py").read_text()
     assert "from dptorch.privacy_engine" in (tmp_path / "suite" / "opacus_tests" / "helpers.py").read_text()
     with pytest.raises(SystemExit, match="opacus/tests"):
         suite.opacus_tests_from(tmp_path / "nowhere", None, tmp_path / "scratch")
