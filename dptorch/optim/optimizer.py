@@ -510,16 +510,16 @@ class DPOptimizer(torch.optim.Optimizer):
             flat = self.noise_generator.noise_like(shape_only, std).reshape(-1)
         else:
             flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        for p, part in zip(params, flat.split(sizes)):
-            clipped = self._summed.get(p)
-            if clipped is not None:
-                part.add_(clipped.reshape(-1).to(device))  # z + s: the same bits as s + z
+        held = [(part, self._summed[p]) for p, part in zip(params, flat.split(sizes)) if p in self._summed]
+        if held:  # z + s (the same bits as s + z), one fused call for all parameters
+            torch._foreach_add_([part for part, _ in held], [s.reshape(-1).to(device) for _, s in held])
         if self._world_size > 1:
             torch.distributed.all_reduce(flat)
         if self.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
             flat.div_(self.plan.divisor)
         for param, grad in zip(params, flat.split(sizes)):
-            param.grad = grad.view_as(param).to(param.dtype)
+            grad = grad.view_as(param)
+            param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
     def pre_step(self) -> bool:
         """Privatise the accumulated gradient; False when this step is a skipped virtual step.

@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.args import op_name
-from dptorch.grad_sample.tracking.loss import has_total, total_rule
+from dptorch.grad_sample.tracking.loss import backward_rule, has_total, total_rule
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
@@ -115,6 +115,8 @@ class BatchTracker(TorchFunctionMode):
             return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
         if rule is skip:
             return func(*args, **kwargs)
+        if rule is backward_rule:  # even of an untagged root (a batch of one's loss): the loss phase ends there
+            return rule(self, func, args, kwargs)
         table = self._table
         for a in args:
             if isinstance(a, Tensor):
