@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
+from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
     DPDataLoader,
     check_map_style,
@@ -155,14 +156,17 @@ class PrivacyEngine:
             clipbound_learning_rate=clipbound_learning_rate, max_clipbound=max_clipbound, min_clipbound=min_clipbound,
             unclipped_num_std=unclipped_num_std, clipping_stats=clipping_stats,
         ) if clipping in CLIPPING_MODES else {}
+        deepspeed_engine, module, optimizer = _deepspeed_parts(module, optimizer)
+        wrap_model = wrap_model and deepspeed_engine is None
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
         options.update(_mechanism_fields(noise_mechanism, bands, planned_steps or dp_loader.batch_sampler.steps))
         plan = PrivacyPlan.for_sampler(dp_loader.batch_sampler, noise_multiplier=noise_multiplier,
                                        **self._plan_fields(max_grad_norm, clipping, options))
-        return self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
+        made = self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
                             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
                             strict=strict, criterion=criterion)
+        return self._onto_deepspeed(deepspeed_engine, made)
 
     def make_private_with_epsilon(
         self,
@@ -189,6 +193,9 @@ class PrivacyEngine:
         """
         if (epochs is None) == (steps is None):
             raise ValueError("give exactly one of epochs or steps")
+        deepspeed_engine, module, optimizer = _deepspeed_parts(module, optimizer)
+        if deepspeed_engine is not None:
+            kwargs["wrap_model"] = False
         clipping = kwargs.pop("clipping", "flat")
         poisson_sampling = kwargs.pop("poisson_sampling", True)
         option_names = ("gamma", "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
@@ -214,7 +221,15 @@ class PrivacyEngine:
             sample_rate=dp_loader.batch_sampler.sample_rate, steps_per_epoch=dp_loader.batch_sampler.steps,
             num_units=dp_loader.batch_sampler.num_samples, **self._plan_fields(max_grad_norm, clipping, options),
         )
-        return self._attach(module, optimizer, dp_loader, plan, **kwargs)
+        return self._onto_deepspeed(deepspeed_engine, self._attach(module, optimizer, dp_loader, plan, **kwargs))
+
+    def _onto_deepspeed(self, deepspeed_engine: Any, made: tuple) -> tuple:
+        """``made`` as is, or under DeepSpeed the engine in the model's place, its ``step()`` now the DP optimizer's."""
+        if deepspeed_engine is None:
+            return made
+        ds_zero.attach(deepspeed_engine, self.optimizer)
+        self._deepspeed_engine = deepspeed_engine
+        return (deepspeed_engine, *made[1:])
 
     # ------------------------------------------------------------------ compatibility (Opacus' names)
 
@@ -358,6 +373,8 @@ class PrivacyEngine:
             self.optimizer.detach()
         if self.hooks is not None:
             self.hooks.cleanup()
+        if getattr(self, "_deepspeed_engine", None) is not None:
+            ds_zero.detach(self.__dict__.pop("_deepspeed_engine"))
 
     # ------------------------------------------------------------------ accounting
 
@@ -649,6 +666,15 @@ def _default_noise_generator(secure_mode: bool, device: Any = "cpu") -> Optional
     if secure_mode:
         return None  # the optimizer builds the secure generator
     return NoiseGenerator(seed=int(torch.randint(0, 2**62, (1,)).item()), device=device)
+
+
+def _deepspeed_parts(module: nn.Module, optimizer: Any) -> tuple:
+    """``(DeepSpeed engine or None, model, optimizer)``: under DeepSpeed ZeRO 1/2 the controller goes on the engine's
+    model and the DP optimizer hands its gradient to DeepSpeed (:mod:`dptorch.distributed.deepspeed`)."""
+    if not ds_zero.is_deepspeed_engine(module):
+        return None, module, optimizer
+    ds_zero.check_engine(module, optimizer)
+    return module, module.module, ds_zero.DeepSpeedHandOver(module)
 
 
 def _parameter_device(optimizer: torch.optim.Optimizer) -> torch.device:

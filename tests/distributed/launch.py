@@ -19,7 +19,8 @@ TIMEOUT_S = 240  # a hang (unpaired collectives) fails the test instead of block
 def torchrun(script: str, out: Path, *args: str, reports: str) -> Tuple[List[dict], str]:
     """Run ``tests/distributed/<script> OUT *args`` on WORLD processes; return the ranks'
     ``OUT/<reports>-rank<r>.json`` and the stdout (the Trainer prints its logs from rank 0 only)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # an optional extra's folder stays
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     # --standalone: torchrun binds a free port itself (no race with another run picking the same one)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
                str(Path(__file__).with_name(script)), str(out), *args]

@@ -38,7 +38,7 @@ def escape(tr: BatchTracker, func, args, kwargs):
     x = args[0] if args else None
     tag = tr.get(x) if isinstance(x, Tensor) else None
     if derived(tag) and tr.n > 1:
-        if name == "register_hook" and _registered_by_torch():  # FSDP2's pre-backward hooks, DDP's sink
+        if name == "register_hook" and _registered_by_torch():  # FSDP2's pre-backward hooks, DDP's sink, DeepSpeed's
             return tr.run(func, args, kwargs)
         if not tr.forward_done:
             what = "registers a hook on" if name == "register_hook" else f"calls {name}() on"
@@ -56,12 +56,13 @@ def escape(tr: BatchTracker, func, args, kwargs):
 
 def _registered_by_torch() -> bool:
     """Whether the hook being registered comes from torch itself (its distributed wrappers), which
-    moves gradients without changing them; the first frame outside torch's dispatch says."""
+    moves gradients without changing them, or from DeepSpeed's engine forward (its output hooks divide
+    the gradient by the constant gradient_accumulation_steps); the first frame outside torch's dispatch says."""
     frame = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not module.startswith(("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")):
-            return module == "torch" or module.startswith("torch.")
+            return module == "torch" or module.startswith("torch.") or module == "deepspeed.runtime.utils"
         frame = frame.f_back
     return False
 

@@ -1,0 +1,184 @@
+"""DeepSpeed ZeRO stages 1 and 2 under DP-SGD: the noised gradient handed to ZeRO's own reduction.
+
+Under ZeRO-1 and ZeRO-2 every rank holds the model's full parameters (only the fp32 master
+weights, the optimizer state and, at stage 2, the reduced gradients are partitioned), and they are
+the very ``nn.Parameter`` objects of ``engine.module``. So a private step runs as under DDP:
+
+* the controller keeps each hooked layer's own parameters out of autograd, so ``engine.backward``
+  produces no ``p.grad`` and DeepSpeed's gradient hooks never fire; DeepSpeed's own reduction in
+  backward is switched off as well (``engine.enable_backward_allreduce = False``, the flag its
+  pipeline engine uses), so no partition receives anything during backward;
+* the DP optimizer clips every sample, all-reduces the clipped sums of all ranks and draws the noise
+  once, on rank 0 (noise std ``sigma * C`` on the sum, once per element): every rank ends with the
+  same gradient ``g`` in ``p.grad``;
+* :class:`DeepSpeedHandOver` (the DP optimizer's inner optimizer) then replays DeepSpeed's
+  backward-time handling of those ``p.grad`` (``process_gradients`` per parameter, then
+  ``engine.allreduce_gradients()``): ZeRO averages them over the ranks, identical inputs averaging
+  to themselves up to fp32 rounding, and keeps each rank's partition; DeepSpeed's own
+  ``engine.step()`` then steps its fp32 master partitions and all-gathers the weights.
+
+``engine.step()`` on a private engine is the DP optimizer's step (an instance attribute that
+shadows DeepSpeed's method until ``detach``), so DeepSpeed's loop ``loss = engine(x);
+engine.backward(loss); engine.step()`` is private as written, virtual steps (``BatchMemoryManager``)
+included: a skipped step never reaches DeepSpeed.
+
+Refused before any step (``check_engine``), each with its reason: ZeRO stages 0 and 3, fp16 (loss
+scaling that skips steps on overflow), DeepSpeed's ``gradient_clipping`` (its default is 1.0: it
+would clip the averaged, noised gradient, not each sample), ``gradient_accumulation_steps`` other
+than 1 (DeepSpeed divides the loss by it and steps on a fixed count; a Poisson logical batch has no
+fixed count), CPU/NVMe offloading, pipeline parallelism, ZenFlow, unmanaged gradient accumulation
+and a data-parallel group smaller than the world (model or sequence parallelism). Checkpoints of
+the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+
+def is_deepspeed_engine(module: Any) -> bool:
+    """Whether ``module`` is a ``deepspeed.DeepSpeedEngine`` (False when DeepSpeed was never imported)."""
+    deepspeed = sys.modules.get("deepspeed")
+    engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
+    return engine_type is not None and isinstance(module, engine_type)
+
+
+def engine_problems(engine: Any) -> List[str]:
+    """What in a DeepSpeed engine's set-up private training cannot keep exact and private (empty: none)."""
+    problems: List[str] = []
+    stage = int(engine.zero_optimization_stage())
+    if stage == 0:
+        problems.append('ZeRO stage 0 is DeepSpeed\'s plain data parallelism: use "zero_optimization": {"stage": 1} '
+                        "or 2, or torch's DistributedDataParallel")
+    elif stage == 3:
+        problems.append("ZeRO stage 3 partitions the parameters themselves (gathered per layer by DeepSpeed's hooks), "
+                        "which dptorch does not follow yet: use stage 1 or 2, or FSDP2 (fully_shard)")
+    elif stage not in (1, 2):
+        problems.append(f"ZeRO stage {stage} is unknown to dptorch: use stage 1 or 2")
+    if engine.fp16_enabled():
+        problems.append('fp16 with DeepSpeed\'s loss scaling skips a step when a scaled gradient overflows, a data-'
+                        'dependent event the accountant does not cover: use "bf16" or fp32')
+    if float(engine.gradient_clipping() or 0.0) > 0.0:
+        problems.append(f'"gradient_clipping": {engine.gradient_clipping()} (DeepSpeed\'s default is 1.0) would clip '
+                        "the averaged, noised gradient, not each sample, and change the update: set "
+                        '"gradient_clipping": 0 in the config; dptorch clips every sample at max_grad_norm')
+    if int(engine.gradient_accumulation_steps()) != 1:
+        problems.append(f'"gradient_accumulation_steps": {engine.gradient_accumulation_steps()}: DeepSpeed divides '
+                        "the loss by it and steps on a fixed count of micro-batches, while a Poisson logical batch "
+                        'has none: set it to 1 and split a logical batch with BatchMemoryManager')
+    if engine.zero_cpu_offload() or _offloads_params(engine):
+        problems.append("ZeRO offloading (offload_optimizer / offload_param) moves the gradients through other "
+                        "buffers that dptorch does not hand its gradient to: remove the offload sections")
+    if getattr(engine, "pipeline_parallelism", False):
+        problems.append("pipeline parallelism (PipelineModule) splits one sample's gradient over the stages: "
+                        "use data parallelism only")
+    if getattr(engine, "zenflow", False):
+        problems.append("ZenFlow updates parts of the model on its own schedule: remove the zenflow section")
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is not None and not managed():
+        problems.append('"managed_gradient_accumulation": false moves the gradient reduction into step(): '
+                        "remove it (dptorch's BatchMemoryManager accumulates)")
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if int(getattr(engine, "dp_world_size", world)) != world:
+        problems.append(f"the data-parallel group has {engine.dp_world_size} of {world} ranks (model, tensor or "
+                        "sequence parallelism), which splits one sample's gradient: use data parallelism only")
+    return problems
+
+
+def _offloads_params(engine: Any) -> bool:
+    offload = getattr(engine, "zero_offload_param", None)
+    return bool(offload()) if offload is not None else False
+
+
+def check_engine(engine: Any, optimizer: Any = None) -> None:
+    """Refuse, before anything is attached, a DeepSpeed set-up that private training does not support."""
+    if optimizer is not None and optimizer is not engine.optimizer:
+        raise ValueError(
+            "with a DeepSpeed engine, pass the optimizer deepspeed.initialize returned (engine.optimizer) or none: "
+            f"got {type(optimizer).__name__}, which DeepSpeed does not step"
+        )
+    problems = engine_problems(engine)
+    if problems:
+        raise ValueError("private training under DeepSpeed refuses this set-up: " + "; ".join(problems))
+
+
+class DeepSpeedHandOver(torch.optim.Optimizer):
+    """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's, and its
+    ``step()`` hands their ``p.grad`` (the privatised gradient, the same on every rank) to ZeRO's
+    reduction and runs DeepSpeed's own ``engine.step()``.
+
+    Learning rates and schedules are DeepSpeed's (its optimizer and scheduler); this optimizer has none.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        super().__init__(params, defaults={})
+        self.engine = engine
+        self._lr_kwargs: Optional[Dict[str, Any]] = None
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class
+        if closure is not None:
+            raise ValueError("DeepSpeed's step takes no closure")
+        engine, zero = self.engine, self.engine.optimizer
+        for index, group in enumerate(zero.bit16_groups):  # what DeepSpeed's gradient hooks do in a backward
+            for param in group:
+                if param.requires_grad and param.grad is not None:
+                    zero.process_gradients(param, index)
+        engine.allreduce_gradients()  # the backward epilogue: the ranks' average, kept per partition
+        type(engine).step(engine, lr_kwargs=self._lr_kwargs)  # DeepSpeed's own step (the instance's is ours)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                param.grad = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        raise NotImplementedError(
+            "dptorch does not checkpoint a private DeepSpeed run yet: DeepSpeed's partitioned optimizer state is "
+            "saved by engine.save_checkpoint, and the privacy state (accountant, noise generator, sampler) with it "
+            "is not wired; a resumed run would not be exact"
+        )
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        self.state_dict()
+
+
+def attach(engine: Any, dp_optimizer: Any) -> None:
+    """Make ``engine.backward`` reduce nothing and ``engine.step()`` the DP optimizer's step; ``detach`` undoes it."""
+    hand_over = dp_optimizer.original_optimizer
+    if not isinstance(hand_over, DeepSpeedHandOver) or hand_over.engine is not engine:
+        raise TypeError("the DP optimizer does not hand its gradient to this DeepSpeed engine")
+
+    def private_step(self: Any, lr_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        check_engine(self)  # the set-up again (gradient_accumulation_steps can be changed), before the noise
+        hand_over._lr_kwargs = lr_kwargs
+        try:
+            dp_optimizer.step()
+        finally:
+            hand_over._lr_kwargs = None
+
+    engine.__dict__["_dptorch_saved"] = engine.enable_backward_allreduce
+    engine.enable_backward_allreduce = False
+    engine.step = types.MethodType(private_step, engine)
+
+
+def detach(engine: Any) -> None:
+    """DeepSpeed's own backward reduction and step again."""
+    if "_dptorch_saved" in engine.__dict__:
+        engine.enable_backward_allreduce = engine.__dict__.pop("_dptorch_saved")
+        engine.__dict__.pop("step", None)
+
+
+def model_of(engine: nn.Module) -> nn.Module:
+    """The user's model inside a DeepSpeed engine (where the controller attaches)."""
+    return engine.module
+
+
+__all__ = ["DeepSpeedHandOver", "attach", "check_engine", "detach", "engine_problems", "is_deepspeed_engine",
+           "model_of"]

@@ -1,0 +1,115 @@
+"""DP-SGD under DeepSpeed ZeRO on CPU (gloo), run by ``torchrun`` from ``test_deepspeed.py``.
+
+``deepspeed_script.py OUT`` trains the distributed tests' model at ZeRO stages 1 and 2 with the
+engine (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``), takes noise-only steps, and
+records the refusals; each rank writes ``OUT/deepspeed-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed  # noqa: E402
+import deepspeed.comm.torch  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from dptorch import BatchMemoryManager, PrivacyEngine  # noqa: E402
+from dptorch.data import DPDataLoader  # noqa: E402
+from dptorch.distributed import ShardedNoise  # noqa: E402
+from tests.distributed import workers  # noqa: E402
+
+# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it
+deepspeed.comm.torch.build_shm_op = lambda: None
+
+
+def config(stage: int, **extra) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+            **extra}
+
+
+def initialize(model: nn.Module, stage: int, lr: float = 0.5, **extra):
+    engine, _optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                                                    config=config(stage, **extra))
+    return engine
+
+
+def train(stage: int, mode: str) -> dict:
+    """The distributed tests' epoch (``workers.train``: sum loss, physical batches of 1) through the DeepSpeed engine."""
+    engine = initialize(workers.model_like(), stage)
+    loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
+                          distributed=True)
+    privacy = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = privacy.make_private(
+        module=engine, optimizer=engine.optimizer, data_loader=loader, noise_multiplier=workers.SIGMA,
+        max_grad_norm=workers.CLIP, loss_reduction="sum", grad_sample_mode=mode,
+        noise_generator=ShardedNoise(seed=workers.NOISE_SEED),
+    )
+    assert model is engine
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) as batches:
+        for x, y in batches:
+            loss = ((engine(x) - y) ** 2).sum()
+            engine.backward(loss)
+            engine.step()
+    privacy.detach()
+    return {"params": workers.flat_params(engine.module).tolist(), "epsilon": privacy.get_epsilon(workers.DELTA),
+            "steps": privacy.plan.steps, "global_steps": engine.global_steps}
+
+
+def noise_only(stage: int) -> list:
+    """BIG_STEPS steps of a Linear(BIG_IN, BIG_OUT) on a loss that is 0 for every sample, lr 1, mean over
+    E[B] = BIG_BATCH: each update is minus the noise / BIG_BATCH."""
+    torch.manual_seed(0)
+    engine = initialize(nn.Sequential(nn.Linear(workers.BIG_IN, workers.BIG_OUT)), stage, lr=1.0)
+    rows = 2 * int(workers.BIG_BATCH)
+    data = torch.utils.data.TensorDataset(torch.ones(rows, workers.BIG_IN))
+    loader = DPDataLoader(data, sample_rate=workers.BIG_BATCH / rows, seed=0, distributed=True)
+    privacy = PrivacyEngine(accountant="rdp")
+    _, _, loader = privacy.make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
+                                        noise_multiplier=workers.SIGMA, max_grad_norm=workers.CLIP,
+                                        loss_reduction="mean", noise_generator=ShardedNoise(seed=workers.NOISE_SEED))
+    assert privacy.plan.expected_batch_size == workers.BIG_BATCH
+    draws = []
+    for _, (x,) in zip(range(workers.BIG_STEPS), loader):
+        before = workers.flat_params(engine.module)
+        engine.backward((engine(x) * 0).mean())
+        engine.step()
+        draws.append((before - workers.flat_params(engine.module)).tolist())
+    privacy.detach()
+    return draws
+
+
+def refusal(stage: int, **extra) -> str:
+    engine = initialize(workers.model_like(), stage, **extra)
+    loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=0, distributed=True)
+    try:
+        PrivacyEngine().make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
+                                     noise_multiplier=1.0, max_grad_norm=1.0)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def main(out: Path) -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    rank = torch.distributed.get_rank()
+    report = {
+        "zero1-hooks": train(1, "hooks"),
+        "zero2-bk": train(2, "bk"),
+        "noise-zero2": noise_only(2),
+        "refused-clipping": refusal(2, gradient_clipping=1.0),
+        "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
+        "refused-stage3": refusal(3),
+    }
+    (out / f"deepspeed-rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

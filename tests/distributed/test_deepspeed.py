@@ -1,0 +1,69 @@
+"""DP-SGD under DeepSpeed ZeRO stages 1 and 2 (CPU, gloo, 2 processes), against one process.
+
+``deepspeed_script.py`` trains through DeepSpeed's own loop (``engine(x)``, ``engine.backward(loss)``,
+``engine.step()``) on the same Poisson batches and the same noise stream as the one-process
+references of ``workers``; the DP optimizer's noised gradient is handed to ZeRO's reduction and
+DeepSpeed steps its partitioned fp32 master weights with it.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.distributed import workers
+from tests.distributed.workers import WORLD
+
+if importlib.util.find_spec("deepspeed") is None:  # the optional extra: pip install dptorch[deepspeed]
+    pytest.skip("deepspeed is not installed", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from tests.distributed.launch import torchrun
+
+    reports, _ = torchrun("deepspeed_script.py", tmp_path_factory.mktemp("deepspeed"), reports="deepspeed")
+    return reports
+
+
+@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk")])
+def test_zero_ends_where_one_process_ends(ranks, name, mode):
+    """Same logical batches, same noise: every rank's weights equal the one-process run's to fp32 rounding."""
+    reference = workers.reference(mode)
+    runs = [torch.tensor(rank[name]["params"]) for rank in ranks]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    torch.testing.assert_close(runs[0], reference["params"], rtol=1e-5, atol=1e-6)
+    start = workers.flat_params(workers.model_like())
+    assert (reference["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
+
+
+@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk")])
+def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ranks, name, mode):
+    reference = workers.reference(mode)
+    assert [rank[name]["steps"] for rank in ranks] == [reference["steps"]] * WORLD == [3] * WORLD
+    assert ranks[0][name]["epsilon"] == ranks[1][name]["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
+    # the virtual steps of BatchMemoryManager (physical batches of 1) never reached DeepSpeed's step
+    assert [rank[name]["global_steps"] for rank in ranks] == [3] * WORLD
+
+
+def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
+    """Updates of a zero loss are the noise / E[B]: one process's stream exactly, std sigma C / E[B], not sqrt(2) times."""
+    from dptorch.distributed import ShardedNoise
+
+    expected = workers.reference_noise(ShardedNoise(seed=workers.NOISE_SEED))
+    runs = [[torch.tensor(step) for step in rank["noise-zero2"]] for rank in ranks]
+    for step, reference in enumerate(expected):
+        torch.testing.assert_close(runs[0][step], runs[1][step], rtol=0, atol=0)
+        torch.testing.assert_close(runs[0][step], reference, rtol=1e-5, atol=1e-7)
+    noise = torch.cat(runs[0])
+    assert noise.std().item() == pytest.approx(workers.SIGMA * workers.CLIP / workers.BIG_BATCH, rel=0.04)
+
+
+@pytest.mark.parametrize("name, words", [
+    ("refused-clipping", ['"gradient_clipping": 1.0', "noised gradient", '"gradient_clipping": 0']),
+    ("refused-accumulation", ['"gradient_accumulation_steps": 2', "BatchMemoryManager"]),
+    ("refused-stage3", ["ZeRO stage 3", "stage 1 or 2"]),
+])
+def test_unsupported_set_ups_are_refused_before_any_step_on_every_rank(ranks, name, words):
+    for rank in ranks:
+        assert all(word in rank[name] for word in words), rank[name]
