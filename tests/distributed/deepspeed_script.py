@@ -40,9 +40,10 @@ def initialize(model: nn.Module, stage: int, lr: float = 0.5, **extra):
     return engine
 
 
-def train(stage: int, mode: str) -> dict:
-    """The distributed tests' epoch (``workers.train``: sum loss, physical batches of 1) through the DeepSpeed engine."""
-    engine = initialize(workers.model_like(), stage)
+def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
+    """The distributed tests' epoch (``workers.train``: sum loss, physical batches of at most ``physical``) through
+    the DeepSpeed engine; ``extra``: more of DeepSpeed's config."""
+    engine = initialize(workers.model_like(), stage, **extra)
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
                           distributed=True)
     privacy = PrivacyEngine(accountant="rdp")
@@ -52,9 +53,10 @@ def train(stage: int, mode: str) -> dict:
         noise_generator=ShardedNoise(seed=workers.NOISE_SEED),
     )
     assert model is engine
-    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=1, optimizer=optimizer) as batches:
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
-            loss = ((engine(x) - y) ** 2).sum()
+            dtype = next(engine.module.parameters()).dtype  # bf16: DeepSpeed cast the model, the inputs follow
+            loss = ((engine(x.to(dtype)).float() - y) ** 2).sum()
             engine.backward(loss)
             engine.step()
     privacy.detach()
@@ -102,7 +104,8 @@ def main(out: Path) -> None:
     rank = torch.distributed.get_rank()
     report = {
         "zero1-hooks": train(1, "hooks"),
-        "zero2-bk": train(2, "bk"),
+        "zero2-bk": train(2, "bk", physical=3),
+        "zero2-bf16-bk": train(2, "bk", physical=3, bf16={"enabled": True}),
         "noise-zero2": noise_only(2),
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),

@@ -37,7 +37,17 @@ def test_zero_ends_where_one_process_ends(ranks, name, mode):
     assert (reference["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
 
 
-@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk")])
+def test_bf16_zero2_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks):
+    """DeepSpeed's bf16 (the model cast to bf16, fp32 master weights): the same update to bf16 rounding."""
+    reference = workers.reference("bk")["params"]
+    runs = [torch.tensor(rank["zero2-bf16-bk"]["params"]) for rank in ranks]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    # the weights are read back in bf16 (8 significant bits): a few units of 2**-8 of their size
+    torch.testing.assert_close(runs[0], reference, rtol=0, atol=4 * 2**-8 * reference.abs().max().item())
+    assert [rank["zero2-bf16-bk"]["global_steps"] for rank in ranks] == [3] * WORLD
+
+
+@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero2-bf16-bk", "bk")])
 def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ranks, name, mode):
     reference = workers.reference(mode)
     assert [rank[name]["steps"] for rank in ranks] == [reference["steps"]] * WORLD == [3] * WORLD
