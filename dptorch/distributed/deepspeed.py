@@ -99,8 +99,8 @@ def check_engine(engine: Any, optimizer: Any = None) -> None:
     """Refuse, before anything is attached, a DeepSpeed set-up that private training does not support."""
     if optimizer is not None and optimizer is not engine.optimizer:
         raise ValueError(
-            "with a DeepSpeed engine, pass the optimizer deepspeed.initialize returned (engine.optimizer) or none: "
-            f"got {type(optimizer).__name__}, which DeepSpeed does not step"
+            "with a DeepSpeed engine, pass the optimizer deepspeed.initialize returned (engine.optimizer): got "
+            f"{type(optimizer).__name__}, whose parameters DeepSpeed replaced by its own partitions"
         )
     problems = engine_problems(engine)
     if problems:

@@ -35,9 +35,8 @@ def config(stage: int, **extra) -> dict:
 
 
 def initialize(model: nn.Module, stage: int, lr: float = 0.5, **extra):
-    engine, _optimizer, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                                                    config=config(stage, **extra))
-    return engine
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return deepspeed.initialize(model=model, optimizer=optimizer, config=config(stage, **extra))[0]
 
 
 def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
@@ -87,12 +86,16 @@ def noise_only(stage: int) -> list:
     return draws
 
 
-def refusal(stage: int, **extra) -> str:
-    engine = initialize(workers.model_like(), stage, **extra)
+def refusal(stage: int, client_optimizer: bool = False, **extra) -> str:
+    """The error make_private raises for a DeepSpeed set-up (``"accepted"`` if none); ``client_optimizer``: pass
+    the torch optimizer DeepSpeed wrapped instead of the one it returned."""
+    model = workers.model_like()
+    client = torch.optim.SGD(model.parameters(), lr=0.5)
+    engine, _optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config(stage, **extra))
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=0, distributed=True)
     try:
-        PrivacyEngine().make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
-                                     noise_multiplier=1.0, max_grad_norm=1.0)
+        PrivacyEngine().make_private(module=engine, optimizer=client if client_optimizer else engine.optimizer,
+                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -110,6 +113,10 @@ def main(out: Path) -> None:
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
         "refused-stage3": refusal(3),
+        "refused-stage0": refusal(0),
+        "refused-offload": refusal(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                                   zero_force_ds_cpu_optimizer=False),
+        "refused-client-optimizer": refusal(2, client_optimizer=True),
     }
     (out / f"deepspeed-rank{rank}.json").write_text(json.dumps(report))
 

@@ -73,6 +73,9 @@ def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
     ("refused-clipping", ['"gradient_clipping": 1.0', "noised gradient", '"gradient_clipping": 0']),
     ("refused-accumulation", ['"gradient_accumulation_steps": 2', "BatchMemoryManager"]),
     ("refused-stage3", ["ZeRO stage 3", "stage 1 or 2"]),
+    ("refused-stage0", ["ZeRO stage 0", "DistributedDataParallel"]),
+    ("refused-offload", ["offload_optimizer", "remove the offload"]),
+    ("refused-client-optimizer", ["engine.optimizer", "got SGD"]),
 ])
 def test_unsupported_set_ups_are_refused_before_any_step_on_every_rank(ranks, name, words):
     for rank in ranks:
