@@ -5,9 +5,10 @@ weights, the optimizer state and, at stage 2, the reduced gradients are partitio
 the very ``nn.Parameter`` objects of ``engine.module``. So a private step runs as under DDP:
 
 * the controller keeps each hooked layer's own parameters out of autograd, so ``engine.backward``
-  produces no ``p.grad`` and DeepSpeed's gradient hooks never fire; DeepSpeed's own reduction in
-  backward is switched off as well (``engine.enable_backward_allreduce = False``, the flag its
-  pipeline engine uses), so no partition receives anything during backward;
+  produces no ``p.grad``; ZeRO's gradient hooks are removed while the engine is private (a gradient
+  by a path the controller does not see, which it refuses, never enters ZeRO's buckets) and
+  DeepSpeed's reduction in backward is switched off (``engine.enable_backward_allreduce = False``,
+  the flag its pipeline engine uses), so no partition receives anything during backward;
 * the DP optimizer clips every sample, all-reduces the clipped sums of all ranks and draws the noise
   once, on rank 0 (noise std ``sigma * C`` on the sum, once per element): every rank ends with the
   same gradient ``g`` in ``p.grad``;
@@ -163,16 +164,24 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
         finally:
             hand_over._lr_kwargs = None
 
-    engine.__dict__["_dptorch_saved"] = engine.enable_backward_allreduce
+    zero = engine.optimizer
+    engine.__dict__["_dptorch_saved"] = (engine.enable_backward_allreduce, bool(zero._grad_acc_hooks))
+    # ZeRO's gradient hooks would put any gradient autograd still gives a parameter (a path the controller does not
+    # see, which it refuses at the end of that backward) into ZeRO's buckets, where a later step would add it raw
+    for handle in zero._grad_acc_hooks:
+        handle.remove()
+    zero._grad_acc_hooks = []
     engine.enable_backward_allreduce = False
     engine.step = types.MethodType(private_step, engine)
 
 
 def detach(engine: Any) -> None:
-    """DeepSpeed's own backward reduction and step again."""
+    """DeepSpeed's own gradient hooks, backward reduction and step again."""
     if "_dptorch_saved" in engine.__dict__:
-        engine.enable_backward_allreduce = engine.__dict__.pop("_dptorch_saved")
+        engine.enable_backward_allreduce, had_hooks = engine.__dict__.pop("_dptorch_saved")
         engine.__dict__.pop("step", None)
+        if had_hooks:
+            engine.optimizer.create_gradient_handling_hooks()
 
 
 def model_of(engine: nn.Module) -> nn.Module:

@@ -101,6 +101,28 @@ def refusal(stage: int, client_optimizer: bool = False, **extra) -> str:
     return "accepted"
 
 
+def unseen_path(stage: int) -> dict:
+    """A weight read outside its layer's call (``workers.ReadsWeight``): the error of the backward, on every rank,
+    and whether DeepSpeed took the raw gradient that reached the weight into its reduction before the refusal."""
+    from dptorch.grad_sample.errors import PerSampleGradientError
+
+    torch.manual_seed(0)
+    engine = initialize(workers.ReadsWeight(), stage)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    loader = DPDataLoader(data, sample_rate=0.5, seed=0, distributed=True)
+    privacy = PrivacyEngine()
+    _, _, loader = privacy.make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
+                                        noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="sum")
+    error = "accepted"
+    try:
+        engine.backward(engine(torch.randn(3, 4)).sum())
+    except PerSampleGradientError as refused:
+        error = str(refused)
+    reduced = sum(bucket.elements for bucket in engine.optimizer.ipg_buckets.values())  # ZeRO-2's gradient buckets
+    privacy.detach()
+    return {"error": error, "reduced_by_deepspeed": reduced}
+
+
 def main(out: Path) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.set_num_threads(1)
@@ -112,6 +134,7 @@ def main(out: Path) -> None:
         "noise-zero2": noise_only(2),
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
+        "unseen-zero2": unseen_path(2),
         "refused-stage3": refusal(3),
         "refused-stage0": refusal(0),
         "refused-offload": refusal(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},

@@ -80,3 +80,12 @@ def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
 def test_unsupported_set_ups_are_refused_before_any_step_on_every_rank(ranks, name, words):
     for rank in ranks:
         assert all(word in rank[name] for word in words), rank[name]
+
+
+def test_a_path_the_controller_does_not_see_is_refused_and_never_reaches_zero(ranks):
+    """The weight read outside its layer: refused on every rank, and its raw gradient is in no ZeRO-2 bucket
+    (ZeRO's gradient hooks are off while the engine is private), so no later step can add it."""
+    for rank in ranks:
+        seen = rank["unseen-zero2"]
+        assert "lin.weight" in seen["error"] and "path outside" in seen["error"]
+        assert seen["reduced_by_deepspeed"] == 0
