@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -58,9 +59,15 @@ def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
             loss = ((engine(x.to(dtype)).float() - y) ** 2).sum()
             engine.backward(loss)
             engine.step()
+    try:
+        privacy.save_checkpoint(os.path.join(tempfile.mkdtemp(prefix="dptorch-ds-"), "checkpoint.pt"), module=engine,
+                                optimizer=optimizer)
+        checkpoint = "accepted"
+    except NotImplementedError as error:
+        checkpoint = str(error)
     privacy.detach()
     return {"params": workers.flat_params(engine.module).tolist(), "epsilon": privacy.get_epsilon(workers.DELTA),
-            "steps": privacy.plan.steps, "global_steps": engine.global_steps}
+            "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint}
 
 
 def noise_only(stage: int) -> list:

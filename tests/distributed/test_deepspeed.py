@@ -54,6 +54,8 @@ def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ran
     assert ranks[0][name]["epsilon"] == ranks[1][name]["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
     # the virtual steps of BatchMemoryManager (physical batches of 1) never reached DeepSpeed's step
     assert [rank[name]["global_steps"] for rank in ranks] == [3] * WORLD
+    # an engine checkpoint would miss DeepSpeed's partitioned state: refused, not written half
+    assert all("engine.save_checkpoint" in rank[name]["checkpoint"] for rank in ranks)
 
 
 def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
