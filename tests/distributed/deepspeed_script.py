@@ -70,6 +70,24 @@ def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
             "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint}
 
 
+def with_epsilon(stage: int) -> dict:
+    """``make_private_with_epsilon`` on a DeepSpeed engine: one epoch at the calibrated noise."""
+    engine = initialize(workers.model_like(), stage)
+    loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
+                          distributed=True)
+    privacy = PrivacyEngine(accountant="rdp")
+    model, optimizer, loader = privacy.make_private_with_epsilon(
+        module=engine, optimizer=engine.optimizer, data_loader=loader, target_epsilon=5.0,
+        target_delta=workers.DELTA, max_grad_norm=workers.CLIP, epochs=1, loss_reduction="sum")
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=optimizer) as batches:
+        for x, y in batches:
+            engine.backward(((model(x) - y) ** 2).sum())
+            engine.step()
+    privacy.detach()
+    return {"same_engine": model is engine, "epsilon": privacy.get_epsilon(workers.DELTA),
+            "global_steps": engine.global_steps, "steps": privacy.plan.steps}
+
+
 def noise_only(stage: int) -> list:
     """BIG_STEPS steps of a Linear(BIG_IN, BIG_OUT) on a loss that is 0 for every sample, lr 1, mean over
     E[B] = BIG_BATCH: each update is minus the noise / BIG_BATCH."""
@@ -139,6 +157,7 @@ def main(out: Path) -> None:
         "zero2-bk": train(2, "bk", physical=3),
         "zero2-bf16-bk": train(2, "bk", physical=3, bf16={"enabled": True}),
         "noise-zero2": noise_only(2),
+        "zero1-with-epsilon": with_epsilon(1),
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
         "unseen-zero2": unseen_path(2),

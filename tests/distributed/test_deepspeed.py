@@ -58,6 +58,13 @@ def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ran
     assert all("engine.save_checkpoint" in rank[name]["checkpoint"] for rank in ranks)
 
 
+def test_make_private_with_epsilon_takes_a_deepspeed_engine(ranks):
+    runs = [rank["zero1-with-epsilon"] for rank in ranks]
+    assert all(run["same_engine"] for run in runs)
+    assert runs[0]["epsilon"] == runs[1]["epsilon"] <= 5.0 + 1e-9
+    assert runs[0]["steps"] == runs[0]["global_steps"] == runs[1]["global_steps"] > 0
+
+
 def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
     """Updates of a zero loss are the noise / E[B]: one process's stream exactly, std sigma C / E[B], not sqrt(2) times."""
     from dptorch.distributed import ShardedNoise
