@@ -109,7 +109,7 @@ def check_engine(engine: Any, optimizer: Any = None) -> None:
 
 
 class DeepSpeedHandOver(torch.optim.Optimizer):
-    """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's, and its
+    """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's that ZeRO updates, and its
     ``step()`` hands their ``p.grad`` (the privatised gradient, the same on every rank) to ZeRO's
     reduction and runs DeepSpeed's own ``engine.step()``.
 
@@ -117,7 +117,7 @@ class DeepSpeedHandOver(torch.optim.Optimizer):
     """
 
     def __init__(self, engine: Any) -> None:
-        params = [p for p in engine.module.parameters() if p.requires_grad]
+        params = [p for group in engine.optimizer.bit16_groups for p in group if p.requires_grad]  # what ZeRO steps
         super().__init__(params, defaults={})
         self.engine = engine
         self._lr_kwargs: Optional[Dict[str, Any]] = None
