@@ -390,9 +390,9 @@ def test_dp_optimizer_takes_opacus_generator_keyword_for_its_noise():
     def noised_step(**keywords):
         torch.manual_seed(0)
         model = nn.Linear(3, 2)
-        with GradSampleHooks(model):
+        with GradSampleHooks(model, loss_reduction="sum"):
             optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), noise_multiplier=1.0,
-                                    max_grad_norm=1.0, expected_batch_size=4, **keywords)
+                                    max_grad_norm=1.0, expected_batch_size=4, loss_reduction="sum", **keywords)
             model(torch.randn(4, 3)).sum().backward()
             optimizer.step()
         return model.weight.detach().clone()
