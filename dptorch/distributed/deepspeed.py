@@ -84,11 +84,20 @@ def engine_problems(engine: Any) -> List[str]:
     if managed is not None and not managed():
         problems.append('"managed_gradient_accumulation": false moves the gradient reduction into step(): '
                         "remove it (dptorch's BatchMemoryManager accumulates)")
+    missing = [name for name in _ZERO_PARTS if not hasattr(engine.optimizer, name)] if stage in (1, 2) else []
+    if missing:
+        problems.append(f"this DeepSpeed's ZeRO optimizer ({type(engine.optimizer).__name__}) has no "
+                        f"{', '.join(missing)}, through which dptorch hands it the noised gradient (tested with "
+                        "deepspeed 0.19.8): install that version")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if int(getattr(engine, "dp_world_size", world)) != world:
         problems.append(f"the data-parallel group has {engine.dp_world_size} of {world} ranks (model, tensor or "
                         "sequence parallelism), which splits one sample's gradient: use data parallelism only")
     return problems
+
+
+#: What of ZeRO-1/2's optimizer (``DeepSpeedZeroOptimizer``) the hand-over uses.
+_ZERO_PARTS = ("bit16_groups", "process_gradients", "_grad_acc_hooks", "create_gradient_handling_hooks")
 
 
 def _offloads_params(engine: Any) -> bool:
