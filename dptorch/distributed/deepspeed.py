@@ -28,8 +28,12 @@ scaling that skips steps on overflow), DeepSpeed's ``gradient_clipping`` (its de
 would clip the averaged, noised gradient, not each sample), ``gradient_accumulation_steps`` other
 than 1 (DeepSpeed divides the loss by it and steps on a fixed count; a Poisson logical batch has no
 fixed count), CPU/NVMe offloading, pipeline parallelism, ZenFlow, unmanaged gradient accumulation
-and a data-parallel group smaller than the world (model or sequence parallelism). Checkpoints of
-the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
+a data-parallel group smaller than the world (model or sequence parallelism), and the client torch
+optimizer passed instead of ``engine.optimizer``. Checkpoints of the hand-over's state are refused
+too: DeepSpeed's partitioned state is saved by DeepSpeed.
+
+Memory: the clipped sums are held at full size on every rank (as under DDP), so a private ZeRO-2
+run saves the optimizer state and master weights of the other partitions, not gradient memory.
 """
 
 from __future__ import annotations
@@ -193,10 +197,4 @@ def detach(engine: Any) -> None:
             engine.optimizer.create_gradient_handling_hooks()
 
 
-def model_of(engine: nn.Module) -> nn.Module:
-    """The user's model inside a DeepSpeed engine (where the controller attaches)."""
-    return engine.module
-
-
-__all__ = ["DeepSpeedHandOver", "attach", "check_engine", "detach", "engine_problems", "is_deepspeed_engine",
-           "model_of"]
+__all__ = ["DeepSpeedHandOver", "attach", "check_engine", "detach", "engine_problems", "is_deepspeed_engine"]
