@@ -178,14 +178,15 @@ def test_opacus_only_names_raise_a_clear_error_naming_the_replacement(opacus_pat
 def test_the_migration_guide_lists_every_path_with_its_status():
     guide = (Path(__file__).resolve().parents[2] / "docs" / "migrating-from-opacus.md").read_text()
     rows = dict(re.findall(r"^\| `(opacus[\w.]*)` \| (.+) \|$", guide, flags=re.MULTILINE))
-    for opacus_path in OPACUS_PATHS:
+    for opacus_path in set(OPACUS_PATHS) | set(SUITE_PATHS):
         assert opacus_path in rows, opacus_path
         assert f"`{dptorch_path(opacus_path)}`" in rows[opacus_path]
     for opacus_path in NOT_PROVIDED:
         assert opacus_path in rows and "not provided" in rows[opacus_path]
         with pytest.raises(ImportError):
             importlib.import_module(dptorch_path(opacus_path))
-    assert set(rows) == set(OPACUS_PATHS) | set(NOT_PROVIDED)
+    assert set(rows) == set(OPACUS_PATHS) | set(SUITE_PATHS) | set(NOT_PROVIDED)
+    assert f"\n{len(set(OPACUS_PATHS) | set(SUITE_PATHS))} paths work" in guide  # the count under the table
 
 
 # ------------------------------------------------------------------------------ the adapters
