@@ -1,4 +1,4 @@
-"""Private training on torch.distributed: DDP and FSDP2 (``fully_shard``).
+"""Private training on torch.distributed: DDP, FSDP2 (``fully_shard``, HSDP included) and DeepSpeed ZeRO-1/2.
 
 dptorch builds no transport of its own; it uses the process group torch.distributed (or
 ``torchrun`` / ``accelerate launch``) set up. What this package owns:
@@ -12,8 +12,13 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
   the rank that holds the sample, from the full (all-gathered) layer, so its norm is complete
   there; the clipped sums are reduce-scattered after every backward pass and stay sharded; each
   rank draws only its shard's slice of one global noise stream (``noise.ShardedNoise``).
+  On a 2-D ``(replicate, shard)`` mesh (HSDP) the shards are summed over the replicas once per step;
+  under CPU offloading each shard's noise and step happen where it lives.
 * ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
   element), whatever the sharding or the number of processes.
+* ``checkpoint``: engine checkpoints of sharded runs (a directory: DCP shards and rank 0's state).
+* ``deepspeed``: ZeRO-1 and ZeRO-2, the DP optimizer's noised gradient handed to ZeRO's reduction
+  and DeepSpeed's step (``engine.step()`` is the DP step).
 
 The HF Trainer on several processes (DDP, Accelerate's FSDP2) builds on these; what it adds (phantom
 micro-batches, metric gathers of any size) lives in ``dptorch.integrations.hf``.

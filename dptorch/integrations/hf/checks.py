@@ -29,10 +29,9 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "torch.nn.DataParallel (several GPUs in one process) is not supported: its replicas run the forward without "
          "the per-sample hooks; launch one process per GPU (torchrun / accelerate launch: DDP), which is supported"),
         (getattr(trainer, "is_deepspeed_enabled", False),
-         "DeepSpeed is not supported: its engine owns backward and the optimizer step, and ZeRO-2/3 reduce-scatter "
-         "(ZeRO-3 also partitions) the gradients during backward, before a per-sample gradient can be clipped, so "
-         "each rank would only ever see summed, unclipped gradients; ZeRO-1 would need the clipped, noised gradient "
-         "handed to DeepSpeed's optimizer, which is not implemented. Use DDP (torchrun / accelerate launch without a "
+         "DeepSpeed in the Trainer is not supported yet: the private Trainer does not hand its noised gradient to "
+         "DeepSpeed's engine. The engine API supports ZeRO-1 and ZeRO-2 (PrivacyEngine.make_private(module=ds_engine, "
+         "optimizer=ds_engine.optimizer, ...), docs/distributed.md); or use DDP (torchrun / accelerate launch without a "
          "DeepSpeed config)"),
         (fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2,
          "FSDP1 (fsdp_version 1) is not supported: it flattens each wrapped module's parameters into one "
