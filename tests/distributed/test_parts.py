@@ -55,7 +55,7 @@ def test_trainer_refusals_say_why():
     assert setup_problems(fake_trainer(world_size=2), privacy) == []  # DDP is supported
     deepspeed = fake_trainer()
     deepspeed.is_deepspeed_enabled = True
-    assert "ZeRO-2/3" in " ".join(setup_problems(deepspeed, privacy))
+    assert "DeepSpeed in the Trainer is not supported yet" in " ".join(setup_problems(deepspeed, privacy))  # the engine: ZeRO-1/2
     for version, refused in ((1, True), (2, False)):
         fsdp = fake_trainer(world_size=2)
         fsdp.is_fsdp_enabled = True
