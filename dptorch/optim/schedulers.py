@@ -74,14 +74,6 @@ class _Scheduler:
             setattr(self.optimizer, self.attribute, self.value())
 
 
-def _exponential(gamma: float, epoch: int) -> float:
-    return gamma ** epoch
-
-
-def _stepwise(gamma: float, step_size: int, epoch: int) -> float:
-    return gamma ** (epoch // step_size)
-
-
 def _check_gamma(gamma: Any) -> float:
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
         raise ValueError(f"gamma must be a number > 0, got {gamma!r}")
@@ -140,72 +132,67 @@ class _GradClipScheduler(_Scheduler):
         return self.value()
 
 
-class ExponentialNoise(_NoiseScheduler):
-    """``noise_multiplier = base * gamma ** epoch``."""
+class _Exponential:
+    """``base * gamma ** epoch`` (mixed into a noise or a clipping scheduler)."""
 
     def __init__(self, optimizer: Any, *, gamma: float, last_epoch: int = -1):
         self.gamma = _check_gamma(gamma)
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, last_epoch=last_epoch)  # type: ignore[call-arg]
 
     def factor(self, epoch: int) -> float:
-        return _exponential(self.gamma, epoch)
+        return self.gamma ** epoch
 
 
-class StepNoise(_NoiseScheduler):
-    """``noise_multiplier = base * gamma ** (epoch // step_size)``."""
+class _Stepwise:
+    """``base * gamma ** (epoch // step_size)`` (mixed into a noise or a clipping scheduler)."""
 
     def __init__(self, optimizer: Any, *, step_size: int, gamma: float, last_epoch: int = -1):
         self.step_size = _check_step_size(step_size)
         self.gamma = _check_gamma(gamma)
-        super().__init__(optimizer, last_epoch=last_epoch)
+        super().__init__(optimizer, last_epoch=last_epoch)  # type: ignore[call-arg]
 
     def factor(self, epoch: int) -> float:
-        return _stepwise(self.gamma, self.step_size, epoch)
+        return self.gamma ** (epoch // self.step_size)
+
+
+def _check_function(function: Any, name: str) -> Callable[[int], float]:
+    if not callable(function):
+        raise TypeError(f"{name} must be a function of the epoch, got {function!r}")
+    return function
+
+
+class ExponentialNoise(_Exponential, _NoiseScheduler):
+    """``noise_multiplier = base * gamma ** epoch``."""
+
+
+class StepNoise(_Stepwise, _NoiseScheduler):
+    """``noise_multiplier = base * gamma ** (epoch // step_size)``."""
 
 
 class LambdaNoise(_NoiseScheduler):
     """``noise_multiplier = base * noise_lambda(epoch)`` (a result of 0 takes unprotected steps: epsilon infinite)."""
 
     def __init__(self, optimizer: Any, *, noise_lambda: Callable[[int], float], last_epoch: int = -1):
-        if not callable(noise_lambda):
-            raise TypeError(f"noise_lambda must be a function of the epoch, got {noise_lambda!r}")
-        self.noise_lambda = noise_lambda
+        self.noise_lambda = _check_function(noise_lambda, "noise_lambda")
         super().__init__(optimizer, last_epoch=last_epoch)
 
     def factor(self, epoch: int) -> float:
         return float(self.noise_lambda(epoch))
 
 
-class ExponentialGradClip(_GradClipScheduler):
+class ExponentialGradClip(_Exponential, _GradClipScheduler):
     """``max_grad_norm = base * gamma ** epoch``."""
 
-    def __init__(self, optimizer: Any, *, gamma: float, last_epoch: int = -1):
-        self.gamma = _check_gamma(gamma)
-        super().__init__(optimizer, last_epoch=last_epoch)
 
-    def factor(self, epoch: int) -> float:
-        return _exponential(self.gamma, epoch)
-
-
-class StepGradClip(_GradClipScheduler):
+class StepGradClip(_Stepwise, _GradClipScheduler):
     """``max_grad_norm = base * gamma ** (epoch // step_size)``."""
-
-    def __init__(self, optimizer: Any, *, step_size: int, gamma: float, last_epoch: int = -1):
-        self.step_size = _check_step_size(step_size)
-        self.gamma = _check_gamma(gamma)
-        super().__init__(optimizer, last_epoch=last_epoch)
-
-    def factor(self, epoch: int) -> float:
-        return _stepwise(self.gamma, self.step_size, epoch)
 
 
 class LambdaGradClip(_GradClipScheduler):
     """``max_grad_norm = base * scheduler_function(epoch)``."""
 
     def __init__(self, optimizer: Any, *, scheduler_function: Callable[[int], float], last_epoch: int = -1):
-        if not callable(scheduler_function):
-            raise TypeError(f"scheduler_function must be a function of the epoch, got {scheduler_function!r}")
-        self.scheduler_function = scheduler_function
+        self.scheduler_function = _check_function(scheduler_function, "scheduler_function")
         super().__init__(optimizer, last_epoch=last_epoch)
 
     def factor(self, epoch: int) -> float:

@@ -16,14 +16,9 @@ def spawned():
 @pytest.fixture
 def result(spawned):
     """``result(name, rank)``: what scenario ``name`` returned on ``rank`` (its traceback if it failed)."""
+    from tests.distributed.workers import reader
 
-    def get(name, rank):
-        value = spawned[(name, rank)]
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"scenario {name} failed on rank {rank}:\n{value['error']}")
-        return value
-
-    return get
+    return reader(spawned)
 
 
 def _hf_launch(tmp_path_factory, mode):

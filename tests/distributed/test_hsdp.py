@@ -41,15 +41,7 @@ def hsdp_scenarios(rank: int):
 def hsdp():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    runs = workers.spawn_all(hsdp_scenarios, world=WORLD)
-
-    def get(name, rank):
-        value = runs[(name, rank)]
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"scenario {name} failed on rank {rank}:\n{value['error']}")
-        return value
-
-    return get
+    return workers.reader(workers.spawn_all(hsdp_scenarios, world=WORLD))
 
 
 @pytest.mark.parametrize("name", ["hsdp-per-layer-bk", "hsdp-whole-hooks"])

@@ -399,6 +399,19 @@ def spawn_all(runs=scenarios, world: int = WORLD) -> dict:
         return dict(results)
 
 
+def reader(runs: dict):
+    """``get(name, rank)``: what scenario ``name`` returned on ``rank``; the test fails with its traceback if it raised."""
+    import pytest
+
+    def get(name, rank):
+        value = runs[(name, rank)]
+        if isinstance(value, dict) and "error" in value:
+            pytest.fail(f"scenario {name} failed on rank {rank}:\n{value['error']}")
+        return value
+
+    return get
+
+
 def reference(mode: str = "hooks", model=model_like) -> dict:
     """The same epoch in one process, no torch.distributed: the whole logical batches, the same noise."""
     return train(model(), mode, distributed=False)
