@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.distributed.workers import reader
+
 WORLD = 2
 N, Q, SEED = 24, 0.5, 7
 REFUSED = r"draw its own Poisson sample of the whole dataset.*sensitivity 2 C.*distributed=True"
@@ -144,14 +146,7 @@ def runs():
         results = manager.dict()
         mp.spawn(worker, args=(folder, results), nprocs=WORLD, join=True)
         found = dict(results)
-
-    def get(name, rank):
-        value = found[(name, rank)]
-        if isinstance(value, dict) and "error" in value:
-            pytest.fail(f"{name} failed on rank {rank}:\n{value['error']}")
-        return value
-
-    return get
+    return reader(found)
 
 
 @pytest.mark.parametrize("name", ["dp-loader", "cyclic", "cyclic-bandmf"])
