@@ -74,10 +74,11 @@ def is_fully_sharded_module(module: Any) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def _fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, Optional[torch.device]]:
+def fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, torch.device]:
     """The parameters ``fully_shard`` manages anywhere in ``module`` (its sharded DTensors), each with
-    the device its layer computes on (None where FSDP2's internals do not say)."""
-    managed: Dict[nn.Parameter, Optional[torch.device]] = {}
+    the device its layer computes on (the shard's, except under CPU offloading, where the shard lives
+    on the CPU and the layer runs on the accelerator); refused where FSDP2's internals do not say."""
+    managed: Dict[nn.Parameter, torch.device] = {}
     for sub in module.modules():
         if not is_fully_sharded_module(sub):
             continue
@@ -85,16 +86,13 @@ def _fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, Optional[torch.
             groups = sub._get_fsdp_state()._fsdp_param_groups
             managed.update((fsdp_param.sharded_param, fsdp_param.device)
                            for group in groups for fsdp_param in group.fsdp_params)
-        except AttributeError:  # FSDP2's internals moved: every DTensor below a fully_shard module
-            managed.update((p, None) for p in sub.parameters() if is_sharded(p))
+        except AttributeError as error:  # FSDP2's internals moved: which DTensors are its shards is unknown
+            raise ValueError(
+                f"cannot tell which parameters fully_shard manages in this torch version ({error}): a DTensor "
+                "it does not gather for its layer's call (tensor parallelism) would split each sample's gradient, "
+                "so private training under FSDP2 is refused here. Use the torch version dptorch supports, or DDP"
+            ) from error
     return managed
-
-
-def compute_devices(module: nn.Module) -> Dict[nn.Parameter, torch.device]:
-    """Where each sharded parameter's layer computes: its shard's device, except under CPU offloading
-    (``CPUOffloadPolicy``), where the shard lives on the CPU and the layer runs on the accelerator."""
-    return {p: device if device is not None else p.to_local().device
-            for p, device in _fully_shard_params(module).items()}
 
 
 def check_sharding(module: nn.Module) -> None:
@@ -108,7 +106,7 @@ def check_sharding(module: nn.Module) -> None:
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
     if not named:
         return
-    managed = _fully_shard_params(module)
+    managed = fully_shard_params(module)
     foreign = [name for name, p in named if p not in managed]
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
@@ -226,7 +224,7 @@ def _layouts(optimizer: Any, params: Sequence[nn.Parameter]) -> Dict[nn.Paramete
 def _compute_device(optimizer: Any, param: nn.Parameter) -> torch.device:
     cache = optimizer.__dict__.get("_dp_compute_devices")
     if cache is None or param not in cache:
-        cache = optimizer.__dict__["_dp_compute_devices"] = compute_devices(optimizer.hooks.module)
+        cache = optimizer.__dict__["_dp_compute_devices"] = fully_shard_params(optimizer.hooks.module)
     return cache.get(param, param.to_local().device)
 
 
@@ -350,7 +348,7 @@ __all__ = [
     "add_noise_per_parameter",
     "any_sharded",
     "check_sharding",
-    "compute_devices",
+    "fully_shard_params",
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",
