@@ -20,6 +20,7 @@ _EXPORTS = {
     "register_grad_sampler": "dptorch.grad_sample",
     "ModuleValidator": "dptorch.validate",
     "DPLoss": "dptorch.grad_sample.dp_loss",
+    "packed_loss": "dptorch.grad_sample.packed_loss",
 }
 
 _paths.install()  # Opacus' import paths and dptorch's earlier ones (dptorch.compat)

@@ -47,6 +47,9 @@ from dptorch.grad_sample.tracking import (
     rows_to_dense,
 )
 from dptorch.grad_sample.tracking.reads import ParameterReads
+from dptorch.grad_sample.tracking.tokens import TOKEN_DIM, TokenTracker, token_call
+from dptorch.grad_sample.tracking.tokens import refuse as refused_for_tokens
+from dptorch.grad_sample.token_units import TokenUnits
 from dptorch.grad_sample import claims
 from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
@@ -154,6 +157,11 @@ class GradSampleHooks:
         self._received: Dict[nn.Parameter, None] = {}
         self._unhooked_grad_versions: Dict[nn.Parameter, Tuple[int, int]] = {}
         self._unit_ids: Optional[torch.Tensor] = None
+        self._token_units: Optional[TokenUnits] = None  # for the next root forward (set_privacy_units of (B, T) ids)
+        self._token_tracker: Optional[TokenTracker] = None  # follows the tokens through the current root forward
+        self._round_units: Optional[TokenUnits] = None  # the token units of the held round
+        self._separable: Dict[int, Any] = {}  # id -> weakref: root outputs whose tokens kept their units apart
+        self._packed_forward: Optional[TokenUnits] = None  # the token units of the last root forward, if packed
         # Parameter a sharding wrapper (FSDP2's fully_shard) swaps in for the call -> registered one
         self._canonical: Dict[torch.Tensor, nn.Parameter] = {}
         self._wrapper_inputs: Dict[nn.Module, List[Any]] = {}  # FSDP2 modules: inputs (and tags) before its pre-hook
@@ -336,14 +344,34 @@ class GradSampleHooks:
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     def set_privacy_units(self, unit_ids: Optional[torch.Tensor]) -> None:
-        """Group batch rows into privacy units for the following backward passes.
+        """Group batch rows, or tokens, into privacy units.
 
-        ``unit_ids[r]`` names the unit of row ``r`` (any integers; rows with equal ids form one
-        unit, e.g. a DPO example's chosen and rejected rows, or all records of one user). Their
-        gradients are summed before clipping, and per-sample results have one row per unit, in
-        ascending id order. ``None`` makes every row its own unit again.
+        ``unit_ids[r]`` (1-D) names the unit of row ``r`` for the following backward passes (any
+        integers; rows with equal ids form one unit, e.g. a DPO example's chosen and rejected rows,
+        or all records of one user). Their gradients are summed before clipping, and per-sample
+        results have one row per unit, in ascending id order. ``None`` makes every row its own unit
+        again.
+
+        ``unit_ids[b, t]`` (2-D, ``(B, T)``) names the unit of each token of the next root forward:
+        several examples packed in one row (``dptorch.grad_sample.token_units`` derives the ids from
+        packed ``position_ids`` or sequence lengths; -1 marks a pad token of no unit). That forward is
+        then followed along its tokens too (``tracking/tokens.py``), and its loss must be
+        ``dptorch.packed_loss``. Call it before every packed forward.
         """
+        if unit_ids is not None and torch.as_tensor(unit_ids).dim() == 2:
+            if not self.batch_first:
+                raise ValueError("token privacy units need batch_first=True: ids of shape (batch, tokens)")
+            self._token_units, self._unit_ids = TokenUnits(unit_ids), None
+            return
+        self._token_units = None
         self._unit_ids = None if unit_ids is None else torch.as_tensor(unit_ids).flatten()
+
+    @property
+    def unit_kind(self) -> str:
+        """What a privacy unit is in the current forward: "rows", "grouped" rows or "tokens"."""
+        if self._token_tracker is not None or self._packed_forward is not None:
+            return "tokens"
+        return "rows" if self._unit_ids is None else "grouped"
 
     def clear(self) -> None:
         """Forget the held per-sample gradients (and remove ``p.grad_sample``)."""
@@ -354,6 +382,7 @@ class GradSampleHooks:
         self._buffers.reclaim()  # the dropped round's memory, where nothing else holds it
         self._round_done = False
         self._round_consumed = False
+        self._round_units = None
 
     # ------------------------------------------------------------------ forward side
 
@@ -367,8 +396,12 @@ class GradSampleHooks:
                 remove_finished_trackers()  # other controllers' too: they only pass calls through
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
             self.last_batch_size = self._batch_size
+            units, self._token_units = self._token_units, None  # token units hold for one forward
+            self._packed_forward = None
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size)
+                if units is not None:
+                    self._token_tracker = self._start_token_tracking(units, args, kwargs)
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
@@ -385,7 +418,7 @@ class GradSampleHooks:
         tracker.loss_reduction = self.loss_reduction
         tracker.owner = owner
         tracker.on_backward = lambda: getattr(owner(), "_loss_phase_over", lambda t: None)(tracker)
-        tracker.rows_are_units = lambda: getattr(owner(), "_unit_ids", None) is None  # grouped rows: docs/privacy.md
+        tracker.unit_kind = lambda: getattr(owner(), "unit_kind", "rows")  # grouped rows: docs/privacy.md
         previous, self._loss_tracker = self._loss_tracker, None
         if previous is not None:  # a second forward before backward: the loss may combine both
             remove_mode(previous)
@@ -408,6 +441,42 @@ class GradSampleHooks:
                     tracker.tag_root(leaf, dim, strong or leaf is primary)
         tracker.__enter__()
         return tracker
+
+    def _start_token_tracking(self, units: TokenUnits, args: tuple, kwargs: dict) -> TokenTracker:
+        """Tag the root call's ``(B, T)`` inputs along their tokens, and follow them (above the batch tracker)."""
+        if tuple(units.shape) != (self._tracker.n, units.shape[1]) or units.shape[1] < 2:
+            raise PerSampleGradientError(
+                f"token privacy units of shape {tuple(units.shape)} do not fit this batch of {self._tracker.n} rows (rows "
+                "of at least 2 tokens): call set_privacy_units with the (batch, tokens) ids of each packed batch"
+            )
+        tracker = TokenTracker(units, self._tracker)
+        named = [(None, a) for a in args] + list(kwargs.items())
+        for name, value in named:
+            for leaf in tree_flatten(value)[0]:
+                if isinstance(leaf, torch.Tensor) and leaf.dim() > TOKEN_DIM and tuple(leaf.shape[:2]) == tuple(units.shape):
+                    tracker.tag_root(leaf, TOKEN_DIM, strong=name is None or name in _PER_SAMPLE_KEYS)
+        tracker.__enter__()
+        return tracker
+
+    def _end_token_tracking(self, output: Any) -> None:
+        """The root forward ended: remember which outputs kept every token's unit apart (``packed_loss`` reads them)."""
+        tracker, self._token_tracker = self._token_tracker, None
+        if tracker is None:
+            return
+        remove_mode(tracker)
+        self._separable = {}
+        self._packed_forward = tracker.units
+        if sys.exc_info()[1] is None:
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and type(tracker.get(t)) is int and tracker.get(t) & ~WEAK == TOKEN_DIM \
+                        and tracker.rows_kept(t):
+                    self._separable[id(t)] = (weakref.ref(t), tracker.units)
+        tracker.close()
+
+    def separable_units(self, t: torch.Tensor) -> Optional[TokenUnits]:
+        """The token units of the last packed forward if ``t`` is one of its outputs that kept them apart."""
+        held = self._separable.get(id(t))
+        return held[1] if held is not None and held[0]() is t else None
 
     def _enter_loss_phase(self) -> None:
         """End of the root forward: the tracker goes on following the loss, from the bottom of
@@ -464,6 +533,8 @@ class GradSampleHooks:
         tracker = self._tracker
         if tracker is None or self._tracking_off:
             return
+        if self._token_tracker is not None:
+            self._token_tracker.paused = True
         depth = torch._C._len_torch_function_stack()
         if depth and torch._C._get_function_stack_at(depth - 1) is tracker:
             torch._C._pop_torch_function_stack()
@@ -477,6 +548,8 @@ class GradSampleHooks:
             if self._tracking_off == "popped":
                 torch._C._push_on_torch_function_stack(self._tracker)
             self._tracker.paused = False
+            if self._token_tracker is not None:
+                self._token_tracker.paused = False
         self._tracking_off = False
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -485,6 +558,7 @@ class GradSampleHooks:
         self._root_depth = max(self._root_depth - 1, 0)
         if self._root_depth:
             return None
+        self._end_token_tracking(output)
         self._enter_loss_phase()
         self._batch_size = None
         if self._expanded is None:
@@ -509,6 +583,9 @@ class GradSampleHooks:
         for i, t in zip(positions, tap([leaves[i] for i in positions], [], on_backward)):
             if tracker is not None:
                 tracker.put(t, tracker.get(leaves[i]))  # the loss is followed from the tapped outputs
+            units = self.separable_units(leaves[i])
+            if units is not None:
+                self._separable[id(t)] = (weakref.ref(t), units)
             leaves[i] = t
         return tree_unflatten(leaves, spec)
 
@@ -686,17 +763,24 @@ class GradSampleHooks:
             return None
         activations = _tensor_arguments(layer.module, args, kwargs)
         call, tag, chained = self._classify_call(layer, activations, (output,))
+        tokens = self._token_tracker
+        token_tag = None if tokens is None else token_call(tokens, layer.name, layer.module, _token_wise(layer), activations)
         if call.kind == "batched":
             dim = call.output_dims[0]
             rows = None if dim is None else call.n * max(dim // INNER, 1)  # the batch merged with an inner dim
             if dim is None or output.dim() <= dim % INNER or output.shape[dim % INNER] != rows:
                 raise self._not_per_sample(layer, output, call.n, None if dim is None else dim % INNER)
-        on_backward = partial(self._layer_backward, layer, params, call)
+        on_backward = partial(self._layer_backward, layer, params, call, None if tokens is None else tokens.units)
         tapped = tap((output,), activations, on_backward)
         self._tag_outputs(call, tapped, [tag], chained)
+        if tokens is not None:
+            tokens.put(tapped[0], token_tag)
         return tapped[0]
 
     def _capture_for_replay(self, layer: _Layer, params, args, kwargs, output):
+        if self._token_tracker is not None:
+            raise refused_for_tokens(f"{layer.name} ({type(layer.module).__name__}) has no grad sampler (its per-sample "
+                                     "gradients come from the torch.func fallback, one per row)")
         out_leaves, out_spec = tree_flatten(output)
         positions = [i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -771,6 +855,8 @@ class GradSampleHooks:
         """Per-sample gradients of a parameter read outside its module's call (``tracking/reads.py``)."""
         if self._suspended:
             return
+        if self.unit_kind == "tokens":
+            raise refused_for_tokens(f"{self.parameter_name(param)} is read outside its module's call")
         self._begin_round()
         grads = self._per_sample_scale(grads, grads.shape[0])
         call = LayerCall(self.parameter_name(param), self.module, {"read": param}, None, None, (), grads)
@@ -863,12 +949,22 @@ class GradSampleHooks:
 
     # ------------------------------------------------------------------ backward side
 
-    def _layer_backward(self, layer: _Layer, params, call: CallBatch, activations, grad_outputs) -> None:
+    def _layer_backward(self, layer: _Layer, params, call: CallBatch, units: Optional[TokenUnits], activations, grad_outputs) -> None:
         if self._suspended:
             return
         self._begin_round()
-        activations, backprops, group = _batch_first(call, activations, grad_outputs[0], _token_wise(layer))
-        scale = float(call.n) if self.loss_reduction == "mean" else 1.0
+        if self._round_units is not units and (self._round_units is not None or self._strategy.covers()):
+            raise PerSampleGradientError(
+                "one backward pass reached layer calls of forwards with different privacy units (a packed forward and "
+                "another): run the backward of each packed forward before the next forward"
+            )
+        self._round_units = units
+        if units is not None:  # one row per token unit, its tokens side by side (the layer is token-wise)
+            activations, backprops, group = tuple(units.group(a) for a in activations), units.group(grad_outputs[0]), None
+            scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
+        else:
+            activations, backprops, group = _batch_first(call, activations, grad_outputs[0], _token_wise(layer))
+            scale = float(call.n) if self.loss_reduction == "mean" else 1.0
         sampler, norm_sampler = layer.sampler, layer.norm_sampler
         if group:  # the batch merged with an inner dim, into a layer that is not token-wise
             sampler, norm_sampler = _summed_in_groups(sampler, group), None
@@ -966,7 +1062,7 @@ class GradSampleHooks:
                 "attached, a module added after they attached (attach after PEFT/model surgery), a module in eval "
                 "mode, or a weight read directly by another module's code (e.g. a fused LM head)."
             )
-        self._strategy.finish_round(self._unit_ids)
+        self._strategy.finish_round(self._unit_ids if self._round_units is None else None)
         for param, grad in self._strategy.grads.items():
             param.__dict__["grad_sample"] = grad
         if self._listeners:

@@ -70,6 +70,12 @@ def total(tr: BatchTracker, kind: str, reason: str) -> Optional[Lost]:
     return Lost(reason, kind)
 
 
+def units_total(tr: BatchTracker, kind: str) -> Lost:
+    """The tag of ``dptorch.packed_loss``'s result: a total of packed token units' own losses."""
+    tr.totals += 1
+    return Lost(f"the {kind} of packed examples' own losses (dptorch.packed_loss)", kind, units=True)
+
+
 def batch_total(tr: BatchTracker, name: str, tag: int) -> Optional[Lost]:
     """The tag of reduction ``name`` over the batch dim of a tensor batched as ``tag``."""
     if name in TOTALS and not tag & WEAK:
@@ -129,7 +135,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if name in _ESCAPES:
         tr.escaped = f"{name}() of {first.reason}"
         return tr.run(func, args, kwargs)
-    same = all(is_total(g) and g.kind == first.kind for _, g in tagged)
+    same = all(is_total(g) and g.kind == first.kind and g.units == first.units for _, g in tagged)
     alone = len(tagged) == 1 and tagged[0][0] in (("a", 0), ("k", "input"), ("k", "self"))
     scaling = name in _SCALING or (name in _DIVIDING and alone)  # a total divided by a constant, not a constant by it
     if name in _ADDITIVE or name in _JOINS:
@@ -144,7 +150,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
             return tr.run(func, args, kwargs)
     out = tr.run(func, args, kwargs)
     if keep:
-        tag = Lost(first.reason, first.kind)
+        tag = Lost(first.reason, first.kind, units=first.units)
     else:
         tag = Lost(_mixing_reason(name, first, tr.escaped if scaling else None))
     if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
@@ -174,9 +180,10 @@ def backward_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     else:  # torch.autograd.backward(tensors, grad_tensors)
         roots, grads = _as_list(arg(args, kwargs, 0, "tensors")), _as_list(arg(args, kwargs, 1, "grad_tensors"))
     try:
-        for i, root in enumerate(roots if tr.rows_are_units() else ()):
+        kind = tr.unit_kind()
+        for i, root in enumerate(roots if kind != "grouped" else ()):
             grad = grads[i] if i < len(grads) else None
-            problem = _root_problem(tr, root, grad)
+            problem = _root_problem(tr, root, grad) if kind == "rows" else _token_root_problem(tr, root, grad)
             if problem is not None:
                 raise PerSampleGradientError(problem)
     finally:
@@ -225,6 +232,19 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
         hint = (" A HuggingFace model's built-in loss (out.loss) does this: compute the per-sample loss from out.logits "
                 "(dptorch.integrations.hf.losses), or train with dptorch.integrations.hf.DPTrainer, which does it for you.")
     return f"{_call(root)} derives from {reason}. {fix}{hint}"
+
+
+def _token_root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
+    """Packed token units: the root must be (a constant multiple of) ``dptorch.packed_loss``'s total."""
+    if not isinstance(root, Tensor):
+        return None
+    tag = tr.get(root)
+    if is_total(tag) and tag.units and grad is None:
+        return None
+    return (f"{_call(root)} is not dptorch.packed_loss(...) of a packed forward (or a constant multiple of it). With "
+            "several examples packed in one row, only that loss is known to give every example its own loss (it never "
+            "predicts one example's token from another's, nor divides by a count of the batch's tokens). Nothing was "
+            "updated.")
 
 
 def _call(root: Tensor) -> str:

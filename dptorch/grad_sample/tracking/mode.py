@@ -49,7 +49,7 @@ class BatchTracker(TorchFunctionMode):
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
         self.loss_reduction: Optional[str] = None
         self.warned_reduction = False
-        self.rows_are_units: Callable[[], bool] = lambda: True
+        self.unit_kind: Callable[[], str] = lambda: "rows"  # or "grouped" rows, or "tokens" (the controller says)
         self.owner: Callable[[], Any] = lambda: True  # the controller (a weak reference): gone, the tracker idles
         self.on_backward: Callable[[], None] = lambda: None
         self.totals = 0

@@ -34,21 +34,23 @@ INNER = 128  # the batch dim holds n groups of ``tag // INNER`` rows (the batch 
 class Lost:
     """A batch-derived tensor whose batch dimension is gone; ``reason`` says where.
 
-    Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
+    A total (kind "sum" or "mean", ``loss.py``) with ``units`` is the sum of packed token units'
+    own losses. Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
     ``sorted_indices`` or None) and "permuted" (the batch along ``dim``, but row ``i`` is sample
     ``order[i]``); gathering the rows back into the batch's order makes them batched again. A
     ``weak`` one was derived from weak evidence only, and gives way to a strong batch dim.
     """
 
-    __slots__ = ("reason", "kind", "dim", "order", "weak")
+    __slots__ = ("reason", "kind", "dim", "order", "weak", "units")
 
     def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
-                 weak: bool = False) -> None:
+                 weak: bool = False, units: bool = False) -> None:
         self.reason = reason
         self.kind = kind
         self.dim = dim
         self.order = order
         self.weak = weak  # derived only from weak evidence: gives way to a strong batch dim
+        self.units = units  # a total of packed token units' own losses (dptorch.packed_loss)
 
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"
