@@ -444,10 +444,12 @@ class GradSampleHooks:
 
     def _start_token_tracking(self, units: TokenUnits, args: tuple, kwargs: dict) -> TokenTracker:
         """Tag the root call's ``(B, T)`` inputs along their tokens, and follow them (above the batch tracker)."""
-        if tuple(units.shape) != (self._tracker.n, units.shape[1]) or units.shape[1] < 2:
+        primary = _primary_input(args, kwargs, 0)
+        rows_tokens = tuple(primary.shape[:2]) if isinstance(primary, torch.Tensor) else ()
+        if tuple(units.shape) != rows_tokens or units.shape[1] < 2:
             raise PerSampleGradientError(
-                f"token privacy units of shape {tuple(units.shape)} do not fit this batch of {self._tracker.n} rows (rows "
-                "of at least 2 tokens): call set_privacy_units with the (batch, tokens) ids of each packed batch"
+                f"token privacy units of shape {tuple(units.shape)} do not fit this batch of (rows, tokens) {rows_tokens} "
+                "(rows of at least 2 tokens): call set_privacy_units with the (batch, tokens) ids of each packed batch"
             )
         tracker = TokenTracker(units, self._tracker)
         named = [(None, a) for a in args] + list(kwargs.items())

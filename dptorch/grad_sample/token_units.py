@@ -73,7 +73,8 @@ class TokenUnits:
 
 def units_from_position_ids(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Unit ids ``(B, T)`` from packed ``position_ids``: a new example starts wherever the position does not
-    follow the previous one by 1 (as transformers reads packed sequences); masked-out tokens get -1."""
+    follow the previous one by 1 (as transformers reads packed sequences); masked-out tokens get -1. Ids count
+    from 0 in row-major order."""
     position_ids = torch.as_tensor(position_ids)
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
@@ -81,7 +82,9 @@ def units_from_position_ids(position_ids: torch.Tensor, attention_mask: Optional
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
     ids = torch.cumsum(starts.flatten().long(), 0).view_as(position_ids) - 1
     if attention_mask is not None:
-        ids = torch.where(torch.as_tensor(attention_mask).to(ids.device).bool(), ids, ids.new_full((), -1))
+        kept = torch.as_tensor(attention_mask).to(ids.device).bool()
+        ids = torch.where(kept, ids, ids.new_full((), -1))
+        ids[kept] = torch.unique(ids[kept], return_inverse=True)[1]  # numbered 0.. again, without the masked spans
     return ids
 
 

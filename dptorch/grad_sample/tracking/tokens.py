@@ -40,7 +40,7 @@ class TokenTracker(BatchTracker):
         super().__init__(units.shape[1], skip=batch.skip, quiet=batch.quiet)
         self.units = units
         self.batch = batch
-        self._masks: Dict[tuple, Optional[str]] = {}  # (mask id, version, causal) -> crossing found
+        self._masks: Dict[tuple, tuple] = {}  # (mask id, version, causal) -> (the mask, the crossing found or None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not (self.paused or self.done) and rule_of(func) is _ATTENTION:
@@ -81,9 +81,14 @@ class TokenTracker(BatchTracker):
 
     def _crossing(self, mask: Optional[Tensor], causal: bool) -> Optional[str]:
         key = (id(mask), getattr(mask, "_version", 0), causal)
-        if key not in self._masks:
-            self._masks[key] = crossing_attention(self.units, mask, causal)
-        return self._masks[key]
+        held = self._masks.get(key)
+        if held is None or held[0] is not mask:  # the mask is held, so its id names no other tensor
+            paused, self.batch.paused = self.batch.paused, True  # our own reads of the mask: not the model's
+            try:
+                held = self._masks[key] = (mask, crossing_attention(self.units, mask, causal))
+            finally:
+                self.batch.paused = paused
+        return held[1]
 
 
 def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: bool, tensors: Sequence[Tensor]) -> Any:
