@@ -38,7 +38,7 @@ def test_noise_plot_draws_sigma_against_epsilon(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script", ["accounting.py", "layers.py", "models.py", "noise.py"])
+@pytest.mark.parametrize("script", ["accounting.py", "layers.py", "models.py", "noise.py", "packing.py"])
 def test_benchmarks_answer_help(script):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True,
                          text=True, timeout=120)

@@ -1,0 +1,272 @@
+"""Packed against padded DP-SGD batches: real tokens per second, padding and loss at equal epsilon.
+
+    python benchmarks/packing.py [--arch gpt2|llama] [--steps 12] [--batch 16] [--max-length 128]
+    python benchmarks/packing.py --width 256 --layers 4 --steps 30 --batch 32   # a bigger run
+
+The examples are the paragraphs of the repository's own docs (docs/*.md, real English text with a
+long-tailed length distribution), split into words and punctuation, each truncated to
+``--max-length`` tokens and ended with EOS. Both runs train the same tiny decoder (built from a
+config, sdpa attention, no dropout) with DP-SGD (book-keeping, flat clipping): the same Poisson
+draws of examples (one seeded sampler each, same rate), the same noise multiplier and noise seed,
+so the same epsilon. ``padded``: each drawn example its own row, padded to the draw's longest,
+with an attention mask and one loss per row. ``packed``: the drawn examples packed into rows of
+``--max-length`` tokens by best-fit decreasing (``dptorch.integrations.hf.packing``), position ids
+restarting at 0 per example, one privacy unit per example (``set_privacy_units``) and
+``dptorch.packed_loss``. The two runs alternate step by step, so the machine's load falls on both
+alike. Timed: whole private steps (collate, forward, backward, clip, noise, update); reported:
+the median of real (non-pad) tokens per second after ``--warmup`` steps, the padding fraction,
+the held-out loss after the last step, and how far apart the two final models are (the same draws
+and noise make them equal up to float rounding: a check that packing changed nothing but speed).
+Prints a table and writes packing.json into a fresh folder (``--out-dir``; printed at the end),
+or into benchmarks/results/ with ``--update-committed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+try:
+    from benchmarks.output_place import REPOSITORY, RESULTS, OutputPlace, add_output_flags
+except ImportError:  # run as a script: benchmarks/ is on the path
+    from output_place import REPOSITORY, RESULTS, OutputPlace, add_output_flags
+
+PAD, UNK, EOS = 0, 1, 2
+WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
+KINDS = ("padded", "packed")
+
+
+def doc_paragraphs(folder: Path = REPOSITORY / "docs", min_words: int = 4) -> List[str]:
+    """The blank-line separated paragraphs of ``folder/*.md`` (files in name order) with ``min_words`` words or more."""
+    paragraphs = []
+    for path in sorted(folder.glob("*.md")):
+        paragraphs += [p for p in re.split(r"\n\s*\n", path.read_text()) if len(WORD.findall(p.lower())) >= min_words]
+    return paragraphs
+
+
+def word_ids(texts: Sequence[str], vocab_size: int, max_length: int) -> List[List[int]]:
+    """Each text as word ids: the ``vocab_size - 3`` most frequent words (ties: first seen) and UNK, truncated
+    to ``max_length - 1`` and ended with EOS."""
+    if vocab_size < 4 or max_length < 2:
+        raise ValueError(f"--vocab must be >= 4 and --max-length >= 2, got {vocab_size} and {max_length}")
+    words = [WORD.findall(t.lower()) for t in texts]
+    counts = collections.Counter(w for ws in words for w in ws)
+    ids = {w: i + 3 for i, (w, _) in enumerate(counts.most_common(vocab_size - 3))}
+    return [[ids.get(w, UNK) for w in ws[: max_length - 1]] + [EOS] for ws in words]
+
+
+def length_summary(lengths: Sequence[int]) -> Dict[str, float]:
+    ordered = sorted(lengths)
+    return {"count": len(ordered), "mean": statistics.mean(ordered), "median": statistics.median(ordered),
+            "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1]}
+
+
+def pad_collate(examples: List[Dict[str, List[int]]]) -> Dict[str, "torch.Tensor"]:
+    """Each example its own row, right-padded to the longest: ``input_ids``, ``attention_mask``, ``labels`` (-100 on pads)."""
+    import torch
+
+    width = max((len(e["input_ids"]) for e in examples), default=1)
+    ids = torch.full((len(examples), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, example in enumerate(examples):
+        ids[row, : len(example["input_ids"])] = torch.as_tensor(example["input_ids"])
+        mask[row, : len(example["input_ids"])] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def build_model(arch: str, vocab: int, width: int, layers: int, max_length: int):
+    """A tiny decoder from a config: sdpa attention, no dropout, untied head for Llama."""
+    import transformers
+
+    heads = max(width // 32, 1)
+    if arch == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads, n_positions=max_length,
+                                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=EOS, eos_token_id=EOS,
+                                         pad_token_id=PAD, attn_implementation="sdpa")
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
+                                      max_position_embeddings=max_length, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config)
+
+
+class PrivateRun:
+    """One DP-SGD training of the benchmark's model on padded or packed batches."""
+
+    def __init__(self, kind: str, args: argparse.Namespace, train: List[Dict[str, List[int]]]):
+        import torch
+
+        from dptorch import PrivacyEngine
+        from dptorch.data import DPDataLoader
+        from dptorch.integrations.hf.packing import PackingCollator
+
+        self.kind = kind
+        torch.manual_seed(args.seed)
+        self.model = build_model(args.arch, args.vocab, args.width, args.layers, args.max_length).to(args.device).train()
+        self.device = torch.device(args.device)
+        collate = pad_collate if kind == "padded" else PackingCollator(PAD, max_length=args.max_length)
+        loader = DPDataLoader(train, sample_rate=args.batch / len(train), collate_fn=collate,
+                              generator=torch.Generator().manual_seed(args.seed))
+        self.engine = PrivacyEngine(accountant="prv")
+        self.hooks, self.optimizer, loader = self.engine.make_private(
+            module=self.model, optimizer=torch.optim.Adam(self.model.parameters(), lr=args.lr), data_loader=loader,
+            noise_multiplier=args.noise, max_grad_norm=1.0, loss_reduction="sum", grad_sample_mode=args.mode,
+            wrap_model=False, noise_generator=torch.Generator(device=args.device).manual_seed(args.seed + 1))
+        self.batches = iter(loader)
+        self.times: List[float] = []
+        self.real_tokens: List[int] = []
+        self.all_tokens: List[int] = []
+        self.examples: List[int] = []
+        self.rows: List[int] = []
+
+    def step(self, check_norms: bool = False) -> Optional["torch.Tensor"]:
+        """One private step, timed from collating the draw to the parameter update; with ``check_norms``
+        (an untimed step), each drawn example's gradient norm, in draw order."""
+        import torch
+
+        from dptorch import packed_loss
+        from dptorch.integrations.hf.losses import causal_lm_per_sample_loss
+        from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
+
+        start = time.perf_counter()
+        batch = {key: value.to(self.device) for key, value in next(self.batches).items()}
+        if self.kind == "padded":
+            real = batch["attention_mask"]
+            out = self.model(input_ids=batch["input_ids"], attention_mask=real, use_cache=False)
+            loss = causal_lm_per_sample_loss(out, batch["labels"]).sum()
+            examples = batch["input_ids"].shape[0]
+        else:
+            units = batch[UNIT_IDS_KEY]
+            self.hooks.set_privacy_units(units)
+            out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            loss = packed_loss(out.logits, batch["labels"], self.hooks)
+            real = units >= 0
+            examples = int(torch.unique(units[units >= 0]).numel())
+        loss.backward()
+        norms = unit_norms(self.hooks) if check_norms else None
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter() - start)
+        self.real_tokens.append(int(real.sum()))
+        self.all_tokens.append(batch["input_ids"].numel())
+        self.examples.append(examples)
+        self.rows.append(batch["input_ids"].shape[0])
+        return norms
+
+    def summary(self, warmup: int, delta: float) -> dict:
+        rates = [n / t for n, t in zip(self.real_tokens[warmup:], self.times[warmup:])]
+        return {"kind": self.kind, "steps": len(self.times), "timed_steps": len(rates),
+                "median_real_tokens_per_s": statistics.median(rates), "median_step_s": statistics.median(self.times[warmup:]),
+                "padding_fraction": 1 - sum(self.real_tokens) / sum(self.all_tokens),
+                "mean_rows_per_step": statistics.mean(self.rows),
+                "mean_examples_per_step": statistics.mean(self.examples), "epsilon": self.engine.get_epsilon(delta)}
+
+
+def unit_norms(hooks) -> "torch.Tensor":
+    """Each privacy unit's whole-model gradient norm (units in ascending id order: the draw order for both
+    collators here)."""
+    squares = [n.double() ** 2 for n in hooks.per_sample_norms().values()]
+    return sum(squares).sqrt() if squares else None
+
+
+def mean_example_loss(model, examples: List[Dict[str, List[int]]], device: str, chunk: int = 32) -> float:
+    """The next-token loss averaged over each example's own targets, then over the examples (no gradients)."""
+    import torch
+
+    from dptorch.integrations.hf.losses import causal_lm_per_sample_loss
+
+    losses = []
+    with torch.no_grad():
+        for i in range(0, len(examples), chunk):
+            batch = {key: value.to(device) for key, value in pad_collate(examples[i: i + chunk]).items()}
+            out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+            losses.append(causal_lm_per_sample_loss(out, batch["labels"]))
+    return float(torch.cat(losses).mean())
+
+
+def max_relative_difference(first, second) -> float:
+    """max over parameters of |a - b| / |a| (Frobenius norms)."""
+    pairs = zip(first.parameters(), second.parameters())
+    return max(float((a - b).detach().norm() / a.detach().norm().clamp(min=1e-30)) for a, b in pairs)
+
+
+def main(argv: Optional[List[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--mode", default="bk", choices=["bk", "ghost", "hooks"], help="dptorch's per-sample mode")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (the loader and packing stay on the CPU)")
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2000, help="word vocabulary (most frequent words; the rest UNK)")
+    parser.add_argument("--max-length", type=int, default=128, help="tokens per example (truncated) and per packed row")
+    parser.add_argument("--batch", type=int, default=16, help="expected examples per draw (sample rate = batch / examples)")
+    parser.add_argument("--steps", type=int, default=12, help="private steps of each run")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="first steps, left out of the timing; on them each example's gradient norm is compared")
+    parser.add_argument("--noise", type=float, default=1.0, help="noise multiplier")
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--holdout", type=float, default=0.1, help="fraction of the paragraphs kept out for the loss")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0)
+    add_output_flags(parser, "benchmarks/results/packing.json")
+    args = parser.parse_args(argv)
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}): no step would be timed")
+    import torch
+
+    torch.set_num_threads(args.threads)
+    tokens = word_ids(doc_paragraphs(), args.vocab, args.max_length)
+    order = torch.randperm(len(tokens), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    held = max(int(args.holdout * len(tokens)), 1)
+    evaluation = [{"input_ids": tokens[i]} for i in order[:held]]
+    train = [{"input_ids": tokens[i]} for i in order[held:]]
+    if args.batch > len(train):
+        parser.error(f"--batch {args.batch} exceeds the {len(train)} training examples")
+    lengths = length_summary([len(e["input_ids"]) for e in train])
+    print(f"{len(train)} training examples (docs/*.md paragraphs), {held} held out; tokens per example: mean "
+          f"{lengths['mean']:.1f}, median {lengths['median']}, p90 {lengths['p90']}, max {lengths['max']} "
+          f"(truncated to {args.max_length})", flush=True)
+    runs = {kind: PrivateRun(kind, args, train) for kind in KINDS}
+    initial = mean_example_loss(runs["padded"].model, evaluation, args.device)
+    norm_gaps = []
+    for step in range(args.steps):
+        norms = [run.step(check_norms=step < args.warmup) for run in runs.values()]  # alternating: the load falls on both alike
+        if step < args.warmup and norms[0] is not None and norms[0].numel():
+            norm_gaps.append(float(((norms[1] - norms[0]).abs() / norms[0]).max()))
+    rows = {}
+    for kind, run in runs.items():
+        run.hooks.cleanup()
+        rows[kind] = run.summary(args.warmup, args.delta)
+        rows[kind]["held_out_loss"] = mean_example_loss(run.model.eval(), evaluation, args.device)
+    speedup = rows["packed"]["median_real_tokens_per_s"] / rows["padded"]["median_real_tokens_per_s"]
+    result = {"config": {k: v for k, v in vars(args).items() if k not in ("out_dir", "update_committed")},
+              "threads": torch.get_num_threads(), "lengths": lengths, "initial_held_out_loss": initial, "runs": rows,
+              "speedup": speedup, "max_relative_unit_norm_difference": max(norm_gaps, default=None),
+              "max_relative_parameter_difference": max_relative_difference(runs["padded"].model, runs["packed"].model)}
+    print(f"{'batches':8s} {'real tok/s':>11s} {'step ms':>8s} {'padding':>8s} {'examples':>9s} {'rows':>6s} {'loss':>7s} {'epsilon':>8s}")
+    for kind, row in rows.items():
+        print(f"{kind:8s} {row['median_real_tokens_per_s']:11.0f} {row['median_step_s'] * 1000:8.1f} "
+              f"{row['padding_fraction']:8.1%} {row['mean_examples_per_step']:9.1f} {row['mean_rows_per_step']:6.1f} {row['held_out_loss']:7.3f} {row['epsilon']:8.3f}")
+    gap = result["max_relative_unit_norm_difference"]
+    print(f"packed / padded: {speedup:.2f}x real tokens per second; held-out loss {initial:.3f} before training")
+    print(f"same draws, same noise: per-example gradient norms differ by {'-' if gap is None else f'{gap:.1e}'} "
+          f"(relative, warm-up steps), final models by {result['max_relative_parameter_difference']:.1e} (relative, "
+          "largest parameter)")
+    place = OutputPlace(args, "packing")
+    place.file("packing.json", RESULTS / "packing.json").write_text(json.dumps(result, indent=1))
+    place.report()
+    return result
+
+
+if __name__ == "__main__":
+    main()
