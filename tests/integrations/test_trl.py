@@ -11,8 +11,11 @@ from peft import LoraConfig, PeftModel  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from dptorch.integrations.hf import PrivacyArguments, private  # noqa: E402
+from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
+from dptorch.integrations.hf.sampling import UNIT_IDS_KEY  # noqa: E402
 from tests.integrations.test_hf_trainer import TOKENIZER  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
+    common,
     preference_dataset,
     text_dataset,
     tiny_gpt2,
@@ -21,16 +24,17 @@ from tests.integrations.tiny import (  # noqa: E402
     without_dropout,
 )
 
+prompt_completion_dataset = common.prompt_completion_dataset
 PRIVACY = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3)
 COMMON = dict(use_cpu=True, bf16=False, report_to=[], disable_tqdm=True, logging_steps=1, save_strategy="no",
               max_length=32, per_device_train_batch_size=4, max_steps=2, learning_rate=1e-2)
 
 
-def sft(tmp_path, model, privacy=PRIVACY, peft_config=None, **config):
+def sft(tmp_path, model, privacy=PRIVACY, peft_config=None, dataset=None, **config):
     torch.manual_seed(0)
     args = SFTConfig(output_dir=str(tmp_path), **{**COMMON, **config})
-    return private(SFTTrainer)(model=model, args=args, train_dataset=text_dataset(32), processing_class=TOKENIZER,
-                               peft_config=peft_config, privacy_args=privacy)
+    return private(SFTTrainer)(model=model, args=args, train_dataset=dataset or text_dataset(32),
+                               processing_class=TOKENIZER, peft_config=peft_config, privacy_args=privacy)
 
 
 def dpo(tmp_path, model, dataset=None, privacy=PRIVACY, peft_config=None, ref_model=None, **config):
@@ -60,9 +64,55 @@ def test_sft_full_fine_tuning_bypasses_the_fused_lm_head(tmp_path):
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def test_sft_packing_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="packing"):
-        sft(tmp_path, tiny_llama(TOKENIZER), packing=True)
+@pytest.mark.parametrize("packing", ["packing", "padding_free"])
+def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path, packing):
+    """TRL's packing and padding-free rows, made of Poisson-drawn examples: each example (completion-only loss,
+    gradient checkpointing on, as TRL's defaults) gets the gradient it has alone, unpacked."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, grad_sample_mode="hooks")
+    model = without_dropout(tiny_llama(TOKENIZER))
+    trainer = sft(tmp_path, model, privacy=privacy, dataset=prompt_completion_dataset(32), max_length=24,
+                  per_device_train_batch_size=8, **{packing: True})
+    assert getattr(trainer.args, packing) and trainer.args.gradient_checkpointing  # the user's config, unchanged
+    assert len(trainer.train_dataset) == 32 and "seq_lengths" not in trainer.train_dataset.column_names  # unpacked
+    batch = next(iter(trainer.get_train_dataloader()))
+    units = batch[UNIT_IDS_KEY]
+    assert units.dim() == 2 and (units.shape[0] == 1) == (packing == "padding_free")
+    examples = [(batch["input_ids"][units == u], batch["labels"][units == u]) for u in range(int(units.max()) + 1)]
+    assert len(examples) >= 4 and all((labels[:1] == -100).all() for _, labels in examples)  # prompts masked
+    reference = tiny_llama(TOKENIZER)  # the reference: plain autograd (no hooks), each example alone
+    reference.load_state_dict(model.state_dict())
+    trainer.training_step(model, batch)
+    params = dict(reference.named_parameters())
+    per_unit = {n: trainer.dp_hooks.grad_samples[p].clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer.dp_hooks.clear()
+    for u, (ids, labels) in enumerate(examples):
+        reference.zero_grad()
+        causal_lm_per_sample_loss(reference(input_ids=ids[None], use_cache=False), labels[None]).sum().backward()
+        for name, g in per_unit.items():
+            torch.testing.assert_close(g[u], params[name].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_packing_trains_with_the_unpacked_accounting(tmp_path):
+    packed = sft(tmp_path, tiny_gpt2(TOKENIZER), packing=True, gradient_checkpointing=False)
+    plain = sft(tmp_path, tiny_gpt2(TOKENIZER), gradient_checkpointing=False)
+    assert packed.privacy_plan.sample_rate == plain.privacy_plan.sample_rate  # q over examples, not packed rows
+    packed.train()
+    assert packed.privacy_budget.steps == 2 and packed.get_epsilon() == pytest.approx(plain.privacy_budget.epsilon_after(2))
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(packing=True, packing_strategy="wrapped"), "splits an example"),
+    (dict(packing=True, model_kwargs=dict(attn_implementation="eager")), "attn_implementation='eager'"),
+    (dict(padding_free=True, privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3,
+                                                      privacy_unit_column="user")), "privacy_unit_column"),
+])
+def test_sft_packing_refuses_what_it_cannot_keep_apart(tmp_path, setting, match):
+    setting = dict(setting)
+    model = tiny_llama(TOKENIZER)
+    model.config._attn_implementation = setting.pop("model_kwargs", {}).get("attn_implementation", "sdpa")
+    dataset = text_dataset(32).add_column("user", [i % 5 for i in range(32)])
+    with pytest.raises(ValueError, match=match):
+        sft(tmp_path, model, dataset=dataset, **setting)
 
 
 def test_dpo_with_lora_trains_privately(tmp_path):

@@ -22,7 +22,8 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import Trainer
 
-from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss
+from dptorch.grad_sample.packed_loss import packed_loss
+from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
 
 ComputeLoss = Callable[..., Any]
 
@@ -83,23 +84,21 @@ class OutputsRecipe(LossRecipe):
         if self.causal:
             inputs["use_cache"] = False
         outputs = model(**inputs)
-        losses = check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0])
-        loss = losses.sum()
+        if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
+            loss = packed_loss(logits_of(outputs), labels, trainer.dp_hooks, shift=self.causal,
+                               label_smoothing=trainer.args.label_smoothing_factor)
+        else:
+            loss = check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0]).sum()
         return (loss, outputs) if return_outputs else loss
 
 
 class SFTRecipe(OutputsRecipe):
-    """``trl.SFTTrainer``: padded rows only; TRL's loss options that a per-sample sum cannot keep are refused."""
+    """``trl.SFTTrainer``: padded rows, or examples packed after sampling (``packing.py``); TRL's loss options that a
+    per-sample sum cannot keep are refused."""
 
     def check(self, trainer: Trainer) -> None:
         super().check(trainer)
         args = trainer.args
-        if getattr(args, "packing", False) or getattr(args, "padding_free", False):
-            raise ValueError(
-                "packing / padding_free put several examples into one row, so rows are no longer samples and "
-                "Poisson sampling would draw packed rows, not examples. Set packing=False and padding_free=False "
-                "in SFTConfig."
-            )
         if getattr(args, "loss_type", "nll") != "nll":
             raise ValueError(f"SFTConfig.loss_type={args.loss_type!r} is not supported privately; use loss_type='nll'")
         if getattr(trainer, "aux_loss_enabled", False):

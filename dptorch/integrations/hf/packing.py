@@ -11,7 +11,9 @@ follows the tokens and ``dptorch.packed_loss`` gives each example its own loss.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -82,3 +84,66 @@ class PackingCollator:
 
 def _tokens(values: Any) -> torch.Tensor:
     return torch.as_tensor(values, dtype=torch.long).flatten()
+
+
+@dataclass(frozen=True)
+class PackingRequest:
+    """What a TRL config asked for: rows of ``max_length`` (``packing=True``) or one row (``padding_free``)."""
+
+    max_length: Optional[int]
+
+
+@contextlib.contextmanager
+def packing_after_sampling(args: Any) -> Iterator[Optional[PackingRequest]]:
+    """Around a TRL trainer's ``__init__``: its dataset is prepared unpacked (packing there would make packed rows
+    the sampled units), and the request is handed to ``PackingCollator``; ``args`` is restored on exit.
+
+    TRL's "wrapped" and "bfd_split" strategies split an example over rows or sequences: refused (a unit would be
+    several units, each counted once by the accountant)."""
+    packing, padding_free = bool(getattr(args, "packing", False)), bool(getattr(args, "padding_free", False))
+    if not (packing or padding_free):
+        yield None
+        return
+    strategy = getattr(args, "packing_strategy", "bfd")
+    if packing and strategy != "bfd":
+        raise ValueError(
+            f"packing_strategy={strategy!r} splits an example over several rows or sequences, which would make one "
+            "example several privacy units; use packing_strategy='bfd' (best-fit decreasing: examples stay whole)"
+        )
+    if packing and getattr(args, "max_length", None) is None:
+        raise ValueError("packing=True needs max_length (the length of a packed row)")
+    request = PackingRequest(int(args.max_length) if packing else None)
+    args.packing, args.padding_free = False, False
+    try:
+        yield request
+    finally:
+        args.packing, args.padding_free = packing, padding_free
+
+
+def check_packing(trainer: Any, privacy_args: Any, per_sample_loss_func: Any) -> None:
+    """Refuse what packing after sampling does not cover (yet), before any step."""
+    problems = []
+    if privacy_args.privacy_unit_column is not None:
+        problems.append("privacy_unit_column: a unit of several examples would span packed rows")
+    if per_sample_loss_func is not None:
+        problems.append("per_sample_loss_func: it takes one row per example; packed rows get dptorch.packed_loss")
+    if trainer.args.world_size > 1:
+        problems.append("several processes: packing is tested on one process only")
+    if type(trainer._dp_recipe).__name__ not in ("OutputsRecipe", "SFTRecipe"):
+        problems.append(f"{type(trainer).__name__}'s loss: packing is supported for SFT (and Trainer) losses only")
+    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    attention = getattr(getattr(base, "config", None), "_attn_implementation", None)
+    if attention != "sdpa":
+        problems.append(f"attn_implementation={attention!r}: packed examples are kept apart through sdpa's mask only; "
+                        "load the model with attn_implementation='sdpa'")
+    if problems:
+        raise ValueError("packing / padding_free cannot be trained privately with " + "; ".join(problems))
+
+
+def pad_token_id(trainer: Any) -> int:
+    """The pad token of the trainer's collator or tokenizer."""
+    for source in (trainer.data_collator, getattr(trainer, "processing_class", None)):
+        value = getattr(source, "pad_token_id", None)
+        if value is not None:
+            return int(value)
+    raise ValueError("packing needs a pad token: give the tokenizer a pad_token")

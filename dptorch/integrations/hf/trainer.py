@@ -76,6 +76,7 @@ from dptorch.integrations.hf.checks import check_setup
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.integrations.hf.losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
+from dptorch.integrations.hf.packing import PackingCollator, check_packing, packing_after_sampling, pad_token_id
 from dptorch.integrations.hf.phantom import PhantomBatch
 from dptorch.integrations.hf.sampling import (
     UNIT_IDS_KEY,
@@ -131,10 +132,14 @@ class PrivateTrainerMixin:
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
         self._dp_grad_norm: Optional[float] = None
         self._dp_clipping_logs: Dict[str, float] = {}  # adaptive bound, clipping statistics when enabled
-        super().__init__(*args, **kwargs)
+        with packing_after_sampling(kwargs.get("args", args[1] if len(args) > 1 else None)) as packing:
+            super().__init__(*args, **kwargs)
         check_setup(self, privacy_args)
         self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
         self._dp_recipe.check(self)
+        if packing is not None:
+            check_packing(self, privacy_args, per_sample_loss_func)
+            self.data_collator = PackingCollator(pad_token_id(self), packing.max_length)
         self.privacy_units = self._build_privacy_units(self.train_dataset)
         check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
         if privacy_args.banded == "auto":  # from here on privacy_args.bands is the chosen b
