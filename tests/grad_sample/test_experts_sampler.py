@@ -1,0 +1,134 @@
+"""The mixture-of-experts rule (``layers/experts.py``) against each sample's own gradient: the pure math
+on an expert bank called with a batch, a sparse MoE block (router, experts, Qwen2-MoE's shared expert)
+under the controller, and the zoo's whole Mixtral, in every experts implementation transformers has."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from dptorch.grad_sample import GradSampleHooks, registry
+from tests.grad_sample.oracle import assert_exact
+from tests.helpers import projection_loss, single_thread  # noqa: F401  (autouse: one intra-op thread)
+
+transformers = pytest.importorskip("transformers")
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
+H, I = 8, 8  # multiples of 16 bytes, as grouped_mm needs
+
+
+@pytest.fixture
+def experts():
+    """The rule registered for the test only (until ``layers/__init__.py`` imports it, other tests,
+    such as the zoo's refusal of Mixtral, run without it)."""
+    saved = list(registry._DUCK_RULES), list(registry._NORM_DUCK_RULES)
+    module = importlib.import_module("dptorch.grad_sample.layers.experts")
+    if not any(rule[1] is module.experts_grad_sampler for rule in registry._DUCK_RULES):
+        module = importlib.reload(module)
+    yield module
+    registry._DUCK_RULES[:], registry._NORM_DUCK_RULES[:] = saved
+
+
+def config(family: str, impl: str, experts: int = 5):
+    common = dict(hidden_size=H, num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,
+                  num_hidden_layers=1, vocab_size=100, max_position_embeddings=16, router_aux_loss_coef=0.0,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "mixtral":
+        made = transformers.MixtralConfig(intermediate_size=I, num_local_experts=experts, router_jitter_noise=0.0, **common)
+    elif family == "qwen2_moe":
+        made = transformers.Qwen2MoeConfig(intermediate_size=I, moe_intermediate_size=I, shared_expert_intermediate_size=I,
+                                           num_experts=experts, **common)
+    else:
+        made = transformers.OlmoeConfig(intermediate_size=I, num_experts=experts, **common)
+    made._experts_implementation = impl
+    return made
+
+
+def block(family: str, impl: str) -> torch.nn.Module:
+    classes = {"mixtral": transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock,
+               "qwen2_moe": transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock,
+               "olmoe": transformers.models.olmoe.modeling_olmoe.OlmoeSparseMoeBlock}
+    made = classes[family](config(family, impl)).train()
+    for p in made.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    return made
+
+
+def routed_batch(n: int, t: int, experts: int, g: torch.Generator):
+    """Tokens ``(n, t, H)`` with distinct top-2 experts each; sample 0 sends all its tokens to experts 3 and 1."""
+    x = torch.randn(n, t, H, generator=g)
+    index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(n * t)]).view(n, t, 2)
+    index[0, :, 0], index[0, :, 1] = 3, 1
+    return x, index, torch.rand(n, t, 2, generator=g)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_math_matches_each_sample_alone(experts, impl):
+    bank = block("mixtral", impl).experts
+    n, t = 3, 4
+    g = torch.Generator().manual_seed(0)
+    x, index, weights = routed_batch(n, t, 5, g)
+    backprops = torch.randn(n, t, H, generator=g)
+    params = [bank.gate_up_proj, bank.down_proj]
+    alone = [torch.autograd.grad((bank(x[i], index[i], weights[i]) * backprops[i]).sum(), params) for i in range(n)]
+    want = {p: torch.stack([a[j] for a in alone]) for j, p in enumerate(params)}
+    got = experts.experts_grad_sampler(bank, (x, index, weights), backprops)
+    squared = experts.experts_norms_sq(bank, (x, index, weights), backprops)
+    factors = torch.rand(n, generator=g)
+    sums = experts.experts_clipped_sum(bank, (x, index, weights), backprops * factors.view(n, 1, 1))
+    for p, w in want.items():
+        close = dict(rtol=1e-5, atol=1e-6 * float(w.abs().max()))
+        torch.testing.assert_close(got[p], w, **close)
+        torch.testing.assert_close(squared[p].sqrt().float(), w.flatten(1).norm(dim=1), **close)
+        torch.testing.assert_close(sums[p], torch.einsum("i,i...->...", factors, w), **close)
+    assert bool((want[bank.gate_up_proj][0, [0, 2, 4]] == 0).all())  # sample 0 used experts 1 and 3 only
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_moe_block_is_exact(experts, family, mode):
+    """Router (torch.func fallback), experts (the rule), shared expert (Linear) on ``(B * T, H)`` rows."""
+    torch.manual_seed(0)
+    model = block(family, "eager")
+    x = torch.randn(3, 4, H, generator=torch.Generator().manual_seed(1))
+    assert_exact(model, (x,), (0,), projection_loss, mode, 3)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("size", [(3, 5), (4, 4)])
+def test_whole_mixtral_is_exact(experts, impl, size):
+    from tests.models.zoo import ZOO
+
+    torch.manual_seed(0)
+    model = ZOO["mixtral"].build()
+    model.set_experts_implementation(impl)
+    n, t = size
+    inputs = ZOO["mixtral"].inputs(n, t, torch.Generator().manual_seed(n * 31 + t))
+    assert_exact(model, inputs, {k: 0 for k in inputs}, ZOO["mixtral"].loss, "bk", n)
+
+
+def test_a_bank_whose_gate_differs_from_its_forward_gets_no_rule(experts):
+    """The check runs the bank's own forward: a class whose ``_apply_gate`` is not what its eager
+    forward computes fails it, and is left to the torch.func fallback."""
+    base = type(block("mixtral", "eager").experts)
+
+    class OtherGate(base):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.tanh(gate) * up
+
+    bank = OtherGate(config("mixtral", "eager"))
+    for p in bank.parameters():
+        torch.nn.init.normal_(p)
+    assert experts.looks_like_experts(bank)
+    assert registry.find_grad_sampler(bank) is None and registry.find_norm_sampler(bank) is None
+    assert registry.find_grad_sampler(block("mixtral", "eager").experts) is experts.experts_grad_sampler
+
+
+def test_other_layouts_are_not_taken_for_experts(experts):
+    bank = block("mixtral", "eager").experts
+    bank.is_transposed = True
+    assert not experts.looks_like_experts(bank)
+    with GradSampleHooks(bank, grad_sample_mode="bk") as hooks:
+        assert hooks._layers[bank].sampler is None
