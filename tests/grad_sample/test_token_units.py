@@ -356,3 +356,44 @@ def test_units_of_another_shape_are_refused(packed):
     hooks.set_privacy_units(packed[UNIT_IDS_KEY][:, :5])
     with pytest.raises(PerSampleGradientError, match="do not fit this batch"):
         model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False)
+
+
+def test_two_packed_forwards_in_one_backward_are_refused(packed):
+    model = tiny("gpt2")
+    hooks, first = _packed_forward(model, packed)
+    loss = packed_loss(first.logits, packed["labels"], hooks)
+    hooks.set_privacy_units(packed[UNIT_IDS_KEY])
+    second = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False)
+    with pytest.raises(PerSampleGradientError, match="different privacy units"):
+        (loss + packed_loss(second.logits, packed["labels"], hooks)).backward()
+
+
+def test_a_private_step_of_the_engine_adds_each_drawn_examples_clipped_gradient():
+    """make_private with a packing collator: the update is minus the sum of each drawn example's clipped
+    gradient alone (loss_reduction="sum", no noise, SGD with lr 1)."""
+    from dptorch import PrivacyEngine
+
+    model = tiny("llama")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    data = examples([3, 5, 7, 2, 4, 6, 8, 3], seed=4)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, collate_fn=PackingCollator(pad_token_id=0, max_length=8))
+    with pytest.warns(UserWarning, match="noise_multiplier=0"):
+        hooks, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+            noise_multiplier=0.0, max_grad_norm=C, wrap_model=False, loss_reduction="sum")
+    batch = next(b for b in loader if b["input_ids"].numel())
+    hooks.set_privacy_units(batch[UNIT_IDS_KEY])
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    packed_loss(out.logits, batch["labels"], hooks).backward()
+    optimizer.step()
+    units = batch[UNIT_IDS_KEY]
+    drawn = [{"input_ids": batch["input_ids"][units == u]} for u in range(int(units.max()) + 1)]
+    hooks.cleanup()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    _, sums = reference_clipped_sum(alone(model, drawn))
+    for n, p in model.named_parameters():
+        expected = start[n].double() - sums[p]
+        torch.testing.assert_close(after[n].double(), expected, rtol=1e-4, atol=1e-6)
