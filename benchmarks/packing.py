@@ -1,6 +1,6 @@
 """Packed against padded DP-SGD batches: real tokens per second, padding and loss at equal epsilon.
 
-    python benchmarks/packing.py [--arch gpt2|llama] [--steps 12] [--batch 16] [--max-length 128]
+    python benchmarks/packing.py [--arch gpt2|llama] [--steps 20] [--batch 16] [--max-length 128]
     python benchmarks/packing.py --width 256 --layers 4 --steps 30 --batch 32   # a bigger run
 
 The examples are the paragraphs of the repository's own docs (docs/*.md, real English text with a
@@ -13,10 +13,12 @@ with an attention mask and one loss per row. ``packed``: the drawn examples pack
 ``--max-length`` tokens by best-fit decreasing (``dptorch.integrations.hf.packing``), position ids
 restarting at 0 per example, one privacy unit per example (``set_privacy_units``) and
 ``dptorch.packed_loss``. The two runs alternate step by step, so the machine's load falls on both
-alike. Timed: whole private steps (collate, forward, backward, clip, noise, update); reported:
-the median of real (non-pad) tokens per second after ``--warmup`` steps, the padding fraction,
-the held-out loss after the last step, and how far apart the two final models are (the same draws
-and noise make them equal up to float rounding: a check that packing changed nothing but speed).
+alike; an empty draw is a step of noise only. Timed: whole private steps (collate, forward,
+backward, clip, noise, update); reported: the median of real (non-pad) tokens per second after
+``--warmup`` steps, the padding fraction, the held-out loss after the last step, and how far apart
+the two runs are: each drawn example's gradient norm on the (untimed) warm-up steps, and the final
+models (the same draws and noise make both equal up to float rounding: packing changes nothing
+but the speed).
 Prints a table and writes packing.json into a fresh folder (``--out-dir``; printed at the end),
 or into benchmarks/results/ with ``--update-committed``.
 """
@@ -114,7 +116,7 @@ class PrivateRun:
         collate = pad_collate if kind == "padded" else PackingCollator(PAD, max_length=args.max_length)
         loader = DPDataLoader(train, sample_rate=args.batch / len(train), collate_fn=collate,
                               generator=torch.Generator().manual_seed(args.seed))
-        self.engine = PrivacyEngine(accountant="prv")
+        self.engine = PrivacyEngine()
         self.hooks, self.optimizer, loader = self.engine.make_private(
             module=self.model, optimizer=torch.optim.Adam(self.model.parameters(), lr=args.lr), data_loader=loader,
             noise_multiplier=args.noise, max_grad_norm=1.0, loss_reduction="sum", grad_sample_mode=args.mode,
@@ -137,7 +139,10 @@ class PrivateRun:
 
         start = time.perf_counter()
         batch = {key: value.to(self.device) for key, value in next(self.batches).items()}
-        if self.kind == "padded":
+        norms = None
+        if batch["input_ids"].shape[0] == 0:  # an empty Poisson draw: a step of noise only
+            real, examples = batch["input_ids"], 0
+        elif self.kind == "padded":
             real = batch["attention_mask"]
             out = self.model(input_ids=batch["input_ids"], attention_mask=real, use_cache=False)
             loss = causal_lm_per_sample_loss(out, batch["labels"]).sum()
@@ -149,8 +154,9 @@ class PrivateRun:
             loss = packed_loss(out.logits, batch["labels"], self.hooks)
             real = units >= 0
             examples = int(torch.unique(units[units >= 0]).numel())
-        loss.backward()
-        norms = unit_norms(self.hooks) if check_norms else None
+        if examples:
+            loss.backward()
+            norms = unit_norms(self.hooks) if check_norms else None
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.device.type == "cuda":
@@ -168,7 +174,8 @@ class PrivateRun:
                 "median_real_tokens_per_s": statistics.median(rates), "median_step_s": statistics.median(self.times[warmup:]),
                 "padding_fraction": 1 - sum(self.real_tokens) / sum(self.all_tokens),
                 "mean_rows_per_step": statistics.mean(self.rows),
-                "mean_examples_per_step": statistics.mean(self.examples), "epsilon": self.engine.get_epsilon(delta)}
+                "mean_examples_per_step": statistics.mean(self.examples), "examples_per_step": self.examples,
+                "step_s": self.times, "epsilon": self.engine.get_epsilon(delta)}
 
 
 def unit_norms(hooks) -> "torch.Tensor":
@@ -209,7 +216,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--vocab", type=int, default=2000, help="word vocabulary (most frequent words; the rest UNK)")
     parser.add_argument("--max-length", type=int, default=128, help="tokens per example (truncated) and per packed row")
     parser.add_argument("--batch", type=int, default=16, help="expected examples per draw (sample rate = batch / examples)")
-    parser.add_argument("--steps", type=int, default=12, help="private steps of each run")
+    parser.add_argument("--steps", type=int, default=20, help="private steps of each run")
     parser.add_argument("--warmup", type=int, default=2,
                         help="first steps, left out of the timing; on them each example's gradient norm is compared")
     parser.add_argument("--noise", type=float, default=1.0, help="noise multiplier")
@@ -241,7 +248,7 @@ def main(argv: Optional[List[str]] = None) -> dict:
     norm_gaps = []
     for step in range(args.steps):
         norms = [run.step(check_norms=step < args.warmup) for run in runs.values()]  # alternating: the load falls on both alike
-        if step < args.warmup and norms[0] is not None and norms[0].numel():
+        if norms[0] is not None:
             norm_gaps.append(float(((norms[1] - norms[0]).abs() / norms[0]).max()))
     rows = {}
     for kind, run in runs.items():

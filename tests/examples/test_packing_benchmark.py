@@ -6,12 +6,11 @@ import pytest
 
 from benchmarks import packing
 
-TINY = ["--width", "16", "--layers", "1", "--vocab", "60", "--max-length", "40", "--batch", "6", "--steps", "3",
-        "--warmup", "1"]
+TINY = ["--width", "16", "--layers", "1", "--vocab", "60", "--max-length", "40", "--warmup", "1"]
 
 
 def test_a_tiny_run_writes_its_table_and_the_packed_run_has_less_padding_at_the_same_epsilon(tmp_path, capsys):
-    result = packing.main(TINY + ["--out-dir", str(tmp_path)])
+    result = packing.main(TINY + ["--batch", "6", "--steps", "3", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1] == f"written: {tmp_path / 'packing.json'}"
     assert json.loads((tmp_path / "packing.json").read_text()) == json.loads(json.dumps(result))
@@ -44,3 +43,10 @@ def test_a_run_with_no_timed_step_is_refused(capsys):
     with pytest.raises(SystemExit) as exit_:
         packing.main(["--steps", "2", "--warmup", "2"])
     assert exit_.value.code == 2 and "--steps (2) must exceed --warmup (2)" in capsys.readouterr().err
+
+
+def test_an_empty_draw_is_a_step_of_noise_only_in_both_runs(tmp_path):
+    result = packing.main(TINY + ["--batch", "1", "--steps", "4", "--out-dir", str(tmp_path)])
+    padded, packed = result["runs"]["padded"], result["runs"]["packed"]
+    assert padded["examples_per_step"] == packed["examples_per_step"] and 0 in padded["examples_per_step"]
+    assert len(packed["step_s"]) == 4 and packed["epsilon"] == padded["epsilon"]
