@@ -206,6 +206,25 @@ def max_relative_difference(first, second) -> float:
     return max(float((a - b).detach().norm() / a.detach().norm().clamp(min=1e-30)) for a, b in pairs)
 
 
+COLUMNS = [  # (heading, key in a run's summary, format)
+    ("real tok/s", "median_real_tokens_per_s", "11.0f"), ("step ms", "median_step_ms", "8.1f"),
+    ("padding", "padding_fraction", "8.1%"), ("examples", "mean_examples_per_step", "9.1f"),
+    ("rows", "mean_rows_per_step", "6.1f"), ("loss", "held_out_loss", "7.3f"), ("epsilon", "epsilon", "8.3f"),
+]
+
+
+def print_table(result: dict) -> None:
+    print("batches " + " ".join(f"{heading:>{fmt.split('.')[0]}s}" for heading, _, fmt in COLUMNS))
+    for kind, row in result["runs"].items():
+        cells = {**row, "median_step_ms": row["median_step_s"] * 1000}
+        print(f"{kind:8s}" + " ".join(format(cells[key], fmt) for _, key, fmt in COLUMNS))
+    gap, models = result["max_relative_unit_norm_difference"], result["max_relative_parameter_difference"]
+    print(f"packed / padded: {result['speedup']:.2f}x real tokens per second; held-out loss "
+          f"{result['initial_held_out_loss']:.3f} before training")
+    print(f"same draws, same noise: per-example gradient norms differ by {'-' if gap is None else f'{gap:.1e}'} "
+          f"(relative, warm-up steps), final models by {models:.1e} (relative, largest parameter)")
+
+
 def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
@@ -259,16 +278,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("out_dir", "update_committed")},
               "threads": torch.get_num_threads(), "lengths": lengths, "initial_held_out_loss": initial, "runs": rows,
               "speedup": speedup, "max_relative_unit_norm_difference": max(norm_gaps, default=None),
-              "max_relative_parameter_difference": max_relative_difference(runs["padded"].model, runs["packed"].model)}
-    print(f"{'batches':8s} {'real tok/s':>11s} {'step ms':>8s} {'padding':>8s} {'examples':>9s} {'rows':>6s} {'loss':>7s} {'epsilon':>8s}")
-    for kind, row in rows.items():
-        print(f"{kind:8s} {row['median_real_tokens_per_s']:11.0f} {row['median_step_s'] * 1000:8.1f} "
-              f"{row['padding_fraction']:8.1%} {row['mean_examples_per_step']:9.1f} {row['mean_rows_per_step']:6.1f} {row['held_out_loss']:7.3f} {row['epsilon']:8.3f}")
-    gap = result["max_relative_unit_norm_difference"]
-    print(f"packed / padded: {speedup:.2f}x real tokens per second; held-out loss {initial:.3f} before training")
-    print(f"same draws, same noise: per-example gradient norms differ by {'-' if gap is None else f'{gap:.1e}'} "
-          f"(relative, warm-up steps), final models by {result['max_relative_parameter_difference']:.1e} (relative, "
-          "largest parameter)")
+              "max_relative_parameter_difference": max_relative_difference(*(run.model for run in runs.values()))}
+    print_table(result)
     place = OutputPlace(args, "packing")
     place.file("packing.json", RESULTS / "packing.json").write_text(json.dumps(result, indent=1))
     place.report()
