@@ -57,10 +57,10 @@ def packed_clipped_sum(model, batch, mode: str):
         hooks.set_privacy_units(batch[UNIT_IDS_KEY])
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
         packed_loss(out.logits, batch["labels"], hooks).backward()
-        norms = hooks._strategy.per_sample_norms()
+        norms = hooks.per_sample_norms()
         total = flat_norms(norms)
         factors = clip_factors(total, C)
-        sums = hooks._strategy.clipped_sums({p: factors for p in norms})
+        sums = hooks.clipped_sums({p: factors for p in norms})
         return total, sums
     finally:
         hooks.cleanup()
@@ -224,7 +224,7 @@ def test_a_mask_that_keeps_examples_apart_matches_each_alone(packed, kind):
     hooks = GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum")
     hooks.set_privacy_units(packed[UNIT_IDS_KEY])
     packed_loss(model(packed["input_ids"], mask), packed["labels"], hooks).backward()
-    norms = flat_norms(hooks._strategy.per_sample_norms())
+    norms = flat_norms(hooks.per_sample_norms())
     hooks.cleanup()
     units = TokenUnits(packed[UNIT_IDS_KEY])
     for u in range(units.num_units):
@@ -277,7 +277,7 @@ def test_a_multiple_of_packed_loss_is_accepted(packed):
     model = tiny("gpt2")
     hooks, out = _packed_forward(model, packed)
     (packed_loss(out.logits, packed["labels"], hooks) / 4).backward()  # gradient accumulation's scaling
-    assert hooks._strategy.batch_size() == 4  # one row per unit
+    assert hooks.batch_size == 4  # one row per unit
 
 
 class TimeMixer(nn.Module):
@@ -342,11 +342,11 @@ def test_token_units_hold_for_one_forward(packed):
     model = tiny("gpt2")
     hooks, out = _packed_forward(model, packed, use_cache=False)
     packed_loss(out.logits, packed["labels"], hooks).backward()
-    assert hooks._strategy.batch_size() == 4
+    assert hooks.batch_size == 4
     hooks.clear()
     out = model(input_ids=packed["input_ids"], use_cache=False)  # not set again: every row is a unit
     out.logits.sum().backward()
-    assert hooks._strategy.batch_size() == packed["input_ids"].shape[0]
+    assert hooks.batch_size == packed["input_ids"].shape[0]
     hooks.cleanup()
 
 
