@@ -1,6 +1,6 @@
 """Packed against padded DP-SGD batches: real tokens per second, padding and loss at equal epsilon.
 
-    python benchmarks/packing.py [--arch gpt2|llama] [--steps 20] [--batch 16] [--max-length 128]
+    python benchmarks/packing.py [--arch gpt2|llama] [--steps 20] [--batch 16] [--max-length 128] [--nonprivate]
     python benchmarks/packing.py --width 256 --layers 4 --steps 30 --batch 32   # a bigger run
 
 The examples are the paragraphs of the repository's own docs (docs/*.md, real English text with a
@@ -18,7 +18,8 @@ backward, clip, noise, update); reported: the median of real (non-pad) tokens pe
 ``--warmup`` steps, the padding fraction, the held-out loss after the last step, and how far apart
 the two runs are: each drawn example's gradient norm on the (untimed) warm-up steps, and the final
 models (the same draws and noise make both equal up to float rounding: packing changes nothing
-but the speed).
+but the speed). ``--nonprivate`` also trains both layouts without DP on the same draws: the
+speed-up packing gives there is the ceiling of the private one.
 Prints a table and writes packing.json into a fresh folder (``--out-dir``; printed at the end),
 or into benchmarks/results/ with ``--update-committed``.
 """
@@ -99,28 +100,32 @@ def build_model(arch: str, vocab: int, width: int, layers: int, max_length: int)
     return transformers.LlamaForCausalLM(config)
 
 
-class PrivateRun:
-    """One DP-SGD training of the benchmark's model on padded or packed batches."""
+class Run:
+    """One training of the benchmark's model on padded or packed batches: DP-SGD, or with ``private=False``
+    the same draws without clipping or noise (the ceiling of what packing can gain)."""
 
-    def __init__(self, kind: str, args: argparse.Namespace, train: List[Dict[str, List[int]]]):
+    def __init__(self, kind: str, args: argparse.Namespace, train: List[Dict[str, List[int]]], private: bool = True):
         import torch
 
         from dptorch import PrivacyEngine
         from dptorch.data import DPDataLoader
         from dptorch.integrations.hf.packing import PackingCollator
 
-        self.kind = kind
+        self.kind, self.name = kind, kind if private else f"{kind}, non-private"
         torch.manual_seed(args.seed)
         self.model = build_model(args.arch, args.vocab, args.width, args.layers, args.max_length).to(args.device).train()
         self.device = torch.device(args.device)
         collate = pad_collate if kind == "padded" else PackingCollator(PAD, max_length=args.max_length)
         loader = DPDataLoader(train, sample_rate=args.batch / len(train), collate_fn=collate,
                               generator=torch.Generator().manual_seed(args.seed))
-        self.engine = PrivacyEngine()
-        self.hooks, self.optimizer, loader = self.engine.make_private(
-            module=self.model, optimizer=torch.optim.Adam(self.model.parameters(), lr=args.lr), data_loader=loader,
-            noise_multiplier=args.noise, max_grad_norm=1.0, loss_reduction="sum", grad_sample_mode=args.mode,
-            wrap_model=False, noise_generator=torch.Generator(device=args.device).manual_seed(args.seed + 1))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.engine = self.hooks = None
+        if private:
+            self.engine = PrivacyEngine()
+            self.hooks, self.optimizer, loader = self.engine.make_private(
+                module=self.model, optimizer=self.optimizer, data_loader=loader, noise_multiplier=args.noise,
+                max_grad_norm=1.0, loss_reduction="sum", grad_sample_mode=args.mode, wrap_model=False,
+                noise_generator=torch.Generator(device=args.device).manual_seed(args.seed + 1))
         self.batches = iter(loader)
         self.times: List[float] = []
         self.real_tokens: List[int] = []
@@ -149,14 +154,15 @@ class PrivateRun:
             examples = batch["input_ids"].shape[0]
         else:
             units = batch[UNIT_IDS_KEY]
-            self.hooks.set_privacy_units(units)
+            if self.hooks is not None:
+                self.hooks.set_privacy_units(units)
             out = self.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-            loss = packed_loss(out.logits, batch["labels"], self.hooks)
+            loss = packed_loss(out.logits, batch["labels"], self.hooks) if self.hooks else plain_packed_loss(out.logits, batch["labels"], units)
             real = units >= 0
             examples = int(torch.unique(units[units >= 0]).numel())
         if examples:
             loss.backward()
-            norms = unit_norms(self.hooks) if check_norms else None
+            norms = unit_norms(self.hooks) if check_norms and self.hooks else None
         self.optimizer.step()
         self.optimizer.zero_grad()
         if self.device.type == "cuda":
@@ -170,12 +176,26 @@ class PrivateRun:
 
     def summary(self, warmup: int, delta: float) -> dict:
         rates = [n / t for n, t in zip(self.real_tokens[warmup:], self.times[warmup:])]
-        return {"kind": self.kind, "steps": len(self.times), "timed_steps": len(rates),
+        epsilon = self.engine.get_epsilon(delta) if self.engine else float("inf")
+        return {"kind": self.kind, "private": self.engine is not None, "steps": len(self.times), "timed_steps": len(rates),
                 "median_real_tokens_per_s": statistics.median(rates), "median_step_s": statistics.median(self.times[warmup:]),
                 "padding_fraction": 1 - sum(self.real_tokens) / sum(self.all_tokens),
                 "mean_rows_per_step": statistics.mean(self.rows),
                 "mean_examples_per_step": statistics.mean(self.examples), "examples_per_step": self.examples,
-                "step_s": self.times, "epsilon": self.engine.get_epsilon(delta)}
+                "step_s": self.times, "epsilon": epsilon}
+
+
+def plain_packed_loss(logits: "torch.Tensor", labels: "torch.Tensor", units: "torch.Tensor") -> "torch.Tensor":
+    """What ``packed_loss`` computes, without a controller: each example's mean loss over its own targets, summed."""
+    import torch.nn.functional as F
+
+    from dptorch.grad_sample.packed_loss import per_unit_losses, unit_token_targets
+    from dptorch.grad_sample.token_units import TokenUnits
+
+    token_units = TokenUnits(units)
+    targets, unit, keep = unit_token_targets(token_units, labels, shift=True)
+    token_losses = F.cross_entropy(logits[:, :-1].flatten(0, 1), targets.clamp(min=0).flatten(), reduction="none")
+    return per_unit_losses(token_losses.view(targets.shape), unit, keep, token_units.num_units, "mean").sum()
 
 
 def unit_norms(hooks) -> "torch.Tensor":
@@ -214,13 +234,15 @@ COLUMNS = [  # (heading, key in a run's summary, format)
 
 
 def print_table(result: dict) -> None:
-    print("batches " + " ".join(f"{heading:>{fmt.split('.')[0]}s}" for heading, _, fmt in COLUMNS))
-    for kind, row in result["runs"].items():
+    print(f"{'batches':20s} " + " ".join(f"{heading:>{fmt.split('.')[0]}s}" for heading, _, fmt in COLUMNS))
+    for name, row in result["runs"].items():
         cells = {**row, "median_step_ms": row["median_step_s"] * 1000}
-        print(f"{kind:8s}" + " ".join(format(cells[key], fmt) for _, key, fmt in COLUMNS))
+        print(f"{name:20s}" + " ".join(format(cells[key], fmt) for _, key, fmt in COLUMNS))
     gap, models = result["max_relative_unit_norm_difference"], result["max_relative_parameter_difference"]
     print(f"packed / padded: {result['speedup']:.2f}x real tokens per second; held-out loss "
-          f"{result['initial_held_out_loss']:.3f} before training")
+          f"{result['initial_held_out_loss']:.3f} before training"
+          + ("" if result["speedup_nonprivate"] is None else
+             f"; without DP (the ceiling): {result['speedup_nonprivate']:.2f}x"))
     print(f"same draws, same noise: per-example gradient norms differ by {'-' if gap is None else f'{gap:.1e}'} "
           f"(relative, warm-up steps), final models by {models:.1e} (relative, largest parameter)")
 
@@ -244,6 +266,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
     parser.add_argument("--holdout", type=float, default=0.1, help="fraction of the paragraphs kept out for the loss")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nonprivate", action="store_true",
+                        help="also train both layouts without DP (same draws, no clipping or noise): the ceiling of the speed-up")
     add_output_flags(parser, "benchmarks/results/packing.json")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup:
@@ -262,23 +286,26 @@ def main(argv: Optional[List[str]] = None) -> dict:
     print(f"{len(train)} training examples (docs/*.md paragraphs), {held} held out; tokens per example: mean "
           f"{lengths['mean']:.1f}, median {lengths['median']}, p90 {lengths['p90']}, max {lengths['max']} "
           f"(truncated to {args.max_length})", flush=True)
-    runs = {kind: PrivateRun(kind, args, train) for kind in KINDS}
-    initial = mean_example_loss(runs["padded"].model, evaluation, args.device)
+    runs = [Run(kind, args, train, private) for private in (True, False)[: 1 + args.nonprivate] for kind in KINDS]
+    initial = mean_example_loss(runs[0].model, evaluation, args.device)
     norm_gaps = []
     for step in range(args.steps):
-        norms = [run.step(check_norms=step < args.warmup) for run in runs.values()]  # alternating: the load falls on both alike
+        norms = [run.step(check_norms=step < args.warmup) for run in runs]  # alternating: the load falls on all alike
         if norms[0] is not None:
             norm_gaps.append(float(((norms[1] - norms[0]).abs() / norms[0]).max()))
     rows = {}
-    for kind, run in runs.items():
-        run.hooks.cleanup()
-        rows[kind] = run.summary(args.warmup, args.delta)
-        rows[kind]["held_out_loss"] = mean_example_loss(run.model.eval(), evaluation, args.device)
-    speedup = rows["packed"]["median_real_tokens_per_s"] / rows["padded"]["median_real_tokens_per_s"]
+    for run in runs:
+        if run.hooks is not None:
+            run.hooks.cleanup()
+        rows[run.name] = run.summary(args.warmup, args.delta)
+        rows[run.name]["held_out_loss"] = mean_example_loss(run.model.eval(), evaluation, args.device)
+    rate = lambda name: rows[name]["median_real_tokens_per_s"]
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("out_dir", "update_committed")},
               "threads": torch.get_num_threads(), "lengths": lengths, "initial_held_out_loss": initial, "runs": rows,
-              "speedup": speedup, "max_relative_unit_norm_difference": max(norm_gaps, default=None),
-              "max_relative_parameter_difference": max_relative_difference(*(run.model for run in runs.values()))}
+              "speedup": rate("packed") / rate("padded"),
+              "speedup_nonprivate": rate("packed, non-private") / rate("padded, non-private") if args.nonprivate else None,
+              "max_relative_unit_norm_difference": max(norm_gaps, default=None),
+              "max_relative_parameter_difference": max_relative_difference(runs[0].model, runs[1].model)}
     print_table(result)
     place = OutputPlace(args, "packing")
     place.file("packing.json", RESULTS / "packing.json").write_text(json.dumps(result, indent=1))

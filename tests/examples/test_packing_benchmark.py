@@ -10,12 +10,13 @@ TINY = ["--width", "16", "--layers", "1", "--vocab", "60", "--max-length", "40",
 
 
 def test_a_tiny_run_writes_its_table_and_the_packed_run_has_less_padding_at_the_same_epsilon(tmp_path, capsys):
-    result = packing.main(TINY + ["--batch", "6", "--steps", "3", "--out-dir", str(tmp_path)])
+    result = packing.main(TINY + ["--batch", "6", "--steps", "3", "--nonprivate", "--out-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1] == f"written: {tmp_path / 'packing.json'}"
     assert json.loads((tmp_path / "packing.json").read_text()) == json.loads(json.dumps(result))
     padded, packed = result["runs"]["padded"], result["runs"]["packed"]
-    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["padded", "packed"]
+    assert [line[:20].strip() for line in out.splitlines()[2:6]] == list(result["runs"]) == [
+        "padded", "packed", "padded, non-private", "packed, non-private"]
     assert padded["steps"] == packed["steps"] == 3 and padded["timed_steps"] == 2
     assert packed["mean_examples_per_step"] == padded["mean_examples_per_step"] > 0  # the same Poisson draws
     assert packed["epsilon"] == padded["epsilon"] and 0 < padded["epsilon"] < float("inf")
@@ -25,6 +26,12 @@ def test_a_tiny_run_writes_its_table_and_the_packed_run_has_less_padding_at_the_
     # Each example clipped on its own in both layouts: its gradient norm is the same up to float rounding.
     assert result["max_relative_unit_norm_difference"] < 1e-4
     assert result["speedup"] == packed["median_real_tokens_per_s"] / padded["median_real_tokens_per_s"]
+    for kind in ("padded", "packed"):  # without DP: the same draws, so the same batches; no epsilon
+        plain = result["runs"][f"{kind}, non-private"]
+        assert plain["private"] is False and plain["epsilon"] == float("inf")
+        assert plain["padding_fraction"] == result["runs"][kind]["padding_fraction"]
+        assert plain["examples_per_step"] == result["runs"][kind]["examples_per_step"]
+    assert result["speedup_nonprivate"] > 0
 
 
 def test_word_ids_truncate_and_end_every_example_with_eos_and_pad_collate_masks_the_padding():
