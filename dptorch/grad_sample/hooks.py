@@ -36,6 +36,7 @@ from dptorch.distributed.fsdp import check_sharding, is_fully_sharded_module
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
+    Lost,
     WEAK,
     BatchTracker,
     CallBatch,
@@ -455,8 +456,14 @@ class GradSampleHooks:
         named = [(None, a) for a in args] + list(kwargs.items())
         for name, value in named:
             for leaf in tree_flatten(value)[0]:
-                if isinstance(leaf, torch.Tensor) and leaf.dim() > TOKEN_DIM and tuple(leaf.shape[:2]) == tuple(units.shape):
-                    tracker.tag_root(leaf, TOKEN_DIM, strong=name is None or name in _PER_SAMPLE_KEYS)
+                if not isinstance(leaf, torch.Tensor) or self._tracker.get(leaf) is None:
+                    continue
+                if (leaf is primary or name in _PER_SAMPLE_KEYS) and tuple(leaf.shape[:2]) == tuple(units.shape):
+                    tracker.put(leaf, TOKEN_DIM)
+                else:  # the row's data (or not known to be per token): its examples would share it
+                    tracker.put(leaf, Lost(f"a root argument of shape {tuple(leaf.shape)} that carries the batch but is "
+                                           "not known to hold one entry per token (the model's input, or a keyword "
+                                           "such as attention_mask, position_ids, labels)"))
         tracker.__enter__()
         return tracker
 

@@ -368,9 +368,33 @@ def test_two_packed_forwards_in_one_backward_are_refused(packed):
         (loss + packed_loss(second.logits, packed["labels"], hooks)).backward()
 
 
-def test_a_private_step_of_the_engine_adds_each_drawn_examples_clipped_gradient():
+class RowFeature(nn.Module):
+    """Token embeddings plus a per-row feature vector: data of the whole row, shared by its examples."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, feature):
+        return self.head(self.embed(input_ids) + feature[:, None])
+
+
+@pytest.mark.parametrize("width", [8, 6])
+def test_a_root_argument_of_the_whole_row_is_refused(packed, width):
+    """A per-row feature would reach every example of the row; of width T (8) it has a (B, T) shape by chance."""
+    model = RowFeature().train()
+    hooks = GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum")
+    hooks.set_privacy_units(packed[UNIT_IDS_KEY])
+    feature = torch.randn(packed["input_ids"].shape[0], width)
+    with pytest.raises(PerSampleGradientError, match="not known to hold one entry per token"):
+        model(packed["input_ids"], torch.nn.functional.pad(feature, (0, 8 - width)))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_a_private_step_of_the_engine_adds_each_drawn_examples_clipped_gradient(reduction):
     """make_private with a packing collator: the update is minus the sum of each drawn example's clipped
-    gradient alone (loss_reduction="sum", no noise, SGD with lr 1)."""
+    gradient alone (divided by the expected batch size under loss_reduction="mean"; no noise, SGD, lr 1)."""
     from dptorch import PrivacyEngine
 
     model = tiny("llama")
@@ -380,7 +404,7 @@ def test_a_private_step_of_the_engine_adds_each_drawn_examples_clipped_gradient(
     with pytest.warns(UserWarning, match="noise_multiplier=0"):
         hooks, optimizer, loader = PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
-            noise_multiplier=0.0, max_grad_norm=C, wrap_model=False, loss_reduction="sum")
+            noise_multiplier=0.0, max_grad_norm=C, wrap_model=False, loss_reduction=reduction)
     batch = next(b for b in loader if b["input_ids"].numel())
     hooks.set_privacy_units(batch[UNIT_IDS_KEY])
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
@@ -395,5 +419,5 @@ def test_a_private_step_of_the_engine_adds_each_drawn_examples_clipped_gradient(
             p.copy_(start[n])
     _, sums = reference_clipped_sum(alone(model, drawn))
     for n, p in model.named_parameters():
-        expected = start[n].double() - sums[p]
+        expected = start[n].double() - sums[p] / (optimizer.expected_batch_size if reduction == "mean" else 1)
         torch.testing.assert_close(after[n].double(), expected, rtol=1e-4, atol=1e-6)

