@@ -55,9 +55,10 @@ class LossRecipe:
 class OutputsRecipe(LossRecipe):
     """Call the model without labels and sum ``per_sample_loss(outputs, labels)`` over rows."""
 
-    def __init__(self, per_sample_loss: PerSampleLoss, causal: bool) -> None:
+    def __init__(self, per_sample_loss: PerSampleLoss, causal: bool, custom: bool = False) -> None:
         self.per_sample_loss = per_sample_loss
         self.causal = causal
+        self.custom = custom  # the user's per_sample_loss_func (one loss per row: not for packed rows)
 
     def check(self, trainer: Trainer) -> None:
         if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
@@ -85,6 +86,9 @@ class OutputsRecipe(LossRecipe):
             inputs["use_cache"] = False
         outputs = model(**inputs)
         if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
+            if self.custom:
+                raise ValueError("per_sample_loss_func returns one loss per row, but this batch packs several examples "
+                                 "in a row; leave it out (each packed example gets dptorch.packed_loss)")
             loss = packed_loss(logits_of(outputs), labels, trainer.dp_hooks, shift=self.causal,
                                label_smoothing=trainer.args.label_smoothing_factor)
         else:
@@ -167,7 +171,8 @@ def choose_recipe(trainer: Trainer, per_sample_loss_func: Optional[PerSampleLoss
         loss = per_sample_loss_func or default_per_sample_loss(
             causal, getattr(getattr(model, "config", None), "problem_type", None), trainer.args.label_smoothing_factor
         )
-        return SFTRecipe(loss, causal) if owner is not Trainer else OutputsRecipe(loss, causal)
+        custom = per_sample_loss_func is not None
+        return SFTRecipe(loss, causal, custom) if owner is not Trainer else OutputsRecipe(loss, causal, custom)
     raise TypeError(
         f"{owner.__name__} overrides compute_loss, so dptorch cannot tell how it reduces the samples' losses. Make "
         "it return the SUM over the batch of per-sample losses (each normalised within its sample only) and set the "

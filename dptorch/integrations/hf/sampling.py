@@ -42,6 +42,7 @@ from torch.utils.data import Dataset
 
 from dptorch.data.cyclic_poisson import CyclicPoissonBatchSampler, partitions
 from dptorch.data.poisson import PoissonBatchSampler
+from dptorch.grad_sample.token_units import units_from_position_ids
 from dptorch.integrations.hf.units import PrivacyUnits
 
 #: Batch key carrying the privacy unit of each example (removed before the model sees the batch).
@@ -169,25 +170,64 @@ class IndexedDataset(Dataset):
 
 class PrivateCollate:
     """Wraps a collator: ``[]`` becomes :class:`EmptyBatch`; with ``unit_of_row``, items are
-    ``(index, item)`` pairs and the batch gains ``UNIT_IDS_KEY`` (one unit id per item)."""
+    ``(index, item)`` pairs and the batch gains ``UNIT_IDS_KEY`` (one unit id per item).
 
-    def __init__(self, collate_fn: Callable[[List[Any]], Any], unit_of_row: Optional[np.ndarray] = None) -> None:
+    The collated batch must hold the drawn examples as drawn (``rows_per_example`` rows each), or say
+    which tokens belong to which (``packed_units``): a collator that merges examples into rows would
+    otherwise make the whole micro-batch one privacy unit while the accounting counts examples.
+    """
+
+    def __init__(self, collate_fn: Callable[[List[Any]], Any], unit_of_row: Optional[np.ndarray] = None,
+                 rows_per_example: int = 1) -> None:
         self.collate_fn = collate_fn
         self.unit_of_row = unit_of_row
+        self.rows_per_example = rows_per_example
 
     def __call__(self, items: List[Any]) -> Any:
         if len(items) == 0:
             return EmptyBatch()
         if self.unit_of_row is None:
-            return self.collate_fn(items)
+            return packed_units(self.collate_fn(items), len(items), self.rows_per_example)
         indices = [index for index, _ in items]
         batch = self.collate_fn([item for _, item in items])
         if not isinstance(batch, dict) and not hasattr(batch, "keys"):
             raise TypeError(
                 f"privacy units need the collator to return a dict of tensors, got {type(batch).__name__}"
             )
+        if batch.get(UNIT_IDS_KEY) is not None:
+            raise ValueError("privacy_unit_column cannot be combined with a collator that packs examples into rows")
         batch[UNIT_IDS_KEY] = torch.as_tensor(self.unit_of_row[indices], dtype=torch.long)
+        return packed_units(batch, len(items), self.rows_per_example)
+
+
+def packed_units(batch: Any, examples: int, rows_per_example: int = 1) -> Any:
+    """``batch`` if its rows are the ``examples`` drawn (``rows_per_example`` each) or its per-token unit ids
+    (``UNIT_IDS_KEY``, 2-D) name at most that many examples; a batch of examples merged into rows with
+    ``position_ids`` that restart at 0 for each example (``DataCollatorWithFlattening``) gains those ids. Any
+    other merging of examples is refused."""
+    if not (isinstance(batch, dict) or hasattr(batch, "keys")):
         return batch
+    units = batch.get(UNIT_IDS_KEY)
+    if isinstance(units, torch.Tensor) and units.dim() == 2:
+        named = torch.unique(units[units >= 0])
+        if named.numel() and (int(named.min()) < 0 or int(named.max()) >= examples):
+            raise ValueError(f"the collator's {UNIT_IDS_KEY} name units outside 0..{examples - 1}, the examples drawn")
+        return batch
+    rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+    if rows is None or rows == examples * rows_per_example or units is not None:
+        return batch
+    positions = batch.get("position_ids")
+    if rows_per_example == 1 and isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        ids = units_from_position_ids(positions, batch.get("attention_mask"))
+        if int(ids.max()) + 1 == examples:
+            batch[UNIT_IDS_KEY] = ids
+            return batch
+    raise ValueError(
+        f"the collator turned {examples} drawn examples into {rows} rows: it merges examples, so a row would be "
+        "several privacy units clipped as one. Use a collator that keeps one example per row, pack with "
+        "dptorch.integrations.hf.packing.PackingCollator (or TRL's packing=True), or give position_ids that "
+        "restart at 0 for every example."
+    )
 
 
 @dataclass(frozen=True)

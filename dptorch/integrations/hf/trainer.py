@@ -333,7 +333,8 @@ class PrivateTrainerMixin:
         )
         if "in_order" in inspect.signature(DataLoader.__init__).parameters:  # torch >= 2.6
             settings["in_order"] = args.dataloader_in_order
-        collate = PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None)
+        collate = PrivateCollate(collator, self.privacy_units.unit_of_row if tag_units else None,
+                                 self._dp_recipe.rows_per_example)
         loader = DataLoader(dataset, batch_sampler=self._dp_sampler, collate_fn=collate, **settings)
         prepared = self.accelerator.prepare(loader)
         # The sampler is already rank-aware: Accelerate's BatchSamplerShard would deal its batches
