@@ -182,6 +182,7 @@ class Run:
                 "padding_fraction": 1 - sum(self.real_tokens) / sum(self.all_tokens),
                 "mean_rows_per_step": statistics.mean(self.rows),
                 "mean_examples_per_step": statistics.mean(self.examples), "examples_per_step": self.examples,
+                "real_tokens_per_step": self.real_tokens,
                 "step_s": self.times, "epsilon": epsilon}
 
 

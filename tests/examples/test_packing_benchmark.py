@@ -19,6 +19,7 @@ def test_a_tiny_run_writes_its_table_and_the_packed_run_has_less_padding_at_the_
         "padded", "packed", "padded, non-private", "packed, non-private"]
     assert padded["steps"] == packed["steps"] == 3 and padded["timed_steps"] == 2
     assert packed["mean_examples_per_step"] == padded["mean_examples_per_step"] > 0  # the same Poisson draws
+    assert packed["real_tokens_per_step"] == padded["real_tokens_per_step"]
     assert packed["epsilon"] == padded["epsilon"] and 0 < padded["epsilon"] < float("inf")
     assert packed["padding_fraction"] < padded["padding_fraction"]
     assert packed["mean_rows_per_step"] < padded["mean_rows_per_step"]
