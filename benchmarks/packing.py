@@ -6,20 +6,23 @@
 The examples are the paragraphs of the repository's own docs (docs/*.md, real English text with a
 long-tailed length distribution), split into words and punctuation, each truncated to
 ``--max-length`` tokens and ended with EOS. Both runs train the same tiny decoder (built from a
-config, sdpa attention, no dropout) with DP-SGD (book-keeping, flat clipping): the same Poisson
-draws of examples (one seeded sampler each, same rate), the same noise multiplier and noise seed,
-so the same epsilon. ``padded``: each drawn example its own row, padded to the draw's longest,
-with an attention mask and one loss per row. ``packed``: the drawn examples packed into rows of
-``--max-length`` tokens by best-fit decreasing (``dptorch.integrations.hf.packing``), position ids
-restarting at 0 per example, one privacy unit per example (``set_privacy_units``) and
-``dptorch.packed_loss``. The two runs alternate step by step, so the machine's load falls on both
-alike; an empty draw is a step of noise only. Timed: whole private steps (collate, forward,
-backward, clip, noise, update); reported: the median of real (non-pad) tokens per second after
-``--warmup`` steps, the padding fraction, the held-out loss after the last step, and how far apart
-the two runs are: each drawn example's gradient norm on the (untimed) warm-up steps, and the final
-models (the same draws and noise make both equal up to float rounding: packing changes nothing
-but the speed). ``--nonprivate`` also trains both layouts without DP on the same draws: the
-speed-up packing gives there is the ceiling of the private one.
+config, sdpa attention, no dropout) with DP-SGD (``--mode``, default book-keeping; flat clipping):
+the same Poisson draws of examples (one seeded sampler each, same rate), the same noise multiplier
+and noise seed, so the same epsilon. ``padded``: each drawn example its own row, padded to the
+draw's longest, with an attention mask and one loss per row. ``packed``: the drawn examples packed
+into rows of ``--max-length`` tokens by best-fit decreasing (``dptorch.integrations.hf.packing``),
+position ids restarting at 0 per example, one privacy unit per example (``set_privacy_units``) and
+``dptorch.packed_loss`` (transformers warns once that this forward has no attention mask: as
+meant, it builds the block-diagonal mask from the position ids). The runs alternate step by step,
+so the machine's load falls on all alike; an empty draw is a step of noise only.
+
+Timed: whole steps (collate, forward, backward, clip, noise, update). Reported: the median of real
+(non-pad) tokens per second after ``--warmup`` steps, the padding fraction, the held-out loss
+after the last step, and how far apart the two private runs are: each drawn example's gradient
+norm on the (untimed) warm-up steps, and the final models (the same draws and noise make both
+equal up to float rounding: packing changes nothing but the speed). ``--nonprivate`` also trains
+both layouts without DP on the same draws: the speed-up packing gives there is the ceiling of the
+private one.
 Prints a table and writes packing.json into a fresh folder (``--out-dir``; printed at the end),
 or into benchmarks/results/ with ``--update-committed``.
 """
