@@ -108,17 +108,16 @@ def test_whole_mixtral_is_exact(experts, impl, size):
     assert_exact(model, inputs, {k: 0 for k in inputs}, ZOO["mixtral"].loss, "bk", n)
 
 
-def test_a_bank_whose_gate_differs_from_its_forward_gets_no_rule(experts):
-    """The check runs the bank's own forward: a class whose ``_apply_gate`` is not what its eager
-    forward computes fails it, and is left to the torch.func fallback."""
+def test_a_bank_whose_forward_differs_gets_no_rule(experts):
+    """The check runs the bank's own forward: a class with the layout whose forward computes something
+    else fails it, and is left to the torch.func fallback."""
     base = type(block("mixtral", "eager").experts)
 
-    class OtherGate(base):
-        def _apply_gate(self, gate_up):
-            gate, up = gate_up.chunk(2, dim=-1)
-            return torch.tanh(gate) * up
+    class Doubled(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 2 * super().forward(hidden_states, top_k_index, top_k_weights)
 
-    bank = OtherGate(config("mixtral", "eager"))
+    bank = Doubled(config("mixtral", "eager"))
     for p in bank.parameters():
         torch.nn.init.normal_(p)
     assert experts.looks_like_experts(bank)
@@ -126,7 +125,15 @@ def test_a_bank_whose_gate_differs_from_its_forward_gets_no_rule(experts):
     assert registry.find_grad_sampler(block("mixtral", "eager").experts) is experts.experts_grad_sampler
 
 
-def test_other_layouts_are_not_taken_for_experts(experts):
+def test_other_layouts_and_gates_are_not_taken_for_experts(experts):
+    base = type(block("mixtral", "eager").experts)
+
+    class OtherGate(base):  # e.g. a clamped gate: its Jacobian is not the one the norms bound
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.tanh(gate) * up
+
+    assert not experts.looks_like_experts(OtherGate(config("mixtral", "eager")))
     bank = block("mixtral", "eager").experts
     bank.is_transposed = True
     assert not experts.looks_like_experts(bank)

@@ -31,7 +31,7 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import gamma, wide_dtype
+from dptorch.grad_sample.certified import gamma, magnitudes, wide_dtype
 from dptorch.grad_sample.layers.linear import linear_weight_norms_sq, linear_weight_sum
 from dptorch.grad_sample.linear_forms import at_least_float32_dtype, flatten_middle_dims
 from dptorch.grad_sample.registry import register_duck_grad_sampler, register_norm_sampler
@@ -46,8 +46,9 @@ def looks_like_experts(module: nn.Module) -> bool:
     """An expert bank laid out as transformers' gated, concatenated, untransposed, bias-free experts.
 
     Its direct parameters are exactly ``gate_up_proj`` ``(E, 2I, H)`` and ``down_proj`` ``(E, H, I)``,
-    ``num_experts == E``, its ``forward(hidden_states, top_k_index, top_k_weights)``, its children
-    (the activation) hold no parameters, and it runs one of the experts implementations above.
+    ``num_experts == E``, its ``forward(hidden_states, top_k_index, top_k_weights)``, its gate
+    transformers' default, its children (the activation) hold no parameters, and it runs one of the
+    experts implementations above.
     """
     params = dict(module.named_parameters(recurse=False))
     if set(params) != {"gate_up_proj", "down_proj"}:
@@ -62,8 +63,9 @@ def looks_like_experts(module: nn.Module) -> bool:
         return False
     if getattr(getattr(module, "config", None), "_experts_implementation", None) not in _IMPLEMENTATIONS:
         return False
-    if not callable(getattr(module, "_apply_gate", None)) or not callable(getattr(module, "act_fn", None)):
-        return False
+    gate = getattr(getattr(module, "_apply_gate", None), "__func__", None)
+    if getattr(gate, "__name__", None) != "_default_apply_gate" or not callable(getattr(module, "act_fn", None)):
+        return False  # the default gate, act(u_1) * u_2, whose Jacobian experts_norms_sq bounds
     if any(True for child in module.children() for _ in child.parameters()):
         return False
     try:
@@ -86,6 +88,7 @@ class ExpertFactors(NamedTuple):
     du: torch.Tensor  # (B, n, 2I)
     wg: torch.Tensor  # (B, n, H): routing weight times output gradient
     a: torch.Tensor  # (B, n, I): the gated activation
+    du_bound: Optional[torch.Tensor] = None  # (B, n, 2I): |vjp(gate)(|wg| |down_proj[e]|)|, see experts_norms_sq
 
 
 def _pairs(activations: Tensors, backprops: torch.Tensor):
@@ -107,10 +110,10 @@ def _padded(values: torch.Tensor, rows: torch.Tensor, ranks: torch.Tensor, batch
 
 
 def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Tensor,
-                   dtype: torch.dtype) -> Iterator[ExpertFactors]:
+                   dtype: torch.dtype, bounds: bool = False) -> Iterator[ExpertFactors]:
     """Each expert's factors (``ExpertFactors``), recomputed in ``dtype`` from the call's inputs;
     experts no pair was routed to are skipped. ``backprops`` may carry per-sample clip factors:
-    every factor but ``x`` and ``a`` is linear in it."""
+    every factor but ``x`` and ``a`` is linear in it. ``bounds``: also ``du_bound``."""
     x, g, index, weights = _pairs(activations, backprops)
     batch = x.shape[0]
     gate_up = module.gate_up_proj.detach().to(dtype)
@@ -130,7 +133,10 @@ def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Ten
         a, pullback = torch.func.vjp(apply_gate, u)
         (du,) = pullback(wg @ down[e])
         pad = lambda t: _padded(t, rows, ranks, batch, width)  # noqa: E731
-        yield ExpertFactors(e, pad(xs), pad(du), pad(wg), pad(a))
+        # each entry of du is one coefficient of the gate's Jacobian times one entry of its cotangent,
+        # so for a non-negative cotangent |vjp(v)| is |J|^T v
+        bound = pad(pullback(wg.abs() @ down[e].abs())[0].abs()) if bounds else None
+        yield ExpertFactors(e, pad(xs), pad(du), pad(wg), pad(a), bound)
 
 
 def _factor_dtype(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> torch.dtype:
@@ -165,20 +171,38 @@ def experts_grad_sampler(module: nn.Module, activations: Tensors, backprops: tor
 
 def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
     """Certified per-sample squared norms: each expert's block is a linear weight's gradient over the
-    sample's pairs (``linear_weight_norms_sq``); the blocks' bounds are summed (rounded up)."""
+    sample's pairs (``linear_weight_norms_sq``, which bounds the clipped sum's matmul), widened by what
+    recomputing the factors from scaled output gradients can change (``_recompute_slack``); the
+    blocks' bounds are summed (rounded up)."""
     gate_up, down = _wanted(module)
     batch = activations[0].shape[0]
     wide = wide_dtype(backprops.device)
     dtype = _factor_dtype(module, activations, backprops)
+    hidden = module.gate_up_proj.shape[2]
     norms = {p: torch.zeros(batch, dtype=wide, device=backprops.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, backprops, wide):
-        # the factors the clipped sum multiplies, in its dtype (their rounding is one of its own)
+    for f in expert_factors(module, activations, backprops, wide, bounds=gate_up is not None):
+        # the factors the clipped sum multiplies, in its dtype
         if gate_up is not None:
-            norms[gate_up] += linear_weight_norms_sq(f.x.to(dtype), f.du.to(dtype))
+            x, du = f.x.to(dtype), f.du.to(dtype)
+            slack = _recompute_slack(x, du, dtype, wide, hidden, f.du_bound)
+            norms[gate_up] += (linear_weight_norms_sq(x, du).sqrt() + slack).square()
         if down is not None:
-            norms[down] += linear_weight_norms_sq(f.a.to(dtype), f.wg.to(dtype))
+            a, wg = f.a.to(dtype), f.wg.to(dtype)
+            norms[down] += (linear_weight_norms_sq(a, wg).sqrt() + _recompute_slack(a, wg, dtype, wide)).square()
     experts = module.gate_up_proj.shape[0]
-    return {p: n * (1 + gamma(experts + 1, wide)) for p, n in norms.items()}
+    return {p: n * (1 + gamma(2 * experts + 8, wide)) for p, n in norms.items()}
+
+
+def _recompute_slack(right: torch.Tensor, left: torch.Tensor, dtype: torch.dtype, wide: torch.dtype,
+                     hidden: int = 0, bound: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """How far the clipped sum's factor ``left`` (recomputed from ``c_i g_i``) may be from ``c_i`` times
+    the norms' (from ``g_i``), as a norm per sample: two casts to ``dtype`` of each entry
+    (relative), and, for ``du``, the rounding of ``c_i g_i`` and of the two wide recomputations of
+    ``down_proj[e]^T (w g)``, bounded by ``bound`` (``du_bound``) entrywise, not by ``|du|``."""
+    slack = gamma(2, dtype) * magnitudes(left, right)
+    if bound is not None:
+        slack = slack + (2 * gamma(hidden + 64, wide) + gamma(2, dtype)) * magnitudes(bound, right)
+    return slack.to(wide)
 
 
 def experts_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
