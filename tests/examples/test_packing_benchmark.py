@@ -53,7 +53,9 @@ def test_a_run_with_no_timed_step_is_refused(capsys):
     assert exit_.value.code == 2 and "--steps (2) must exceed --warmup (2)" in capsys.readouterr().err
 
 
-def test_an_empty_draw_is_a_step_of_noise_only_in_both_runs(tmp_path):
+def test_an_empty_draw_is_a_step_of_noise_only_in_both_runs(tmp_path, monkeypatch):
+    texts = [" ".join(["word"] * (4 + i % 30)) for i in range(100)]  # fixed: the draws do not follow edits of docs/
+    monkeypatch.setattr(packing, "doc_paragraphs", lambda: texts)
     result = packing.main(TINY + ["--batch", "1", "--steps", "4", "--out-dir", str(tmp_path)])
     padded, packed = result["runs"]["padded"], result["runs"]["packed"]
     assert padded["examples_per_step"] == packed["examples_per_step"] and 0 in padded["examples_per_step"]
