@@ -139,3 +139,16 @@ def test_other_layouts_and_gates_are_not_taken_for_experts(experts):
     assert not experts.looks_like_experts(bank)
     with GradSampleHooks(bank, grad_sample_mode="bk") as hooks:
         assert hooks._layers[bank].sampler is None
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_an_empty_batch_is_a_zero_step(experts, impl, mode):
+    from tests.grad_sample.test_empty_batches import empty_step
+
+    model = block("mixtral", impl)
+    params = [p for p in model.parameters() if p.requires_grad]
+    seen = empty_step(model, (torch.zeros(0, 4, H),), mode)
+    assert seen["batch"] == 0 and set(seen["norms"]) == set(params)
+    assert all(norm.shape == (0,) for norm in seen["norms"].values())
+    assert all(summed.shape == p.shape and not summed.any() for p, summed in seen["sums"].items())

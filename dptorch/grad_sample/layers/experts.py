@@ -98,8 +98,8 @@ def _pairs(activations: Tensors, backprops: torch.Tensor):
     x = flatten_middle_dims(x)
     g = flatten_middle_dims(backprops)
     k = index.shape[-1]
-    index = index.reshape(x.shape[0], -1)
-    weights = weights.reshape(x.shape[0], -1)
+    index = index.reshape(x.shape[0], x.shape[1] * k)  # explicit sizes: an empty batch has no -1
+    weights = weights.reshape(x.shape[0], x.shape[1] * k)
     return x.repeat_interleave(k, dim=1), g.repeat_interleave(k, dim=1), index, weights
 
 
