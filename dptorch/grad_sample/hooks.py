@@ -83,6 +83,7 @@ class _Layer:
     params: Dict[str, nn.Parameter]
     sampler: Optional[GradSampler]  # None: torch.func fallback
     norm_sampler: Optional[NormSampler] = None  # ghost / book-keeping modes only
+    token_wise: bool = False  # acts on each position on its own (``_token_wise``), whatever the mode
 
 
 class GradSampleHooks:
@@ -224,7 +225,8 @@ class GradSampleHooks:
                 continue
             sampler = None if self.grad_sample_mode == "functorch" else find_grad_sampler(sub)
             norm_sampler = find_norm_sampler(sub) if sampler and self.grad_sample_mode in ("bk", "ghost") else None
-            self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler)
+            self._layers[sub] = _Layer(name or type(sub).__name__, sub, params, sampler, norm_sampler,
+                                       _token_wise(sub, norm_sampler or (find_norm_sampler(sub) if sampler else None)))
             self._handles.append(sub.register_forward_pre_hook(self._before_layer_forward))
             if self.grad_sample_mode == "ew":
                 self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
@@ -520,13 +522,14 @@ class GradSampleHooks:
         tracker.close()
 
     def _attach_batch_tracking(self) -> None:
-        """Inside a capturing call of a leaf layer with a grad sampler, the layer's own operations
-        need not be followed: its output is batched where its input is (a sampler's layer works row
-        by row). The tracker steps aside for the call (a pre-hook that runs before the others)."""
+        """Inside a capturing call of a layer with a grad sampler and no hooked module below it, the
+        layer's own operations need not be followed: its output is batched where its input is (a
+        sampler's layer works row by row; an expert bank's parameterless activation is part of it).
+        The tracker steps aside for the call (a pre-hook that runs before the others)."""
         if self.grad_sample_mode == "ew":
             return
         for module, layer in self._layers.items():
-            if layer.sampler is not None and next(module.children(), None) is None:
+            if layer.sampler is not None and not any(m in self._layers for m in module.modules() if m is not module):
                 self._handles.append(module.register_forward_pre_hook(self._enter_leaf_layer, prepend=True))
 
     def _enter_leaf_layer(self, module: nn.Module, args: tuple) -> None:
@@ -773,7 +776,7 @@ class GradSampleHooks:
         activations = _tensor_arguments(layer.module, args, kwargs)
         call, tag, chained = self._classify_call(layer, activations, (output,))
         tokens = self._token_tracker
-        token_tag = None if tokens is None else token_call(tokens, layer.name, layer.module, _token_wise(layer), activations)
+        token_tag = None if tokens is None else token_call(tokens, layer.name, layer.module, layer.token_wise, activations)
         if call.kind == "batched":
             dim = call.output_dims[0]
             rows = None if dim is None else call.n * max(dim // INNER, 1)  # the batch merged with an inner dim
@@ -972,7 +975,7 @@ class GradSampleHooks:
             activations, backprops, group = tuple(units.group(a) for a in activations), units.group(grad_outputs[0]), None
             scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
         else:
-            activations, backprops, group = _batch_first(call, activations, grad_outputs[0], _token_wise(layer))
+            activations, backprops, group = _batch_first(call, activations, grad_outputs[0], layer.token_wise)
             scale = float(call.n) if self.loss_reduction == "mean" else 1.0
         sampler, norm_sampler = layer.sampler, layer.norm_sampler
         if group:  # the batch merged with an inner dim, into a layer that is not token-wise
@@ -1174,13 +1177,14 @@ def _has_rows(t: torch.Tensor, dim: int, n: int) -> bool:
 _TOKEN_WISE = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 
 
-def _token_wise(layer: _Layer) -> bool:
+def _token_wise(module: nn.Module, norm_sampler: Optional[NormSampler]) -> bool:
     """Whether the layer acts on each position of ``(B, *middle, F)`` on its own (so a sample's rows
-    can stand side by side in the middle dims)."""
-    if layer.norm_sampler is not None:
-        return layer.norm_sampler.token_wise
-    name = type(layer.module).__name__
-    return isinstance(layer.module, _TOKEN_WISE) or name == "Conv1D" or name.endswith("RMSNorm") or name == "T5LayerNorm"
+    can stand side by side in the middle dims): its norm sampler says so (looked up in every mode),
+    or it is a built-in token-wise layer."""
+    if norm_sampler is not None:
+        return norm_sampler.token_wise
+    name = type(module).__name__
+    return isinstance(module, _TOKEN_WISE) or name == "Conv1D" or name.endswith("RMSNorm") or name == "T5LayerNorm"
 
 
 def _summed_in_groups(sampler: Any, group: int) -> Any:
