@@ -479,8 +479,7 @@ class GradSampleHooks:
         self._packed_forward = tracker.units
         if sys.exc_info()[1] is None:
             for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and type(tracker.get(t)) is int and tracker.get(t) & ~WEAK == TOKEN_DIM \
-                        and tracker.rows_kept(t):
+                if isinstance(t, torch.Tensor) and tracker.keeps_tokens(t):
                     self._separable[id(t)] = (weakref.ref(t), tracker.units)
         tracker.close()
 

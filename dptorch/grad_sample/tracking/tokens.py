@@ -47,6 +47,12 @@ class TokenTracker(BatchTracker):
             return self._attention(func, args, kwargs or {})
         return super().__torch_function__(func, types, args, kwargs)
 
+    def keeps_tokens(self, t: Tensor) -> bool:
+        """Whether ``t``'s dims 0 and 1 are the packed batch's rows and tokens (each token its unit's data)."""
+        g = self.get(t)
+        return (type(g) is int and g & DIM == TOKEN_DIM and not g & ~(DIM | WEAK) and self.rows_kept(t)
+                and tuple(t.shape[:2]) == tuple(self.units.shape))
+
     def rows_kept(self, t: Tensor) -> bool:
         """Whether row ``b`` of ``t`` is row ``b`` of the batch (the batch tracker says so, or there is one row)."""
         if t.dim() == 0 or t.shape[0] != self.units.shape[0]:
@@ -104,8 +110,7 @@ def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: 
     tag = None
     for t in tensors:
         g = tracker.get(t)
-        if type(g) is int and g & DIM == TOKEN_DIM and not g & ~(DIM | WEAK) and tracker.rows_kept(t) \
-                and tuple(t.shape[:2]) == tuple(tracker.units.shape):
+        if tracker.keeps_tokens(t):
             tag = g if tag is None else tag
             continue
         why = g.reason if type(g) is Lost else "its dims 0 and 1 are not the packed batch's rows and tokens"

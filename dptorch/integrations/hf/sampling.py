@@ -210,7 +210,7 @@ def packed_units(batch: Any, examples: int, rows_per_example: int = 1) -> Any:
     units = batch.get(UNIT_IDS_KEY)
     if isinstance(units, torch.Tensor) and units.dim() == 2:
         named = torch.unique(units[units >= 0])
-        if named.numel() and (int(named.min()) < 0 or int(named.max()) >= examples):
+        if named.numel() and int(named.max()) >= examples:
             raise ValueError(f"the collator's {UNIT_IDS_KEY} name units outside 0..{examples - 1}, the examples drawn")
         return batch
     rows = next((v.shape[0] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
