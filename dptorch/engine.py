@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
+from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
 from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
@@ -45,7 +46,7 @@ from dptorch.optim.adaclip import AdaClipDPOptimizer
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.clipping import CLIPPING_MODES, check_clipping
 from dptorch.clipping.adaptive import clipping_plan_fields
-from dptorch.plan import PrivacyPlan, check_delta_for_units
+from dptorch.plan import PrivacyPlan, check_delta_for_units, sampler_fields
 from dptorch.accounting.report import privacy_report
 from dptorch.plan import planned_steps as planned_steps_of
 from dptorch.noise.banded.mechanism import _check_mechanism, _mechanism_fields
@@ -146,6 +147,10 @@ class PrivacyEngine:
         mode for the optimizer's parameters: ``"bk"`` when one of them is in a layer with a norm
         sampler, else ``"hooks"`` (:mod:`dptorch.grad_sample.auto`); the mode that ran is logged
         (logger ``dptorch.engine``, info), is ``engine.grad_sample_mode`` and is in ``privacy_report``.
+        ``poisson_sampling=False`` keeps the loader's own fixed-size batches (shuffled or in order) and
+        accounts each pass over the data as one Gaussian of noise multiplier ``noise_multiplier / 2``
+        at sample rate 1, with no amplification (:mod:`dptorch.data.shuffled`): a sound bound, much
+        larger than the Poisson figure at the same noise; Poisson sampling is the default for that.
         A data loader whose sampler Poisson sampling would replace without a word (weights, a subset,
         a custom order) is refused, and so is an empty dataset. ``noise_generator`` is a ``torch.Generator`` (as in Opacus) or a
         :class:`~dptorch.noise.NoiseGenerator`. ``noise_multiplier=0`` is accepted with a warning:
@@ -218,8 +223,7 @@ class PrivacyEngine:
         options.update(_mechanism_fields(noise_mechanism, bands, horizon))
         plan = PrivacyPlan.calibrated(
             target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
-            sample_rate=dp_loader.batch_sampler.sample_rate, steps_per_epoch=dp_loader.batch_sampler.steps,
-            num_units=dp_loader.batch_sampler.num_samples, **self._plan_fields(max_grad_norm, clipping, options),
+            **sampler_fields(dp_loader.batch_sampler), **self._plan_fields(max_grad_norm, clipping, options),
         )
         return self._onto_deepspeed(deepspeed_engine, self._attach(module, optimizer, dp_loader, plan, **kwargs))
 
@@ -301,12 +305,16 @@ class PrivacyEngine:
         names = {p: n for n, p in module.named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
-        _check_source_loader(data_loader)
+        if poisson_sampling or bands is not None:
+            _check_source_loader(data_loader)
         if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
             dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         else:
             dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
-        if dp_loader is not data_loader:
+        if isinstance(dp_loader, ShuffledDataLoader):
+            logger.info("poisson_sampling=False: the loader's shuffled batches of %d are accounted without "
+                        "amplification, one Gaussian per pass", dp_loader.batch_sampler.batch_size)
+        elif dp_loader is not data_loader:
             logger.info("the data loader's sampler was replaced by Poisson sampling at sample rate %.4g (expected "
                         "batch %.4g on this process)", dp_loader.batch_sampler.sample_rate,
                         dp_loader.batch_sampler.expected_batch_size)
@@ -781,13 +789,8 @@ def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure
                 "holds); build it with DPDataLoader(..., secure_mode=True), or pass a plain DataLoader"
             )
         return data_loader
-    if not poisson_sampling:
-        raise ValueError(
-            "poisson_sampling=False is refused: a loader that shuffles into fixed-size batches does not give the "
-            "subsampling guarantee the accountants assume, so its epsilon would be understated. Use "
-            "poisson_sampling=True (the data loader is rebuilt with the same expected batch size), or pass a "
-            "dptorch.data.DPDataLoader"
-        )
+    if not poisson_sampling:  # the loader's own batches, accounted per pass (dptorch.data.shuffled)
+        return ShuffledDataLoader(data_loader)
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         return DPDataLoader.from_data_loader(data_loader, distributed=distributed, secure_mode=secure_mode)

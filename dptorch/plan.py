@@ -39,6 +39,13 @@ rate ``sample_rate``) the accountant records ``ceil(steps / b)`` Poisson-subsamp
 tells the banded noise which step it privatises and ``check_partition`` refuses a draw whose
 partition is not the step's.
 
+With ``sampling="shuffled"`` (``make_private(poisson_sampling=False)``: fixed-size batches, each
+sample once per pass, :mod:`dptorch.data.shuffled`) no subsampling is claimed: each pass over the
+data is accounted as one Gaussian of noise multiplier ``sigma / 2`` at sample rate 1 (replace-one
+adjacency, sensitivity 2C), counted from its first batch handed out; a step may hold several
+batches of one pass, never of two. ``sample_rate`` is then the batch's fraction of the data, which
+no accountant uses.
+
 ``noise_multiplier == 0`` is allowed (clipping-only ablation): such steps are counted, nothing is
 private and ``epsilon`` is infinite.
 """
@@ -100,6 +107,10 @@ class DrawLedger:
     draw ``i`` was the latest one. ``rows``: the samples those rounds saw (per-sample gradient rows).
     ``undrawn``: the samples of rounds that ran while no draw was pending (data that did not come
     from the DP data loader: the original loader, the whole dataset); a step holding any is refused.
+
+    Shuffled batches (:mod:`dptorch.data.shuffled`): every batch comes with its pass, ``new_passes``
+    counts the passes whose first batch was handed out since the last step, and a step may hold
+    several batches, all of one pass.
     """
 
     def __init__(self) -> None:
@@ -108,13 +119,17 @@ class DrawLedger:
     def _reset(self) -> None:
         self.sizes: List[Optional[int]] = []
         self.used: List[bool] = []
+        self.passes: List[Optional[int]] = []
+        self.new_passes = 0
         self.rows = 0
         self.undrawn = 0
         self.grouped = False
 
-    def on_draw(self, size: Optional[int]) -> None:
+    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False) -> None:
         self.sizes.append(None if size is None else int(size))
         self.used.append(False)
+        self.passes.append(pass_id)
+        self.new_passes += int(new_pass)
 
     def on_backward(self, rows: int, grouped: bool) -> None:
         self.rows += int(rows)
@@ -131,16 +146,19 @@ class DrawLedger:
         self.undrawn = 0
         self.grouped = False
 
-    def close_step(self, *, sample_rate: Optional[float], batch_first: Optional[bool]) -> int:
+    def close_step(self, *, sample_rate: Optional[float], batch_first: Optional[bool], shuffled: bool = False) -> int:
         """Check the step about to be privatised; return the draws to account (at least 1); reset.
+        With ``shuffled``: return the passes to account (those begun since the last step, maybe 0).
 
         Raises ``SamplingMismatchError`` (and keeps the ledger) when the held gradients saw samples
-        while no draw was pending, come from several draws, or when their rows differ from the
-        samples of the one draw they come from.
+        while no draw was pending, come from several draws (shuffled: batches of several passes),
+        or when their rows differ from the samples of the draws they come from.
         """
         if self.undrawn:
             raise SamplingMismatchError(_undrawn_message(self.undrawn, self.grouped, sample_rate))
         used = [i for i, flag in enumerate(self.used) if flag]
+        if shuffled:
+            return self._close_shuffled_step(used, batch_first)
         if len(used) > 1:
             rate = "" if sample_rate is None else f" of sample rate {sample_rate:g}"
             raise SamplingMismatchError(
@@ -159,9 +177,27 @@ class DrawLedger:
         self._reset()
         return count
 
+    def _close_shuffled_step(self, used: List[int], batch_first: Optional[bool]) -> int:
+        if len({self.passes[i] for i in used}) > 1:
+            raise SamplingMismatchError(
+                "optimizer.step() would privatise batches of two passes over the shuffled data loader (two live "
+                "iterators, or a step left open across the end of a pass): a sample can be in both, so one step would "
+                "hold it twice (sensitivity 4C) while each pass is accounted as one use of every sample. Take the step "
+                "before the pass ends and iterate one pass at a time. Nothing was updated; call optimizer.zero_grad() "
+                "to drop the held gradients"
+            )
+        sizes = [self.sizes[i] for i in used]
+        if used and not self.grouped and None not in sizes and sum(sizes) != self.rows:
+            raise SamplingMismatchError(_count_message(self.rows, sum(sizes), batch_first))
+        passes = self.new_passes
+        self._reset()
+        return passes
+
     def state_dict(self) -> Dict[str, Any]:
         return {
             "sizes": [-1 if s is None else s for s in self.sizes],
+            "passes": [-1 if p is None else p for p in self.passes],
+            "new_passes": self.new_passes,
             "used": list(self.used),
             "rows": self.rows,
             "undrawn": self.undrawn,
@@ -171,6 +207,8 @@ class DrawLedger:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sizes = [None if s < 0 else int(s) for s in state["sizes"]]
         self.used = [bool(u) for u in state["used"]]
+        self.passes = [None if p < 0 else int(p) for p in state.get("passes", [-1] * len(self.sizes))]
+        self.new_passes = int(state.get("new_passes", 0))
         self.rows = int(state["rows"])
         self.undrawn = int(state.get("undrawn", 0))
         self.grouped = bool(state["grouped"])
@@ -230,13 +268,26 @@ def _check_strategy(mechanism: str, strategy: Any) -> Any:
     return strategy
 
 
+def sampler_fields(batch_sampler: Any) -> Dict[str, Any]:
+    """The plan fields a batch sampler decides: q, draws per epoch, N, and where it says so, the
+    expected batch (cyclic Poisson: ``q_p * N / b``) and the sampling kind (shuffled batches)."""
+    fields: Dict[str, Any] = dict(sample_rate=batch_sampler.sample_rate, steps_per_epoch=batch_sampler.steps,
+                                  num_units=batch_sampler.num_samples)
+    if hasattr(batch_sampler, "global_expected_batch_size"):
+        fields["expected_batch_size"] = batch_sampler.global_expected_batch_size
+    if getattr(batch_sampler, "sampling", "poisson") == "shuffled":
+        fields.update(sampling="shuffled", expected_batch_size=batch_sampler.expected_batch_size)
+    return fields
+
+
 class PrivacyPlan:
     """Sample rate, steps, mechanism, clipping bound and accountant of one private run.
 
     ``accountant`` is a name ("pld", "prv", "rdp", "gdp"), an ``Accountant`` (its history is kept),
     or None (steps are counted but not accounted: a bare ``DPOptimizer``). ``expected_batch_size``
     defaults to ``sample_rate * num_units``, the expected (global) logical batch. ``sampling`` is
-    "poisson" when the batches come from a Poisson sampler with ``sample_rate``, None when unknown.
+    "poisson" when the batches come from a Poisson sampler with ``sample_rate``, "shuffled" for
+    fixed-size batches accounted per pass (needs ``track_draws``), None when unknown.
 
     Clipping options: ``gamma`` (automatic clipping, default 0.01), ``adaptive``
     (:class:`~dptorch.clipping.adaptive.AdaptiveClipping`, for ``clipping="adaptive"``; default
@@ -300,7 +351,11 @@ class PrivacyPlan:
         self.steps = len(self.accountant) if self.accountant is not None else 0
         self.unprotected_steps = 0  # steps taken with noise_multiplier 0
         self.draws: Optional[DrawLedger] = DrawLedger() if track_draws else None
+        self.passes = 0  # shuffled sampling: passes accounted
+        self._closing_passes = 0  # shuffled sampling: passes the step being privatised accounts
         self._set_clipping_options(gamma, adaptive, clipping_stats, unclipped_num_std)
+        if sampling == "shuffled":
+            self._check_shuffled_plan()
         if self.strategy is not None and self.counts_unclipped:
             raise ValueError(
                 "bandmf noise with a released count of unclipped units (clipping='adaptive' or clipping_stats="
@@ -308,20 +363,35 @@ class PrivacyPlan:
                 "'per_layer', 'automatic') with bandmf"
             )
 
+    def _check_shuffled_plan(self) -> None:
+        """Refuse what the per-pass accounting of shuffled batches does not cover."""
+        if self.draws is None:
+            raise ValueError("sampling='shuffled' needs track_draws=True: passes are counted from the loader's batches")
+        if self.strategy is not None:
+            raise ValueError("poisson_sampling=False is refused with bandmf noise: it needs cyclic Poisson sampling")
+        if self.counts_unclipped:
+            raise ValueError(
+                "poisson_sampling=False is refused with clipping='adaptive' or clipping_stats='private': the released "
+                "count of unclipped units is accounted for Poisson-sampled steps (sensitivity 1/2), not for shuffled "
+                "passes. Use poisson_sampling=True, or a fixed clipping bound"
+            )
+
+    @property
+    def shuffled(self) -> bool:
+        """True when the batches are shuffled fixed-size ones, accounted per pass."""
+        return self.sampling == "shuffled"
+
+    def _pass_noise_multiplier(self) -> float:
+        """The noise multiplier of one pass of shuffled batches: sigma / 2 (replace-one sensitivity 2C)."""
+        return self._noise_multiplier / 2.0
+
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def for_sampler(cls, batch_sampler: Any, **fields: Any) -> "PrivacyPlan":
         """A plan whose sampling is that of ``batch_sampler`` (a ``PoissonBatchSampler``): its q,
         its draws per epoch and the (global) number of samples it draws from."""
-        if "expected_batch_size" not in fields and hasattr(batch_sampler, "global_expected_batch_size"):
-            fields["expected_batch_size"] = batch_sampler.global_expected_batch_size  # cyclic: q_p * N / b
-        return cls(
-            sample_rate=batch_sampler.sample_rate,
-            steps_per_epoch=batch_sampler.steps,
-            num_units=batch_sampler.num_samples,
-            **fields,
-        )
+        return cls(**{**sampler_fields(batch_sampler), **fields})
 
     @classmethod
     def calibrated(
@@ -336,10 +406,13 @@ class PrivacyPlan:
         """A plan whose noise multiplier is the smallest that keeps its planned run within
         ``(target_epsilon, target_delta)``: calibrated at exactly the plan's ``sample_rate`` and
         ``planned_steps`` (``steps``, or ``epochs`` passes of ``steps_per_epoch`` draws), with the
-        plan's accountant. The GDP approximation is refused (see ``get_noise_multiplier``)."""
+        plan's accountant. The GDP approximation is refused (see ``get_noise_multiplier``). Shuffled
+        sampling: ``2 sigma`` for the passes the steps span, each a Gaussian at sample rate 1."""
         total = planned_steps(fields.get("steps_per_epoch"), epochs, steps)
         strategy = _check_strategy(fields.get("mechanism", "gaussian"), fields.get("strategy"))
         accounted = total if strategy is None else -(-total // strategy.bands)  # bandmf: ceil(n / b)
+        if fields.get("sampling") == "shuffled":
+            return cls._calibrated_passes(target_epsilon, target_delta, total, fields)
         sample_rate = fields.get("sample_rate")
         if sample_rate is None:
             raise ValueError("calibrating the noise needs the plan's sample_rate")
@@ -350,6 +423,16 @@ class PrivacyPlan:
             accountant=name,
         )
         return cls(noise_multiplier=sigma, planned_steps=total, target_epsilon=target_epsilon,
+                   target_delta=target_delta, **fields)
+
+    @classmethod
+    def _calibrated_passes(cls, target_epsilon: float, target_delta: float, total: int, fields: Dict[str, Any]) -> "PrivacyPlan":
+        passes = -(-total // fields["steps_per_epoch"])
+        accountant = fields.get("accountant", "pld")
+        name = accountant.mechanism if isinstance(accountant, Accountant) else accountant
+        pass_sigma = get_noise_multiplier(target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=1.0,
+                                          steps=passes, accountant=name)
+        return cls(noise_multiplier=2.0 * pass_sigma, planned_steps=total, target_epsilon=target_epsilon,
                    target_delta=target_delta, **fields)
 
     def _set_clipping_options(self, gamma, adaptive, clipping_stats, unclipped_num_std) -> None:
@@ -487,10 +570,11 @@ class PrivacyPlan:
 
     # ------------------------------------------------------------------ steps (the optimizer)
 
-    def on_draw(self, size: Optional[int]) -> None:
-        """The DP data loader handed a Poisson draw of ``size`` samples to the training loop."""
+    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False) -> None:
+        """The DP data loader handed a Poisson draw of ``size`` samples to the training loop (shuffled
+        batches: a batch of pass ``pass_id``, the pass's first when ``new_pass``)."""
         if self.draws is not None:
-            self.draws.on_draw(size)
+            self.draws.on_draw(size, pass_id, new_pass)
 
     def on_backward(self, rows: int, grouped: bool = False) -> None:
         """A backward round added the clipped gradients of ``rows`` samples (units when ``grouped``)."""
@@ -505,6 +589,11 @@ class PrivacyPlan:
     def close_step(self, batch_first: Optional[bool] = None) -> int:
         """Check the step about to be privatised; return how many steps to account (see ``DrawLedger``)."""
         if self.draws is None:
+            self._closing = 1
+            return 1
+        if self.shuffled:  # one step; the passes it begins are accounted by record_steps
+            self._closing_passes = self.draws.close_step(sample_rate=self.sample_rate, batch_first=batch_first,
+                                                         shuffled=True)
             self._closing = 1
             return 1
         self._closing = self.draws.close_step(sample_rate=self.sample_rate, batch_first=batch_first)
@@ -539,8 +628,13 @@ class PrivacyPlan:
             )
 
     def record_steps(self, count: int = 1) -> None:
-        """Account ``count`` steps at the current noise multiplier and the plan's sample rate."""
+        """Account ``count`` steps at the current noise multiplier and the plan's sample rate
+        (shuffled sampling: count the steps, account the passes ``close_step`` found begun)."""
         if count <= 0:
+            return
+        if self.shuffled:
+            self._record_passes(self._closing_passes, count)
+            self._closing_passes = 0
             return
         if self._noise_multiplier == 0:
             self.unprotected_steps += count
@@ -562,6 +656,14 @@ class PrivacyPlan:
                 "the accountant records ceil(steps / bands) steps), but the noise is no longer optimal for the run",
                 UserWarning, stacklevel=3,
             )
+
+    def _record_passes(self, passes: int, steps: int) -> None:
+        if self._noise_multiplier == 0:
+            self.unprotected_steps += steps
+        elif passes and self.accountant is not None:
+            self.accountant.step(noise_multiplier=self._pass_noise_multiplier(), sample_rate=1.0, num_steps=passes)
+        self.passes += passes
+        self.steps += steps
 
     def _accounted(self, steps: int) -> int:
         """Accountant steps for ``steps`` mechanism steps: ``steps``, or ``ceil(steps / b)`` for bandmf."""
@@ -588,6 +690,10 @@ class PrivacyPlan:
             return math.inf
         if self.accountant is None or self.sample_rate is None:
             raise ValueError("projecting epsilon needs the plan's accountant and sample_rate")
+        if self.shuffled:  # the further steps as new passes (a pass begun counts whole)
+            more_passes = -(-more_steps // self.steps_per_epoch)
+            return self.accountant.epsilons_after(noise_multiplier=self._pass_noise_multiplier(), sample_rate=1.0,
+                                                  steps=[more_passes], delta=delta)[0]
         more_accounted = self._accounted(self.steps + more_steps) - self._accounted(self.steps)
         if more_accounted <= 0:
             return self.epsilon(delta)
@@ -622,6 +728,10 @@ class PrivacyPlan:
                           accounted_steps=self._accounted(self.steps),
                           accounting=("amplified banded MF (Choquette-Choo et al. 2023): Poisson-subsampled Gaussian "
                                       "at the partition rate over ceil(steps / bands) steps"))
+        if self.shuffled:
+            report.update(passes=self.passes, accounting=(
+                "shuffled fixed-size batches, no amplification: each pass one Gaussian of noise multiplier "
+                "noise_multiplier / 2 at sample rate 1 (replace-one adjacency, sensitivity 2C)"))
         if self.gamma is not None:
             report["gamma"] = self.gamma
         if self.adaptive is not None:
@@ -650,6 +760,8 @@ class PrivacyPlan:
             "sample_rate": self.sample_rate,
             "steps_per_epoch": self.steps_per_epoch,
             "num_units": self.num_units,
+            "sampling": self.sampling,
+            "passes": self.passes,
             "noise_multiplier": self._noise_multiplier,
             "steps": self.steps,
             "unprotected_steps": self.unprotected_steps,
@@ -665,7 +777,7 @@ class PrivacyPlan:
         differs from this plan's: the resumed run would not be the one the history describes. The
         noise multiplier stays this plan's (each recorded step keeps its own in the history).
         """
-        for key in ("mechanism", "bands", "sample_rate", "steps_per_epoch", "num_units"):
+        for key in ("mechanism", "bands", "sample_rate", "steps_per_epoch", "num_units", "sampling"):
             saved, mine = state.get(key), getattr(self, key)
             if saved is not None and mine is not None and saved != mine:
                 raise ValueError(
@@ -676,6 +788,7 @@ class PrivacyPlan:
         if state.get("accountant") is not None and self.accountant is not None:
             self.accountant.load_state_dict(state["accountant"])
         self.steps = int(state["steps"])
+        self.passes = int(state.get("passes", 0))
         self.unprotected_steps = int(state.get("unprotected_steps", 0))
         if self.draws is not None and state.get("draws") is not None:
             self.draws.load_state_dict(state["draws"])
@@ -699,4 +812,5 @@ __all__ = [
     "check_delta_for_units",
     "check_noise_multiplier",
     "planned_steps",
+    "sampler_fields",
 ]

@@ -68,8 +68,6 @@ def test_checks_before_training():
     model.train()
     with pytest.raises(ValueError, match="sample rate"):
         PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=DataLoader(dl.dataset, batch_size=None), noise_multiplier=1.0, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="poisson_sampling=False is refused"):
-        PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
     engine = PrivacyEngine()
     engine.make_private(module=model, optimizer=opt, data_loader=dl, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
     with pytest.raises(RuntimeError, match="detach"):
