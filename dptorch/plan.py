@@ -729,7 +729,7 @@ class PrivacyPlan:
                           accounting=("amplified banded MF (Choquette-Choo et al. 2023): Poisson-subsampled Gaussian "
                                       "at the partition rate over ceil(steps / bands) steps"))
         if self.shuffled:
-            report.update(passes=self.passes, accounting=(
+            report.update(passes=self.passes, adjacency="replace one unit", accounting=(
                 "shuffled fixed-size batches, no amplification: each pass one Gaussian of noise multiplier "
                 "noise_multiplier / 2 at sample rate 1 (replace-one adjacency, sensitivity 2C)"))
         if self.gamma is not None:

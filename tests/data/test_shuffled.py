@@ -63,7 +63,8 @@ def test_each_pass_is_one_gaussian_of_half_the_noise_multiplier():
     exact = gaussian_epsilon(2 * math.sqrt(3) / sigma, 1e-5)
     assert exact <= engine.get_epsilon(1e-5) <= exact * 1.001
     report = engine.plan.report(1e-5)
-    assert report["sampling"] == "shuffled" and report["passes"] == 3 and "no amplification" in report["accounting"]
+    assert report["sampling"] == "shuffled" and report["passes"] == 3 and report["adjacency"] == "replace one unit"
+    assert "no amplification" in report["accounting"]
 
 
 def test_a_pass_broken_off_counts_whole_and_a_new_iter_is_a_new_pass():
