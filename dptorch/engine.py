@@ -727,7 +727,8 @@ def _check_optimizer_params_in_model(module: nn.Module, optimizer: torch.optim.O
     ]
     if foreign:
         raise ValueError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not in the model (shapes "
+            f"Module parameters are different than optimizer Parameters: the optimizer holds {len(foreign)} "
+            f"parameter(s) that are not in the model (shapes "
             f"{_name_list([str(shape) for shape in foreign])}); "
             "ModuleValidator.fix and get_peft_model return a new model, so build the optimizer from "
             "model.parameters() of the model you pass, after them"
