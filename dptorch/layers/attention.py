@@ -7,7 +7,8 @@ that transposition (its batch tracking gives each call its own batch dim), so th
 inside a time-major model (controller ``batch_first=False``) as inside a batch-first one.
 ``bias_k``/``bias_v`` live in two ``AppendedVector`` modules with their own sampler. An ``nn.MultiheadAttention`` state_dict
 (``in_proj_weight``/``in_proj_bias`` or ``q_proj_weight``..., ``bias_k``, ``bias_v``,
-``out_proj.*``) loads directly; the layer's own state_dict uses its module names.
+``out_proj.*``) loads directly, and the layer's own state_dict is in torch's layout too (so an
+``nn.MultiheadAttention`` loads it, as Opacus' layer allows); its own module names still load.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ class DPMultiheadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias, **factory)
         self.reset_parameters()
         self.register_load_state_dict_pre_hook(_load_torch_layout)
+        self.register_state_dict_post_hook(_save_torch_layout)
 
     def reset_parameters(self) -> None:
         """torch's initialisation: Xavier-uniform input projections (over the fused ``(3E, E)``
@@ -256,3 +258,20 @@ def _load_torch_layout(module: nn.Module, state_dict: Dict[str, Any], prefix: st
     for torch_name, own_name in _TORCH_RENAMES.items():
         if prefix + torch_name in state_dict:
             state_dict[prefix + own_name] = state_dict.pop(prefix + torch_name)
+
+
+def _save_torch_layout(module: "DPMultiheadAttention", state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
+    """state_dict post-hook: the keys, shapes and order of ``nn.MultiheadAttention``'s state_dict."""
+    own = {key[len(prefix):]: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix)]}
+    names = ("q_proj", "k_proj", "v_proj")
+    if module._qkv_same_embed_dim:
+        state_dict[prefix + "in_proj_weight"] = torch.cat([own.pop(f"{name}.weight") for name in names])
+    else:
+        for name in names:
+            state_dict[f"{prefix}{name}_weight"] = own.pop(f"{name}.weight")
+    if f"{names[0]}.bias" in own:
+        state_dict[prefix + "in_proj_bias"] = torch.cat([own.pop(f"{name}.bias") for name in names])
+    for torch_name in ("bias_k", "bias_v"):
+        if _TORCH_RENAMES[torch_name] in own:
+            state_dict[prefix + torch_name] = own.pop(_TORCH_RENAMES[torch_name])
+    state_dict.update((prefix + key, value) for key, value in own.items())  # out_proj.*, anything else as it was

@@ -187,3 +187,20 @@ def test_fixed_transformer_encoder():
     check_per_sample_grads(fixed, (x,))
     boolean_causal = torch.ones(L, L, dtype=torch.bool).triu(1)
     check_per_sample_grads(fixed, (x, boolean_causal, padding), loss_fn=lambda out: (out * torch.arange(E)).sum((1, 2)))
+
+
+@pytest.mark.parametrize("config", [dict(), dict(kdim=6, vdim=7), dict(bias=False, add_bias_kv=True), dict(add_bias_kv=True)])
+def test_its_state_dict_is_torchs_layout_and_loads_into_torchs_layer(config):
+    torch.manual_seed(0)
+    dp = DPMultiheadAttention(E, HEADS, **config)
+    reference = nn.MultiheadAttention(E, HEADS, **config)
+    saved = dp.state_dict()
+    assert list(saved) == list(reference.state_dict())
+    assert all(saved[k].shape == v.shape for k, v in reference.state_dict().items())
+    reference.load_state_dict(saved, strict=True)
+    q, k, v = qkv(False, reference.kdim, reference.vdim, dtype=torch.float32)
+    torch.testing.assert_close(reference(q, k, v)[0], dp(q, k, v)[0])
+    nested = nn.Sequential(DPMultiheadAttention(E, HEADS, **config))
+    assert all(key.startswith("0.") for key in nested.state_dict())
+    nested.load_state_dict({"0." + key: value for key, value in saved.items()}, strict=True)
+    torch.testing.assert_close(nested[0].q_proj.weight, dp.q_proj.weight)
