@@ -162,6 +162,7 @@ class GradSampleHooks:
         self._token_units: Optional[TokenUnits] = None  # for the next root forward (set_privacy_units of (B, T) ids)
         self._token_tracker: Optional[TokenTracker] = None  # follows the tokens through the current root forward
         self._round_units: Optional[TokenUnits] = None  # the token units of the held round
+        self._kept_grad_samples: List[nn.Parameter] = []  # p.grad_sample left after a step, until the next forward
         self._separable: Dict[int, Any] = {}  # id -> weakref: root outputs whose tokens kept their units apart
         self._packed_forward: Optional[TokenUnits] = None  # the token units of the last root forward, if packed
         # Parameter a sharding wrapper (FSDP2's fully_shard) swaps in for the call -> registered one
@@ -376,16 +377,27 @@ class GradSampleHooks:
             return "tokens"
         return "rows" if self._unit_ids is None else "grouped"
 
-    def clear(self) -> None:
-        """Forget the held per-sample gradients (and remove ``p.grad_sample``)."""
+    def clear(self, keep_grad_samples: bool = False) -> None:
+        """Forget the held per-sample gradients (and remove ``p.grad_sample``). With
+        ``keep_grad_samples`` (the DP optimizer's step), ``p.grad_sample`` stays readable, as in Opacus,
+        until the next training forward or ``clear()``, so it never adds to a forward's memory."""
         self._drop_loss_tracker(finished_only=True)
-        for param in self._strategy.grads:
-            param.__dict__.pop("grad_sample", None)
+        self._drop_kept_grad_samples()
+        if keep_grad_samples:
+            self._kept_grad_samples = [p for p in self._strategy.grads if "grad_sample" in p.__dict__]
+        else:
+            for param in self._strategy.grads:
+                param.__dict__.pop("grad_sample", None)
         self._strategy = self._new_strategy()
         self._buffers.reclaim()  # the dropped round's memory, where nothing else holds it
         self._round_done = False
         self._round_consumed = False
         self._round_units = None
+
+    def _drop_kept_grad_samples(self) -> None:
+        for param in self._kept_grad_samples:
+            param.__dict__.pop("grad_sample", None)
+        self._kept_grad_samples = []
 
     # ------------------------------------------------------------------ forward side
 
@@ -395,6 +407,8 @@ class GradSampleHooks:
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
             self._drop_loss_tracker(finished_only=True)
+            if module.training and torch.is_grad_enabled():
+                self._drop_kept_grad_samples()
             if torch._C._current_graph_task_id() == -1:  # outside backward, where the stack is the caller's
                 remove_finished_trackers()  # other controllers' too: they only pass calls through
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)

@@ -540,7 +540,7 @@ class DPOptimizer(torch.optim.Optimizer):
         except Exception:
             self._last_step_skipped = False  # a refused step is no virtual step: zero_grad() drops what it held
             raise
-        self.hooks.clear()  # the round is consumed: its kept tensors make room for the noise
+        self.hooks.clear(keep_grad_samples=True)  # the round is consumed: its kept tensors make room for the noise
         self.add_noise()
         self._release_clipping_step()
         self.plan.record_steps(count)
