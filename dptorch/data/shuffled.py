@@ -52,25 +52,38 @@ def check_shuffled_source(data_loader: DataLoader) -> None:
             "rank's batches to be disjoint pieces of one pass, which a DistributedSampler does not report. Use "
             "poisson_sampling=True (each rank draws its shard of one Poisson batch)"
         )
-    batch_sampler = data_loader.batch_sampler
+    problem = permutation_problem(data_loader.batch_sampler, size)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+#: Element samplers whose pass is a permutation (or a prefix of one) chosen without looking at the data.
+_PERMUTATION_SAMPLERS = {(RandomSampler.__module__, "RandomSampler"), (SequentialSampler.__module__, "SequentialSampler"),
+                         ("accelerate.data_loader", "SeedableRandomSampler")}  # Accelerate's: a seeded randperm per epoch
+
+
+def permutation_problem(batch_sampler: Any, size: int) -> Optional[str]:
+    """Why ``batch_sampler``'s passes are not disjoint fixed-size batches in a data-independent order
+    over ``size`` samples (None when they are): torch's ``BatchSampler`` over a sequential sampler or a
+    random one without replacement."""
     if type(batch_sampler) is not BatchSampler:
-        raise ValueError(
+        return (
             f"poisson_sampling=False takes a DataLoader built with batch_size= (torch's BatchSampler), not one whose "
             f"batches come from a {type(batch_sampler).__name__}: its batches' sizes and membership cannot be "
             "checked. Build it with DataLoader(dataset, batch_size=..., shuffle=True), or use poisson_sampling=True"
         )
     sampler = batch_sampler.sampler
-    ordered = type(sampler) is SequentialSampler
-    shuffled = type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples <= size
-    if not (ordered or shuffled):
-        what = (f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler.num_samples}) over {size} samples"
-                if isinstance(sampler, RandomSampler) else type(sampler).__name__)
-        raise ValueError(
-            f"poisson_sampling=False needs each sample at most once per pass, in an order that does not depend on the "
-            f"data, but the loader samples with {what}. Use shuffle=True or shuffle=False (torch's RandomSampler "
-            "without replacement or SequentialSampler); to train on a subset, pass torch.utils.data.Subset(dataset, "
-            "indices) as the dataset; to weigh samples, weigh their losses"
-        )
+    known = (type(sampler).__module__, type(sampler).__name__) in _PERMUTATION_SAMPLERS
+    if known and not (isinstance(sampler, RandomSampler) and (sampler.replacement or sampler.num_samples > size)):
+        return None
+    what = (f"RandomSampler(replacement={sampler.replacement}, num_samples={sampler.num_samples}) over {size} samples"
+            if isinstance(sampler, RandomSampler) else type(sampler).__name__)
+    return (
+        f"poisson_sampling=False needs each sample at most once per pass, in an order that does not depend on the "
+        f"data, but the loader samples with {what}. Use shuffle=True or shuffle=False (torch's RandomSampler "
+        "without replacement or SequentialSampler); to train on a subset, pass torch.utils.data.Subset(dataset, "
+        "indices) as the dataset; to weigh samples, weigh their losses"
+    )
 
 
 class ShuffledBatchSampler:
@@ -180,4 +193,4 @@ class ShuffledDataLoader(DataLoader):
                 raise ValueError(f"the checkpoint's loader has {key}={state[key]}, this one {self.state_dict()[key]}")
 
 
-__all__ = ["RepeatedSampleError", "ShuffledBatchSampler", "ShuffledDataLoader", "check_shuffled_source"]
+__all__ = ["RepeatedSampleError", "ShuffledBatchSampler", "ShuffledDataLoader", "check_shuffled_source", "permutation_problem"]

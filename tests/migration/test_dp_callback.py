@@ -1,8 +1,9 @@
 """DPCallback (dp-transformers' ``PrivacyEngineCallback`` role): DP-SGD on a plain Trainer.
 
 What it guarantees is tested exactly (the update clips every row and adds no other gradient; the
-plan accounts every optimizer step); what it cannot guarantee is refused or labelled: shuffled
-batches are refused unless ``allow_shuffled_batches=True``, and then epsilon is reported only as
+plan accounts every optimizer step); shuffled batches are accounted per pass (each epoch one
+Gaussian of sigma / 2, no amplification); what it cannot guarantee is refused or labelled: another
+sampler is refused unless ``allow_shuffled_batches=True``, and then epsilon is reported only as
 ``epsilon_if_poisson``.
 """
 
@@ -50,9 +51,42 @@ def plain_trainer(tmp_path, callback, model=None, dataset=None, **overrides):
                    data_collator=COLLATE, callbacks=[callback])
 
 
-def test_shuffled_batches_are_refused_by_default(tmp_path):
-    trainer = plain_trainer(tmp_path, DPCallback(PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3)))
-    with pytest.raises(ValueError, match="cannot replace the Trainer's sampler"):
+def test_shuffled_batches_are_accounted_per_pass_by_default(tmp_path):
+    """32 rows, 4 x GA 2: 4 steps per epoch; 6 steps run 2 epochs, each one Gaussian of sigma / 2 at rate 1."""
+    sigma = 1.2
+    callback = DPCallback(PrivacyArguments(noise_multiplier=sigma, target_delta=1e-3))
+    trainer = plain_trainer(tmp_path, callback, max_steps=6)
+    trainer.train()
+    assert callback.plan.shuffled and callback.plan.steps == 6 and callback.plan.passes == 2
+    assert callback.plan.accountant.history == [[sigma / 2, 1.0, 2]]
+    counter = create_accountant("pld")
+    counter.step(noise_multiplier=sigma / 2, sample_rate=1.0, num_steps=2)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs[-1]["epsilon"] == pytest.approx(counter.get_epsilon(1e-3), rel=1e-9) and EPSILON_IF_POISSON not in logs[-1]
+    report = callback.privacy_report()
+    assert report["passes"] == 2 and report["adjacency"] == "replace one unit" and "epsilon" in report
+
+
+def test_calibration_over_the_passes_the_run_spans(tmp_path):
+    callback = DPCallback(PrivacyArguments(target_epsilon=4.0, target_delta=1e-3))
+    plain_trainer(tmp_path, callback, max_steps=6).train()
+    counter = create_accountant("pld")
+    counter.step(noise_multiplier=callback.plan.noise_multiplier / 2, sample_rate=1.0, num_steps=2)
+    assert 4.0 * 0.98 <= counter.get_epsilon(1e-3) <= 4.0
+    assert callback.get_epsilon() <= 4.0
+
+
+def test_a_sampler_it_cannot_account_is_refused_by_default(tmp_path):
+    class WeightedTrainer(Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.WeightedRandomSampler([1.0] * len(self.train_dataset), len(self.train_dataset))
+
+    torch.manual_seed(0)
+    callback = DPCallback(PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3))
+    trainer = WeightedTrainer(model=tiny_gpt2(TOKENIZER), args=cpu_training_args(str(tmp_path), max_steps=2,
+                              per_device_train_batch_size=4, optim="sgd", max_grad_norm=0.0),
+                              train_dataset=lm_dataset(TOKENIZER, 32), data_collator=COLLATE, callbacks=[callback])
+    with pytest.raises(ValueError, match="cannot replace the Trainer's sampler.*WeightedRandomSampler"):
         trainer.train()
 
 

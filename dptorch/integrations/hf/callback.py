@@ -13,9 +13,13 @@ What a callback cannot do, and how each gap is handled (the same list is in
 ``docs/migrating-from-opacus.md``, section dp-transformers):
 
 1. **Sampling.** The Trainer has built its loader (shuffled, fixed-size batches) before any
-   callback runs, and its training step cannot take the empty batches Poisson sampling draws. The
-   accountants bound Poisson-subsampled steps only; for shuffled batches there is no bound here.
-   So the callback refuses such a loader, unless ``allow_shuffled_batches=True``: then it trains
+   callback runs, and its training step cannot take the empty batches Poisson sampling draws. Its
+   shuffled batches (torch's ``BatchSampler`` over a random permutation per epoch, or in order) are
+   accounted as ``make_private(poisson_sampling=False)`` accounts them (:mod:`dptorch.data.shuffled`):
+   each epoch is one pass, one Gaussian of ``noise_multiplier / 2`` at sample rate 1, nothing
+   amplified (a proven, much larger epsilon, reported as ``epsilon``); every training forward is
+   handed to the plan with its epoch's pass, so a step holding micro-batches of two epochs would be
+   refused. Any other sampler is refused, unless ``allow_shuffled_batches=True``: then it trains
    and reports ``epsilon_if_poisson``, the epsilon the same steps would have if each batch had
    been a Poisson sample of rate ``q = per_device_train_batch_size * gradient_accumulation_steps
    / len(train_dataset)``. That number is *not* a guarantee for the batches actually used
@@ -50,6 +54,7 @@ What a callback cannot do, and how each gap is handled (the same list is in
 from __future__ import annotations
 
 import math
+import secrets
 import warnings
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional
@@ -59,6 +64,7 @@ from transformers import TrainerCallback
 from transformers.modeling_outputs import ModelOutput
 
 from dptorch.data.poisson import PoissonBatchSampler
+from dptorch.data.shuffled import permutation_problem
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.auto import resolve_grad_sample_mode
 from dptorch.grad_sample.errors import PerSampleGradientError
@@ -122,13 +128,19 @@ class DPCallback(TrainerCallback):
         self._labels: List[Any] = []
         self._sampler: Any = None  # the dptorch Poisson sampler of the Trainer's loader (Poisson batches only)
         self._yielded: Deque[Optional[int]] = deque()  # per micro-batch it yielded: the rows of the draw it opens
+        self._pass: Optional[int] = None  # shuffled batches: the pass (epoch) the training forwards belong to
+        self._pass_begun = False  # whether a forward of that pass reached the plan
 
     # ------------------------------------------------------------------ privacy state
 
     @property
     def epsilon_key(self) -> str:
-        """``"epsilon"`` for Poisson batches, ``"epsilon_if_poisson"`` for shuffled ones."""
-        return "epsilon" if self.poisson else EPSILON_IF_POISSON
+        """``"epsilon"`` for Poisson and per-pass accounted batches, ``"epsilon_if_poisson"`` for the others."""
+        return "epsilon" if self._proven else EPSILON_IF_POISSON
+
+    @property
+    def _proven(self) -> bool:
+        return bool(self.poisson) or (self.plan is not None and self.plan.shuffled)
 
     def get_epsilon(self, delta: Optional[float] = None) -> float:
         """The accountant's epsilon so far (for shuffled batches: under the Poisson assumption)."""
@@ -142,7 +154,7 @@ class DPCallback(TrainerCallback):
             raise RuntimeError("nothing to report before training started")
         report = privacy_report(self.plan, self.privacy_args.target_delta,
                                 grad_sample_mode=self.grad_sample_mode, privacy_unit="row")
-        if not self.poisson:
+        if not self._proven:
             report[EPSILON_IF_POISSON] = report.pop("epsilon")
             report["sampling"] = "shuffled fixed-size batches (the Trainer's)"
             report["note"] = (
@@ -170,6 +182,9 @@ class DPCallback(TrainerCallback):
             sampler.listener = self._yielded.append
             self._sampler = sampler
         self._budget_callback.on_train_begin(args, state, control)
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self._pass, self._pass_begun = secrets.randbits(62), False  # a new iteration of the Trainer's loader
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._budget_callback is not None:
@@ -221,13 +236,15 @@ class DPCallback(TrainerCallback):
 
     def _build_plan(self, args: Any, state: Any, loader: Any) -> None:
         sample_rate, num_units, steps_per_epoch, poisson = self._sampling_of(args, loader)
-        if not poisson and not self.allow_shuffled_batches:
+        problem = None if poisson else permutation_problem(getattr(loader, "batch_sampler", None), num_units)
+        shuffled = not poisson and problem is None and not self.allow_shuffled_batches
+        if not poisson and problem is not None and not self.allow_shuffled_batches:
             raise ValueError(
-                "DPCallback cannot replace the Trainer's sampler: its batches are shuffled and of fixed size, not "
-                "Poisson samples, and no accountant here bounds epsilon for them. Use DPTrainer or "
-                "private(YourTrainer) (Poisson sampling, exact epsilon), or pass DPCallback(..., "
-                "allow_shuffled_batches=True) to train anyway and report 'epsilon_if_poisson': the epsilon the same "
-                "steps would have under Poisson sampling, which is not a guarantee for shuffled batches"
+                "DPCallback cannot replace the Trainer's sampler, and its batches are neither Poisson samples nor "
+                f"passes over the data it can account ({problem}). Use DPTrainer or private(YourTrainer) (Poisson "
+                "sampling, exact epsilon), or pass DPCallback(..., allow_shuffled_batches=True) to train anyway and "
+                "report 'epsilon_if_poisson': the epsilon the same steps would have under Poisson sampling, which "
+                "is not a guarantee for these batches"
             )
         p = self.privacy_args
         if p.target_delta >= 1 / num_units:
@@ -238,8 +255,10 @@ class DPCallback(TrainerCallback):
         options = p.clipping_options() if hasattr(p, "clipping_options") else {}
         fields = dict(sample_rate=sample_rate, steps_per_epoch=steps_per_epoch, num_units=num_units,
                       max_grad_norm=p.per_sample_max_grad_norm, clipping=p.clipping, accountant=p.accountant,
-                      secure_mode=p.secure_mode, sampling="poisson" if poisson else None, track_draws=poisson,
-                      **options)
+                      secure_mode=p.secure_mode, sampling="poisson" if poisson else ("shuffled" if shuffled else None),
+                      track_draws=poisson or shuffled, **options)
+        if shuffled:  # the loss is averaged over the logical batch the Trainer steps on
+            fields["expected_batch_size"] = args.per_device_train_batch_size * args.gradient_accumulation_steps
         if p.target_epsilon is not None:
             self.plan = PrivacyPlan.calibrated(target_epsilon=p.target_epsilon, target_delta=p.target_delta,
                                                steps=state.max_steps, **fields)
@@ -302,6 +321,11 @@ class DPCallback(TrainerCallback):
                 opened = self._yielded.popleft()
                 if opened is not None:
                     self.plan.on_draw(opened)
+            elif self.plan.shuffled:  # the micro-batch of this epoch's pass
+                if self._pass is None:
+                    raise RuntimeError("DPCallback: a training forward before on_epoch_begin; its pass is unknown")
+                self.plan.on_draw(int(labels.shape[0]), pass_id=self._pass, new_pass=not self._pass_begun)
+                self._pass_begun = True
             self._labels.append(labels)
             return args, kwargs
 
