@@ -3,6 +3,7 @@
     python benchmarks/models.py [--shapes narrow wide] [--modes nonprivate hooks] [--steps 7]
     python benchmarks/models.py --summarize run1.json run2.json run3.json
     python benchmarks/models.py --device cuda --dtype bfloat16 --shapes gpt2-small llama-1b
+    python benchmarks/models.py --shapes narrow-mixtral   # mixture of experts (opt-in; floor skips expert banks)
 
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
@@ -48,8 +49,12 @@ GPU_SHAPES = {  # B x T = 16 x 1024, for --device cuda (too large for the CPU de
     "gpt2-small": ("gpt2", 12, 768, 1024, 16, 50257, True),  # 124M parameters
     "llama-1b": ("llama", 16, 2048, 1024, 16, 32000, False, 8),  # a 1B Llama shape with GQA
 }
+MOE_SHAPES = {  # opt-in (--shapes narrow-mixtral): Mixtral's expert banks, 4 experts, top-2 per token
+    "narrow-mixtral": ("mixtral", 4, 256, 128, 16, 5000, False, 4),
+}
 CPU_SHAPES = list(SHAPES)
 SHAPES.update(GPU_SHAPES)
+SHAPES.update(MOE_SHAPES)
 MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 
@@ -60,6 +65,13 @@ def build(family, layers, width, vocab, tied, kv_heads=None):
         cfg = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(width // 64, 1), vocab_size=vocab,
                                       n_positions=2048, tie_word_embeddings=tied, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
         return transformers.GPT2LMHeadModel(cfg)
+    if family == "mixtral":  # kv_heads slot: the number of experts; no router auxiliary loss (it couples samples)
+        cfg = transformers.MixtralConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=2 * width,
+                                         num_attention_heads=max(width // 64, 1), num_key_value_heads=max(width // 64, 1),
+                                         num_local_experts=kv_heads or 4, num_experts_per_tok=2, vocab_size=vocab,
+                                         max_position_embeddings=2048, tie_word_embeddings=tied, router_aux_loss_coef=0.0,
+                                         router_jitter_noise=0.0)
+        return transformers.MixtralForCausalLM(cfg)
     cfg = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width,
                                    num_attention_heads=max(width // 64, 1), num_key_value_heads=kv_heads or max(width // 64, 1),
                                    vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=tied)
