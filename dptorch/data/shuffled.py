@@ -46,15 +46,20 @@ def check_shuffled_source(data_loader: DataLoader) -> None:
     size = len(data_loader.dataset)
     if size == 0:
         raise ValueError("the data loader's dataset is empty (0 samples): there is nothing to train on")
+    check_single_process()
+    problem = permutation_problem(data_loader.batch_sampler, size)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def check_single_process() -> None:
+    """Refuse a process group of world size > 1 (at make_private, and at each batch for a group started later)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise ValueError(
             "poisson_sampling=False is not supported under torch.distributed: the per-pass accounting needs every "
             "rank's batches to be disjoint pieces of one pass, which a DistributedSampler does not report. Use "
             "poisson_sampling=True (each rank draws its shard of one Poisson batch)"
         )
-    problem = permutation_problem(data_loader.batch_sampler, size)
-    if problem is not None:
-        raise ValueError(problem)
 
 
 #: Element samplers whose pass is a permutation (or a prefix of one) chosen without looking at the data.
@@ -177,6 +182,7 @@ class ShuffledDataLoader(DataLoader):
         """A batch of pass ``pass_id`` (``size`` samples) reaches the training loop."""
         if self.privacy_plan is None or pass_id is None:
             return
+        check_single_process()  # a process group started after make_private is held to the same rule
         first = pass_id not in self._started
         if first:
             self._started.add(pass_id)

@@ -80,6 +80,16 @@ def scenarios():
     # a plain loader with a Poisson batch sampler of one process: make_private rebuilds it sharded
     yield "rebuilt", lambda: trained_rows(
         lambda: DataLoader(dataset(), batch_sampler=PoissonBatchSampler(N, Q, seed=SEED)))
+    yield "shuffled", lambda: _refused_shuffled()
+
+
+def _refused_shuffled() -> str:
+    """poisson_sampling=False: each rank's loader would pass over the whole dataset; refused."""
+    try:
+        make_private(DataLoader(dataset(), batch_size=4, shuffle=True), poisson_sampling=False)
+    except ValueError as err:
+        return str(err)
+    return ""
 
 
 def _refused_bandmf() -> str:
@@ -108,15 +118,20 @@ def late_process_group(rank: int, store: str) -> str:
     from dptorch.data import DPDataLoader
 
     _, (model, optimizer, loader) = make_private(DPDataLoader(dataset(), sample_rate=Q, seed=SEED))
+    _, (_, _, shuffled) = make_private(DataLoader(dataset(), batch_size=4), poisson_sampling=False)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=60))
+    messages = []
     try:
-        next(iter(loader))
-    except ValueError as err:
-        return str(err)
+        for dp_loader in (loader, shuffled):
+            try:
+                next(iter(dp_loader))
+                messages.append("")
+            except ValueError as err:
+                messages.append(str(err))
     finally:
         dist.destroy_process_group()
-    return ""
+    return messages
 
 
 def worker(rank: int, folder: str, results) -> None:
@@ -164,7 +179,14 @@ def test_compatibility_problems_name_it(runs):
 
 def test_a_process_group_started_after_make_private_is_refused_at_the_first_batch(runs):
     for rank in range(WORLD):
-        assert "without distributed=True" in runs("late", rank)
+        poisson, shuffled = runs("late", rank)
+        assert "without distributed=True" in poisson
+        assert "poisson_sampling=False is not supported under torch.distributed" in shuffled
+
+
+def test_shuffled_batches_are_refused_under_a_process_group(runs):
+    for rank in range(WORLD):
+        assert "poisson_sampling=False is not supported under torch.distributed" in runs("shuffled", rank)
 
 
 @pytest.mark.parametrize("name", ["sharded", "rebuilt"])
