@@ -162,7 +162,7 @@ class ShuffledDataLoader(DataLoader):
         self.privacy_plan: Optional[Any] = None
         self.sample_rate = batch_sampler.sample_rate
         self.secure_mode = False
-        self._started: set = set()  # passes whose first batch reached the training loop (per live iterator)
+        self._started: set = set()  # passes whose first batch reached the training loop
 
     @property
     def steps(self) -> int:
