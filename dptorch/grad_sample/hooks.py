@@ -389,7 +389,8 @@ class GradSampleHooks:
             for param in self._strategy.grads:
                 param.__dict__.pop("grad_sample", None)
         self._strategy = self._new_strategy()
-        self._buffers.reclaim()  # the dropped round's memory, where nothing else holds it
+        if not keep_grad_samples:  # (kept ones are taken back when they are dropped)
+            self._buffers.reclaim()  # the dropped round's memory, where nothing else holds it
         self._round_done = False
         self._round_consumed = False
         self._round_units = None
@@ -407,8 +408,9 @@ class GradSampleHooks:
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
             self._drop_loss_tracker(finished_only=True)
-            if module.training and torch.is_grad_enabled():
+            if module.training and torch.is_grad_enabled() and self._kept_grad_samples:
                 self._drop_kept_grad_samples()
+                self._buffers.reclaim()
             if torch._C._current_graph_task_id() == -1:  # outside backward, where the stack is the caller's
                 remove_finished_trackers()  # other controllers' too: they only pass calls through
             self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)

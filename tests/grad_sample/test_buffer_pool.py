@@ -111,8 +111,10 @@ def test_a_kept_grad_sample_survives_later_rounds():
         assert torch.equal(kept, saved) and torch.equal(kept_row, saved[2])
 
 
-def test_the_dp_optimizer_step_hands_the_memory_back():
-    """Nothing in a private step keeps the per-sample gradients: the next round reuses them."""
+@pytest.mark.parametrize("zero_grad", [True, False])
+def test_the_dp_optimizer_step_hands_the_memory_back(zero_grad):
+    """Nothing in a private step keeps the per-sample gradients past the next forward (p.grad_sample
+    stays readable until then): the next round reuses their memory, with or without zero_grad()."""
     torch.manual_seed(0)
     model = mlp()
     hooks = GradSampleHooks(model, keep_param_grads=False)
@@ -121,7 +123,8 @@ def test_the_dp_optimizer_step_hands_the_memory_back():
     addresses = []
     try:
         for _ in range(3):
-            optimizer.zero_grad()
+            if zero_grad:
+                optimizer.zero_grad()
             projection_loss(model(torch.randn(5, 6))).mean().backward()
             addresses.append(model[2].weight.grad_sample.data_ptr())
             optimizer.step()
