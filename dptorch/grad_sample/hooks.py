@@ -56,7 +56,7 @@ from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
-from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall
+from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall, affine_layout
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
@@ -986,7 +986,11 @@ class GradSampleHooks:
                 "another): run the backward of each packed forward before the next forward"
             )
         self._round_units = units
-        if units is not None:  # one row per token unit, its tokens side by side (the layer is token-wise)
+        packed = None
+        if units is not None and self._packed_affine(layer, activations, grad_outputs[0], units):
+            backprops, group, packed = grad_outputs[0], None, units  # kept packed (packed_affine: no (U, L) layout)
+            scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
+        elif units is not None:  # one row per token unit, its tokens side by side (the layer is token-wise)
             activations, backprops, group = tuple(units.group(a) for a in activations), units.group(grad_outputs[0]), None
             scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
         else:
@@ -1003,8 +1007,19 @@ class GradSampleHooks:
                     clipped_sum=self._keyed_by_registered(norm_sampler.clipped_sum),
                     linear_form=self._keyed_by_registered(norm_sampler.linear_form),
                 )
-        call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale)
+        call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale, units=packed)
         self._strategy.on_call(call)
+
+    def _packed_affine(self, layer: _Layer, activations, backprops: Optional[torch.Tensor], units: TokenUnits) -> bool:
+        """A built-in Linear / Conv1D call of a packed forward in bk / ghost mode, on ``(B, T, ...)`` tensors:
+        its norms and clipped sums are formed from the packed tokens (``packed_affine``); any other layer,
+        mode or layout is regrouped one unit per row."""
+        return (
+            self.grad_sample_mode in ("bk", "ghost") and not self._canonical
+            and affine_layout(layer.norm_sampler) is not None and len(activations) == 1
+            and activations[0].is_floating_point() and activations[0].dim() >= 3 and backprops is not None and backprops.dim() >= 3
+            and tuple(activations[0].shape[:2]) == tuple(units.shape) == tuple(backprops.shape[:2])
+        )
 
     def _replay_backward(self, layer: _Layer, params, call: CallBatch, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:

@@ -59,7 +59,7 @@ def shared_affine_norms_sq(uses) -> list:
     return shared_affine_norms_and_grads(uses)[0]
 
 
-def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
+def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tuple[list, list]:
     """Squared per-sample norms ``{param: (B,)}`` for each use, with one input Gram per group, and
     the per-sample gradients that were instantiated on the way ``{param: (B, *shape)}``: every
     bias's (``B p`` numbers), and the weights' where instantiating was cheaper.
@@ -71,7 +71,8 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
     ``T < d`` and ``sum_k (T d - T^2) p_k > T^2 d`` (for one use: the usual ``T (d + p) < d p``).
     An instantiated gradient (``B d p`` numbers, no more than the ``B T (d + p)`` of ``a`` and
     ``b``) then gives the clipped sum as a weighted sum (``weighted_sum``) instead of a second
-    ``T d p`` matmul per sample.
+    ``T d p`` matmul per sample. ``sum_tokens``: the tokens a certified norm's clipped sum is counted
+    for, when more than the inputs' (``packed_affine``'s buckets are narrower than the longest unit).
     """
     results = [dict() for _ in uses]
     grads = [dict() for _ in uses]
@@ -95,7 +96,7 @@ def shared_affine_norms_and_grads(uses) -> Tuple[list, list]:
                 b = b.to(dtype)
                 if a_wide is not None:
                     computed, terms = gram_norms_sq(a_wide, gram, b.to(wide))
-                    results[i][use.weight] = certify_linear(computed, a, b, terms, wide, dtype)
+                    results[i][use.weight] = certify_linear(computed, a, b, terms, wide, dtype, sum_tokens)
                 else:
                     a_cast = a.to(dtype)
                     grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -49,7 +50,14 @@ from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embeddi
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_clipped_sum, hf_conv1d_grad_sampler, hf_conv1d_norm_sampler
 from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler
 from dptorch.grad_sample.linear_forms import at_least_float32, flatten_per_sample, shared_form_norms, weighted_sum
+from dptorch.grad_sample.packed_affine import (
+    layout_of,
+    packed_affine_clipped_sums,
+    packed_affine_norms_and_grads,
+    packed_per_unit_grads,
+)
 from dptorch.grad_sample.registry import GradSampler, NormSampler
+from dptorch.grad_sample.token_units import TokenUnits
 from dptorch.grad_sample.shared_inputs import (
     AffineUse,
     memory_key,
@@ -78,9 +86,27 @@ class LayerCall:
     scale: float = 1.0  # backprops times scale are the per-sample gradients of the outputs
     # Per-sample gradients (without ``scale``) the norms instantiated: the clipped sum reads them.
     per_sample: Optional[Dict[nn.Parameter, torch.Tensor]] = None
+    # A built-in Linear / Conv1D call of a packed forward, kept as its (B, T, ...) tensors (``packed_affine``):
+    # the token units, and the tokens whose weight gradient the norms did not instantiate (None: all were).
+    units: Optional[TokenUnits] = None
+    unkept_tokens: Optional[torch.Tensor] = None
 
     def scaled_backprops(self) -> torch.Tensor:
         return self.backprops * self.scale if self.scale != 1.0 else self.backprops
+
+    @property
+    def samples(self) -> int:
+        """Rows of its per-sample results: the batch's, or the packed forward's units."""
+        if self.units is not None:
+            return self.units.num_units
+        return self.backprops.shape[0] if self.backprops.dim() else 1
+
+    def regrouped(self) -> "LayerCall":
+        """A packed call in the generic one-unit-per-row layout (``TokenUnits.group``)."""
+        if self.units is None:
+            return self
+        return dataclasses.replace(self, activations=tuple(self.units.group(a) for a in self.activations),
+                                   backprops=self.units.group(self.backprops), units=None, per_sample=None)
 
 
 class Instantiate:
@@ -227,6 +253,8 @@ class BookKeeping:
         factored = self._factored_shared_params(uses, unit_ids)
         kept = []
         for call in self.calls:
+            if call.units is not None and any(p in factored for p in call.params.values()):
+                call = call.regrouped()  # its linear form meets the other uses' in the (U, L) layout
             shared = {n: p for n, p in call.params.items() if uses[p] > 1 and p not in factored}
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
@@ -269,10 +297,14 @@ class BookKeeping:
         norms = self.dense.per_sample_norms()
         forms: Dict[nn.Parameter, list] = {}
         affine_calls, affine_uses = [], []
+        packed_calls, packed_uses = [], []
         for call in self.calls:
             own = [p for p in call.params.values() if p not in self._shared]
             use = _affine_use(call, own)
-            if use is not None:  # Linear / Conv1D: one Gram per shared input (shared_inputs.shared_affine_norms_sq)
+            if use is not None and call.units is not None:  # packed tokens: packed_affine's buckets
+                packed_calls.append(call)
+                packed_uses.append(use)
+            elif use is not None:  # Linear / Conv1D: one Gram per shared input (shared_inputs.shared_affine_norms_sq)
                 affine_calls.append(call)
                 affine_uses.append(use)
             elif own:
@@ -287,6 +319,12 @@ class BookKeeping:
             for param, value in squared.items():
                 norms[param] = value.float().clamp(min=0).sqrt() * call.scale
             call.per_sample = grads or None
+        if packed_calls:
+            squared, kept = packed_affine_norms_and_grads(packed_uses, layout_of(packed_calls[0].units))
+            for call, value, held in zip(packed_calls, squared, kept):
+                for param, v in value.items():
+                    norms[param] = v.float().clamp(min=0).sqrt() * call.scale
+                call.per_sample, call.unkept_tokens = held.grads, held.unkept_tokens
         for param, uses in forms.items():
             norms[param] = shared_norm(uses)
         return norms
@@ -295,6 +333,7 @@ class BookKeeping:
         sums = self.dense.clipped_sums(factors, dropped)
         with torch.no_grad(), float32_matmuls_at_full_precision():
             affine_uses, affine_factors = [], []
+            packed_uses, packed_factors, packed_tokens, layout = [], [], [], None
             zeroed_inputs: Dict[object, torch.Tensor] = {}  # dropped units: one zeroed copy per shared input
             scaled_factors: Dict[Tuple[int, float], torch.Tensor] = {}
 
@@ -312,6 +351,19 @@ class BookKeeping:
                         summed = weighted_sum(scaled_factor(param, call.scale), zero_rows(kept[param], dropped)).float()
                         sums[param] = summed + sums[param] if param in sums else summed
                 wanted = [p for p in call.params.values() if p in factors and p not in kept]
+                if call.units is not None:  # packed tokens: one matmul over the tokens not kept (packed_affine)
+                    weight = getattr(call.module, "weight", None)
+                    if call.per_sample is not None:  # after the norms: only the weight may remain
+                        wanted = [p for p in call.params.values() if p is weight and p in factors and call.unkept_tokens is not None]
+                    use = _affine_use(call, wanted)
+                    if use is not None:
+                        layout = layout_of(call.units)
+                        packed_uses.append(use)
+                        packed_factors.append(tuple(
+                            None if p is None else scaled_factor(p, call.scale) for p in (use.weight, use.bias)
+                        ))
+                        packed_tokens.append(call.unkept_tokens if call.per_sample is not None else None)
+                    continue
                 if kept and not wanted:
                     continue
                 use = _affine_use(call, wanted)
@@ -337,14 +389,17 @@ class BookKeeping:
                     for param in params:
                         summed = computed[param].float()
                         sums[param] = summed + sums[param] if param in sums else summed
-            for computed in shared_affine_clipped_sums(affine_uses, affine_factors):
+            computed_sums = shared_affine_clipped_sums(affine_uses, affine_factors)
+            if packed_uses:
+                computed_sums += packed_affine_clipped_sums(packed_uses, packed_factors, packed_tokens, layout, dropped)
+            for computed in computed_sums:
                 for param, summed in computed.items():
                     sums[param] = summed + sums[param] if param in sums else summed
         return sums
 
     def batch_size(self) -> int:
         if self.calls:
-            return self.calls[0].backprops.shape[0]
+            return self.calls[0].samples
         return self.dense.batch_size()
 
 
@@ -357,6 +412,10 @@ def sampled_grads(call: LayerCall, empty: Callable[..., torch.Tensor]) -> Tuple[
     built-in Linear / Conv1D samplers take it into their matmul instead, and their memory from
     ``empty`` (a ``BufferPool``'s).
     """
+    if call.units is not None:  # a packed Linear / Conv1D call: per unit, bucket by bucket
+        in_by_out = affine_layout(call.norm_sampler)
+        return packed_per_unit_grads(call.module, call.activations[0], call.backprops, layout_of(call.units),
+                                     in_by_out, call.scale), True
     if call.sampler in POOLED_SAMPLERS:
         return call.sampler(call.module, call.activations, call.backprops, empty=empty, scale=call.scale), True
     fresh = call.sampler in FRESH_RESULT_SAMPLERS
@@ -479,7 +538,10 @@ def _factors_cheaper(call: LayerCall) -> bool:
     inputs = call.activations[0] if call.activations else None
     if inputs is None or not inputs.is_floating_point():
         return True
-    tokens = call.backprops[0].numel() // call.backprops.shape[-1] if call.backprops.shape[0] else 0
+    if call.units is not None:  # as in the (U, L) layout
+        tokens = call.units.width * (math.prod(call.backprops.shape[2:-1]))
+    else:
+        tokens = call.backprops[0].numel() // call.backprops.shape[-1] if call.backprops.shape[0] else 0
     d, p = inputs.shape[-1], call.backprops.shape[-1]
     return tokens * (d + p) < d * p
 

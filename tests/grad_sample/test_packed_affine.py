@@ -1,0 +1,137 @@
+"""Packed Linear / Conv1D calls (``packed_affine``): norms and clipped sums from the packed tokens.
+
+Checked against each example alone (batch of one, unpacked) and against the generic one-unit-per-row
+regroup, for GPT-2 (Conv1D, tied head) and Llama (Linear, tied and untied embeddings) in bk and ghost,
+with units of unequal lengths, pads, and a unit alone in its row. The widths and lengths make some
+buckets ghost and others instantiated.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch import packed_loss
+from dptorch.clipping.factors import clip_factors, flat_norms
+from dptorch.grad_sample import GradSampleHooks, packed_affine
+from dptorch.grad_sample.packed_affine import PackedLayout, bucket_bounds
+from dptorch.grad_sample.token_units import TokenUnits
+from dptorch.integrations.hf.packing import PackingCollator
+from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
+from tests.grad_sample.test_token_units import C, alone, reference_clipped_sum
+
+VOCAB = 50
+LENGTHS = [2, 5, 9, 32, 12, 1, 20, 27, 3, 17, 6]  # 32 fills a row alone; 1 has no target
+
+
+def model_for(arch: str) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if arch == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                             tie_word_embeddings=arch == "llama-tied"))
+    model.config._attn_implementation = "sdpa"
+    return model.train()
+
+
+def items_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g)} for n in lengths]
+
+
+def packed_step(model, batch, mode, dropped=None):
+    hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
+    try:
+        hooks.set_privacy_units(batch[UNIT_IDS_KEY])
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+        packed_loss(out.logits, batch["labels"], hooks).backward()
+        norms = hooks.per_sample_norms()
+        total = flat_norms(norms)
+        factors = clip_factors(total, C)
+        return total, hooks.clipped_sums({p: factors for p in norms}, dropped)
+    finally:
+        hooks.cleanup()
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the packed calls whose norms ``packed_affine`` formed."""
+    seen = []
+    inner = packed_affine.packed_affine_norms_and_grads
+
+    def counted(uses, layout):
+        seen.append(len(uses))
+        return inner(uses, layout)
+
+    monkeypatch.setattr("dptorch.grad_sample.strategies.packed_affine_norms_and_grads", counted)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["bk", "ghost"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-tied"])
+def test_packed_affine_matches_each_example_alone(arch, mode, spy):
+    model = model_for(arch)
+    items = items_of(LENGTHS)
+    batch = PackingCollator(pad_token_id=0, max_length=32)(items)
+    assert bool((batch[UNIT_IDS_KEY] < 0).any())  # pads
+    norms, sums = packed_step(model, batch, mode)
+    assert spy and sum(spy) >= 8  # the attention and MLP projections took the packed path
+    ref_norms, ref_sums = reference_clipped_sum(alone(model, items))
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-4, atol=1e-6)
+    for p, ref in ref_sums.items():
+        torch.testing.assert_close(sums[p].double(), ref, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_packed_affine_equals_the_regroup_and_drops_a_unit_to_zero(arch, monkeypatch):
+    model = model_for(arch)
+    items = items_of(LENGTHS, seed=4)
+    batch = PackingCollator(pad_token_id=0, max_length=32)(items)
+    dropped = torch.zeros(len(items), dtype=torch.bool)
+    dropped[3] = True
+    fast = packed_step(model, batch, "bk", dropped)
+    monkeypatch.setattr(GradSampleHooks, "_packed_affine", lambda *args: False)
+    slow = packed_step(model, batch, "bk", dropped)
+    torch.testing.assert_close(fast[0], slow[0], rtol=1e-4, atol=1e-7)
+    for p in slow[1]:
+        torch.testing.assert_close(fast[1][p], slow[1][p], rtol=1e-4, atol=1e-6)
+    # the dropped unit is exactly absent: the clipped sum of the others, each alone
+    ref_norms, _ = reference_clipped_sum(alone(model, items))
+    kept_items = [item for i, item in enumerate(items) if not dropped[i]]
+    grads = alone(model, kept_items)
+    factors = clip_factors(ref_norms[~dropped].float(), C).double()
+    for p in grads[0]:
+        ref = sum(f * row[p].double() for f, row in zip(factors, grads))
+        torch.testing.assert_close(fast[1][p].double(), ref, rtol=1e-4, atol=1e-6)
+
+
+def test_bucket_bounds_are_the_cut_that_pads_least():
+    lengths = [1, 2, 2, 3, 10, 11, 30, 31, 31, 32]
+    bounds = bucket_bounds(lengths, 4)
+    assert bounds == [(0, 3), (3, 11), (11, 32)] or len(bounds) == 4
+    assert bounds[0][0] == 0 and bounds[-1][1] == 32
+    assert all(b[1] == c[0] for b, c in zip(bounds, bounds[1:]))
+    area = lambda bs: sum(max(n for n in lengths if lo < n <= hi) * sum(lo < n <= hi for n in lengths) for lo, hi in bs)
+    assert area(bounds) <= area([(0, 3), (3, 11), (11, 30), (30, 32)])
+    assert bucket_bounds([7, 7], 4) == [(0, 7)] and bucket_bounds([], 4) == []
+    assert len(bucket_bounds(list(range(1, 5000, 7)), 4)) == 4  # long rows: lengths on a grid
+
+
+def test_the_layout_holds_every_real_token_once_and_no_pad():
+    ids = torch.tensor([[0, 0, 0, 1, -1, 2], [3, 3, 3, 3, 3, -1], [-1, 4, 4, 5, 5, 5]])
+    layout = PackedLayout(TokenUnits(ids))
+    positions = layout.all_tokens().sort().values
+    assert positions.tolist() == torch.nonzero(ids.flatten() >= 0).flatten().tolist()
+    x = torch.arange(18.0).view(3, 6, 1) + 1
+    for bucket in layout.buckets:
+        rows = layout.gather(x, bucket)[..., 0]
+        for r, u in enumerate(bucket.units.tolist()):
+            mine = x.flatten()[ids.flatten() == u]
+            assert rows[r, : mine.numel()].tolist() == mine.tolist() and not rows[r, mine.numel():].any()
