@@ -163,6 +163,13 @@ def packed_affine_norms_and_grads(uses: Sequence[AffineUse], layout: PackedLayou
     ``(B, T, ..., d)`` inputs; uses reading one input share its bucket layouts (and their Grams)."""
     results = [dict() for _ in uses]
     kept = [PackedKept({}, None) for _ in uses]
+    for use, value, held in zip(uses, results, kept):  # zeros where a unit has no bucket: only with no unit at all
+        for param in (use.weight, use.bias):
+            if param is not None:
+                value[param] = use.backprops.new_zeros(layout.num_units, dtype=torch.float64)
+        if use.bias is not None:
+            dtype = torch.promote_types(use.backprops.dtype, torch.float32)
+            held.grads[use.bias] = use.backprops.new_zeros((layout.num_units, use.backprops.shape[-1]), dtype=dtype)
     sum_tokens = None
     for group in group_by_input(uses):
         a = uses[group[0]].inputs
@@ -177,19 +184,20 @@ def packed_affine_norms_and_grads(uses: Sequence[AffineUse], layout: PackedLayou
             weight_kept = False
             for i, value, grad in zip(group, squared, grads):
                 for param, v in value.items():
-                    held = results[i].get(param)
-                    if held is None:
-                        held = results[i][param] = v.new_zeros(layout.num_units, dtype=torch.float64)
+                    held = results[i][param]
                     held.index_copy_(0, bucket.units.to(held.device), v.to(torch.float64))
                 for param, g in grad.items():
                     held = kept[i].grads.get(param)
                     if held is None:
                         held = kept[i].grads[param] = g.new_zeros((layout.num_units, *g.shape[1:]))
-                    held.index_copy_(0, bucket.units.to(held.device), g)
+                    elif held.dtype != torch.promote_types(held.dtype, g.dtype):  # buckets of mixed dtypes: the wider
+                        held = kept[i].grads[param] = held.to(torch.promote_types(held.dtype, g.dtype))
+                    held.index_copy_(0, bucket.units.to(held.device), g.to(held.dtype))
                     weight_kept |= param is uses[i].weight
             if not weight_kept:
                 unkept.append(bucket)
-        where = layout.tokens(unkept) if unkept else None  # one tensor for the group: its uses stay one group
+        # one tensor for the group (its uses stay one group); no unit at all: a sum over no token
+        where = layout.tokens(unkept) if unkept or not layout.buckets else None
         for i in group:
             if uses[i].weight is not None:
                 kept[i].unkept_tokens = where

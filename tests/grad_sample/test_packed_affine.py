@@ -135,3 +135,16 @@ def test_the_layout_holds_every_real_token_once_and_no_pad():
         for r, u in enumerate(bucket.units.tolist()):
             mine = x.flatten()[ids.flatten() == u]
             assert rows[r, : mine.numel()].tolist() == mine.tolist() and not rows[r, mine.numel():].any()
+
+
+def test_a_batch_of_pads_only_gives_zero_units_and_zero_sums():
+    from dptorch.grad_sample.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
+    from dptorch.grad_sample.shared_inputs import AffineUse
+
+    layer = nn.Linear(4, 3)
+    layout = PackedLayout(TokenUnits(torch.full((2, 5), -1)))
+    use = AffineUse(torch.randn(2, 5, 4), torch.randn(2, 5, 3), layer.weight, layer.bias)
+    (squared,), (kept,) = packed_affine_norms_and_grads([use], layout)
+    assert squared[layer.weight].shape == squared[layer.bias].shape == (0,) and kept.grads[layer.bias].shape == (0, 3)
+    (summed,) = packed_affine_clipped_sums([use], [(torch.zeros(0), None)], [kept.unkept_tokens], layout)
+    assert torch.equal(summed[layer.weight], torch.zeros(3, 4))
