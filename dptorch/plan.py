@@ -409,10 +409,10 @@ class PrivacyPlan:
         plan's accountant. The GDP approximation is refused (see ``get_noise_multiplier``). Shuffled
         sampling: ``2 sigma`` for the passes the steps span, each a Gaussian at sample rate 1."""
         total = planned_steps(fields.get("steps_per_epoch"), epochs, steps)
-        strategy = _check_strategy(fields.get("mechanism", "gaussian"), fields.get("strategy"))
-        accounted = total if strategy is None else -(-total // strategy.bands)  # bandmf: ceil(n / b)
         if fields.get("sampling") == "shuffled":
             return cls._calibrated_passes(target_epsilon, target_delta, total, fields)
+        strategy = _check_strategy(fields.get("mechanism", "gaussian"), fields.get("strategy"))
+        accounted = total if strategy is None else -(-total // strategy.bands)  # bandmf: ceil(n / b)
         sample_rate = fields.get("sample_rate")
         if sample_rate is None:
             raise ValueError("calibrating the noise needs the plan's sample_rate")

@@ -12,14 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from dptorch import packed_loss
-from dptorch.clipping.factors import clip_factors, flat_norms
+from dptorch.clipping.factors import clip_factors
 from dptorch.grad_sample import GradSampleHooks, packed_affine
 from dptorch.grad_sample.packed_affine import PackedLayout, bucket_bounds
 from dptorch.grad_sample.token_units import TokenUnits
 from dptorch.integrations.hf.packing import PackingCollator
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
-from tests.grad_sample.test_token_units import C, alone, reference_clipped_sum
+from tests.grad_sample.test_token_units import C, alone, examples, packed_clipped_sum, reference_clipped_sum
 
 VOCAB = 50
 LENGTHS = [2, 5, 9, 32, 12, 1, 20, 27, 3, 17, 6]  # 32 fills a row alone; 1 has no target
@@ -40,26 +39,6 @@ def model_for(arch: str) -> nn.Module:
     return model.train()
 
 
-def items_of(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g)} for n in lengths]
-
-
-def packed_step(model, batch, mode, dropped=None):
-    hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
-    try:
-        hooks.set_privacy_units(batch[UNIT_IDS_KEY])
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-        packed_loss(out.logits, batch["labels"], hooks).backward()
-        norms = hooks.per_sample_norms()
-        total = flat_norms(norms)
-        factors = clip_factors(total, C)
-        return total, hooks.clipped_sums({p: factors for p in norms}, dropped)
-    finally:
-        hooks.cleanup()
-        model.zero_grad(set_to_none=True)
-
-
 @pytest.fixture
 def spy(monkeypatch):
     """Counts the packed calls whose norms ``packed_affine`` formed."""
@@ -78,10 +57,10 @@ def spy(monkeypatch):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "llama-tied"])
 def test_packed_affine_matches_each_example_alone(arch, mode, spy):
     model = model_for(arch)
-    items = items_of(LENGTHS)
+    items = examples(LENGTHS, vocab=VOCAB)
     batch = PackingCollator(pad_token_id=0, max_length=32)(items)
     assert bool((batch[UNIT_IDS_KEY] < 0).any())  # pads
-    norms, sums = packed_step(model, batch, mode)
+    norms, sums = packed_clipped_sum(model, batch, mode)
     assert spy and sum(spy) >= 8  # the attention and MLP projections took the packed path
     ref_norms, ref_sums = reference_clipped_sum(alone(model, items))
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-4, atol=1e-6)
@@ -92,13 +71,13 @@ def test_packed_affine_matches_each_example_alone(arch, mode, spy):
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_packed_affine_equals_the_regroup_and_drops_a_unit_to_zero(arch, monkeypatch):
     model = model_for(arch)
-    items = items_of(LENGTHS, seed=4)
+    items = examples(LENGTHS, seed=4, vocab=VOCAB)
     batch = PackingCollator(pad_token_id=0, max_length=32)(items)
     dropped = torch.zeros(len(items), dtype=torch.bool)
     dropped[3] = True
-    fast = packed_step(model, batch, "bk", dropped)
+    fast = packed_clipped_sum(model, batch, "bk", dropped)
     monkeypatch.setattr(GradSampleHooks, "_packed_affine", lambda *args: False)
-    slow = packed_step(model, batch, "bk", dropped)
+    slow = packed_clipped_sum(model, batch, "bk", dropped)
     torch.testing.assert_close(fast[0], slow[0], rtol=1e-4, atol=1e-7)
     for p in slow[1]:
         torch.testing.assert_close(fast[1][p], slow[1][p], rtol=1e-4, atol=1e-6)

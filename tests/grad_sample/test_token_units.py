@@ -45,13 +45,13 @@ def tiny(arch: str, attn: str = "sdpa") -> nn.Module:
     return model.train()
 
 
-def examples(lengths, seed: int = 0):
+def examples(lengths, seed: int = 0, vocab: int = VOCAB):
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g)} for n in lengths]
+    return [{"input_ids": torch.randint(0, vocab, (n,), generator=g)} for n in lengths]
 
 
-def packed_clipped_sum(model, batch, mode: str):
-    """Per-unit norms and the clipped sum of one packed forward and backward."""
+def packed_clipped_sum(model, batch, mode: str, dropped=None):
+    """Per-unit norms and the clipped sum of one packed forward and backward (``dropped``: units left out)."""
     hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
     try:
         hooks.set_privacy_units(batch[UNIT_IDS_KEY])
@@ -60,7 +60,7 @@ def packed_clipped_sum(model, batch, mode: str):
         norms = hooks.per_sample_norms()
         total = flat_norms(norms)
         factors = clip_factors(total, C)
-        sums = hooks.clipped_sums({p: factors for p in norms})
+        sums = hooks.clipped_sums({p: factors for p in norms}, dropped)
         return total, sums
     finally:
         hooks.cleanup()
