@@ -12,6 +12,7 @@ from typing import Any, List
 from torch.utils.data import IterableDataset
 
 from dptorch.integrations.hf.arguments import PrivacyArguments
+from dptorch.integrations.hf.deepspeed import config_problems, deepspeed_config
 
 
 def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
@@ -28,11 +29,6 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (args.n_gpu > 1,
          "torch.nn.DataParallel (several GPUs in one process) is not supported: its replicas run the forward without "
          "the per-sample hooks; launch one process per GPU (torchrun / accelerate launch: DDP), which is supported"),
-        (getattr(trainer, "is_deepspeed_enabled", False),
-         "DeepSpeed in the Trainer is not supported yet: the private Trainer does not hand its noised gradient to "
-         "DeepSpeed's engine. The engine API supports ZeRO-1 and ZeRO-2 (PrivacyEngine.make_private(module=ds_engine, "
-         "optimizer=ds_engine.optimizer, ...), docs/distributed.md); or use DDP (torchrun / accelerate launch without a "
-         "DeepSpeed config)"),
         (fsdp is not None and getattr(fsdp, "fsdp_version", 1) != 2,
          "FSDP1 (fsdp_version 1) is not supported: it flattens each wrapped module's parameters into one "
          "FlatParameter, which the per-sample hooks cannot key their gradients by. Use FSDP2 "
@@ -79,6 +75,9 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "save_only_model=True does not save the noise generator, so with noise_seed a resumed run would replay "
          "noise it already used; drop one of them"),
     ]
+    deepspeed = deepspeed_config(trainer)
+    if deepspeed is not None:  # ZeRO-1 and ZeRO-2 train privately (.deepspeed); the rest is refused
+        refusals += [(True, f"DeepSpeed: {problem}") for problem in config_problems(deepspeed)]
     return [message for refused, message in refusals if refused]
 
 

@@ -38,7 +38,10 @@ clipped sums reduce-scattered, each rank noises its shard); Accelerate saves and
 optimizer with ``torch.distributed.checkpoint``, which is handed the inner optimizer. In
 ``compute_loss`` the metric gathers accept micro-batches of different sizes (:mod:`.metrics`).
 Every rank accounts the same steps, so epsilon is the same everywhere; the Trainer's loggers print
-it from rank 0. FSDP1, DeepSpeed and fp16 on several processes are refused (:mod:`.checks` says why);
+it from rank 0. DeepSpeed ZeRO-1/2 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
+until Accelerate built the engine, which is then made private (``engine.step()``, called by Accelerate
+after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, ZeRO-3 and fp16 on several
+processes are refused (:mod:`.checks` says why);
 ``fp16=True`` on one process trains with a :class:`~dptorch.optim.DPGradScaler` in place of Accelerate's GradScaler.
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
@@ -65,6 +68,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import logging
 
+from dptorch.distributed import deepspeed as ds_zero
 from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import is_sharded
 from dptorch.grad_sample import GradSampleHooks
@@ -73,6 +77,7 @@ from dptorch.grad_sample.hooks import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
+from dptorch.integrations.hf.deepspeed import deepspeed_config, one_deepspeed_step_per_logical_batch
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.integrations.hf.losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
@@ -132,9 +137,12 @@ class PrivateTrainerMixin:
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
         self._dp_grad_norm: Optional[float] = None
         self._dp_clipping_logs: Dict[str, float] = {}  # adaptive bound, clipping statistics when enabled
+        self._dp_engine_optimizer: Optional[DPOptimizer] = None  # DeepSpeed: the DP optimizer engine.step() runs
         with packing_after_sampling(kwargs.get("args", args[1] if len(args) > 1 else None)) as packing:
             super().__init__(*args, **kwargs)
         check_setup(self, privacy_args)
+        if deepspeed_config(self) is not None:  # the Trainer's accumulation splits the logical batch, not DeepSpeed's
+            one_deepspeed_step_per_logical_batch(deepspeed_config(self), self.args)
         self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
         self._dp_recipe.check(self)
         if packing is not None:
@@ -251,9 +259,10 @@ class PrivateTrainerMixin:
                 "bands": plan.bands,
             },
         }
-        optimizer = _find_dp_optimizer(self.optimizer)
-        if getattr(self, "is_fsdp_enabled", False) and optimizer is not None:
-            # FSDP: the optimizer is saved without its DP part (see _inner_optimizer_for_checkpoints)
+        optimizer = self._dp_optimizer()
+        if (getattr(self, "is_fsdp_enabled", False) or self._dp_engine_optimizer is not None) and optimizer is not None:
+            # FSDP: the optimizer is saved without its DP part (see _inner_optimizer_for_checkpoints); DeepSpeed:
+            # engine.save_checkpoint saves ZeRO's state only (the DP optimizer holds nothing else between steps)
             state["noise_generator"] = optimizer.noise_generator.state_dict()
         return state
 
@@ -282,7 +291,7 @@ class PrivateTrainerMixin:
             self.privacy_plan.load_state_dict(state["plan"])
         else:  # version 1: accountant history and step count only
             self.privacy_budget.load_state_dict(state["budget"])
-        optimizer = _find_dp_optimizer(self.optimizer)
+        optimizer = self._dp_optimizer()
         if "noise_generator" in state and optimizer is not None:
             optimizer.noise_generator.load_state_dict(state["noise_generator"])
 
@@ -300,7 +309,7 @@ class PrivateTrainerMixin:
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        if self.args.world_size > 1:  # structure only: every value is replaced
+        if self._runs_phantoms:  # structure only: every value is replaced
             self._dp_phantom = PhantomBatch(collator, dataset)
             self._dp_phantom()  # built now: a collator it cannot use fails before training, not at an empty batch
         # Rows sharing a unit are clipped together: the batches must say which unit each row belongs to.
@@ -352,23 +361,54 @@ class PrivateTrainerMixin:
     # ------------------------------------------------------------------ optimizer
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
-        """The parent's optimizer, wrapped once in a DPOptimizer."""
+        """The parent's optimizer, wrapped once in a DPOptimizer. Under DeepSpeed it stays unwrapped (DeepSpeed's
+        ZeRO optimizer wraps it); the DP optimizer comes with the engine (:meth:`_make_engine_private`)."""
         super().create_optimizer(model)
-        if _find_dp_optimizer(self.optimizer) is None:
+        if getattr(self, "is_deepspeed_enabled", False):
             _check_optimizer_params(self.model, self.optimizer)
-            p = self.privacy_args
-            optimizer = DPOptimizer(
-                self.optimizer,
-                hooks=self.dp_hooks,
-                plan=self.privacy_plan,
-                loss_reduction="mean",
-                noise_generator=None if p.secure_mode else NoiseGenerator(seed=p.noise_seed, device=self.args.device),
-                secure_mode=p.secure_mode,
-            )
-            optimizer.attach_step_hook(self._after_private_step)
-            self.optimizer = optimizer
-            self._use_dp_grad_scaler(optimizer)
+        elif _find_dp_optimizer(self.optimizer) is None:
+            _check_optimizer_params(self.model, self.optimizer)
+            self.optimizer = self._new_dp_optimizer(self.optimizer)
+            self._use_dp_grad_scaler(self.optimizer)
         return self.optimizer
+
+    def _new_dp_optimizer(self, inner: torch.optim.Optimizer) -> DPOptimizer:
+        """The DP optimizer around ``inner``, reading and accounting in the run's privacy plan."""
+        p = self.privacy_args
+        optimizer = DPOptimizer(
+            inner,
+            hooks=self.dp_hooks,
+            plan=self.privacy_plan,
+            loss_reduction="mean",
+            noise_generator=None if p.secure_mode else NoiseGenerator(seed=p.noise_seed, device=self.args.device),
+            secure_mode=p.secure_mode,
+        )
+        optimizer.attach_step_hook(self._after_private_step)
+        return optimizer
+
+    def _make_engine_private(self, engine: Any) -> None:
+        """DeepSpeed (once per engine): the DP optimizer hands its noised gradient to ZeRO, and ``engine.step()``,
+        which Accelerate calls after the last micro-batch of a logical step, is the DP optimizer's step
+        (:mod:`dptorch.distributed.deepspeed`). The whole set-up is checked on the engine first."""
+        if self._dp_engine_optimizer is not None and self._dp_engine_optimizer.original_optimizer.engine is engine:
+            return
+        if engine.module is not self.model:
+            raise RuntimeError("DeepSpeed's engine does not hold trainer.model, to which the per-sample hooks attached")
+        ds_zero.check_engine(engine)
+        optimizer = self._new_dp_optimizer(ds_zero.DeepSpeedHandOver(engine))
+        ds_zero.attach(engine, optimizer)
+        self._dp_engine_optimizer = optimizer
+
+    def _dp_optimizer(self) -> Optional[DPOptimizer]:
+        """The run's DP optimizer: in Accelerate's optimizer chain, or the one DeepSpeed's engine steps."""
+        engine_optimizer = self._dp_engine_optimizer
+        return engine_optimizer if engine_optimizer is not None else _find_dp_optimizer(self.optimizer)
+
+    @property
+    def _runs_phantoms(self) -> bool:
+        """Whether an empty micro-batch runs as a phantom: on several processes (paired collectives), and under
+        DeepSpeed (the last micro-batch's backward is where Accelerate calls ``engine.step()``)."""
+        return self.args.world_size > 1 or getattr(self, "is_deepspeed_enabled", False)
 
     def _use_dp_grad_scaler(self, optimizer: DPOptimizer) -> None:
         """fp16: the GradScaler Accelerate built (on a GPU, for ``fp16=True``) gives way to a fixed-scale
@@ -405,7 +445,7 @@ class PrivateTrainerMixin:
         either way it returns 0."""
         self._attach_to_wrapped_model(model)
         if is_empty_batch(inputs):
-            if self.args.world_size > 1:
+            if self._runs_phantoms:
                 self._phantom_step(model)
             return torch.zeros((), device=self.args.device)
         example_units = inputs.pop(UNIT_IDS_KEY, None)
@@ -424,7 +464,9 @@ class PrivateTrainerMixin:
             return
         self._dp_wrapped = model
         self._dp_ddp_switches += [keep_out_of_gradient_sync(ddp) for ddp in ddp_wrappers(model)]
-        optimizer = _find_dp_optimizer(self.optimizer)
+        if ds_zero.is_deepspeed_engine(model):
+            self._make_engine_private(model)
+        optimizer = self._dp_optimizer()
         if not self._dp_on_shards and optimizer is not None and any(is_sharded(p) for p in optimizer.params):
             self.dp_hooks.cleanup()
             self.dp_hooks = self._new_controller()
@@ -438,7 +480,7 @@ class PrivateTrainerMixin:
         self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(None, inputs))  # rows as a real batch's
         self._dp_in_phantom = True
         try:
-            with _find_dp_optimizer(self.optimizer).phantom():
+            with self._dp_optimizer().phantom():
                 super().training_step(model, inputs, None)
         finally:
             self._dp_in_phantom = False
@@ -553,6 +595,8 @@ class PrivateTrainerMixin:
             holder.optimizer = dp
 
     def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is not None and ds_zero.is_deepspeed_engine(self.model_wrapped):
+            self._make_engine_private(self.model_wrapped)  # DeepSpeed loaded its state; the noise generator goes here
         with self._inner_optimizer_for_checkpoints():
             super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None or self.privacy_budget is None:
@@ -567,7 +611,7 @@ class PrivateTrainerMixin:
         self.load_privacy_state_dict(torch.load(path, weights_only=True))
         # The Trainer resumes at the first micro-batch of a logical step; clipped sums saved in the
         # middle of one (a JIT checkpoint before the optimizer step) would be added twice.
-        _find_dp_optimizer(self.optimizer).zero_grad(set_to_none=True)
+        self._dp_optimizer().zero_grad(set_to_none=True)
 
 
 class DPTrainer(PrivateTrainerMixin, Trainer):

@@ -1,0 +1,81 @@
+"""The private Trainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``).
+
+The Trainer builds DeepSpeed's engine through Accelerate in ``train()`` and runs every micro-batch as
+``engine.backward(loss)``, calling ``engine.step()`` after the last micro-batch of a logical step
+(Accelerate's ``DeepSpeedEngineWrapper``). The private Trainer makes that engine private as
+:mod:`dptorch.distributed.deepspeed` does for the engine API (``engine.step()`` becomes the DP
+optimizer's step, which hands the noised gradient to ZeRO), so the Trainer's loop stays as it is.
+
+The configuration, after the Trainer filled its ``"auto"`` values, is checked at construction
+(:func:`config_problems`) and once more on the engine before its first step (``check_engine``), and
+one value is set:
+
+* ``gradient_accumulation_steps`` becomes 1 for DeepSpeed (``train_batch_size`` with it). The
+  Trainer's own ``gradient_accumulation_steps`` still splits each Poisson logical batch into that
+  many micro-batches and calls ``engine.step()`` once per logical batch; DeepSpeed needs no count of
+  its own (it would divide the loss by it and step on a fixed count, which a Poisson batch has not),
+  and the Trainer's backward never scales by it (``scale_wrt_gas=False``).
+* ``gradient_clipping`` is not rewritten: it must be 0. DeepSpeed's default is 1.0 and the Trainer
+  fills ``"auto"`` from ``TrainingArguments.max_grad_norm`` (default 1.0), which the private Trainer
+  otherwise ignores; either would clip the averaged, noised gradient. Each unit is clipped at
+  ``PrivacyArguments.per_sample_max_grad_norm`` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+
+def deepspeed_config(trainer: Any) -> Optional[Dict[str, Any]]:
+    """The DeepSpeed configuration the Trainer's engine will be built from (None: DeepSpeed is off)."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    return trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
+
+
+def config_problems(config: Dict[str, Any]) -> List[str]:
+    """What in a DeepSpeed configuration the private Trainer refuses (the engine's list, read from the config)."""
+    zero = config.get("zero_optimization") or {}
+    stage = int(zero.get("stage", 0))
+    problems: List[str] = []
+    if stage == 3:
+        problems.append("ZeRO stage 3 partitions the parameters themselves (gathered per layer by DeepSpeed's hooks), "
+                        'which dptorch does not follow yet: use "zero_optimization": {"stage": 1} or 2, or FSDP2')
+    elif stage not in (1, 2):
+        problems.append(f'ZeRO stage {stage}: use "zero_optimization": {{"stage": 1}} or 2 (stage 0 is plain data '
+                        "parallelism: launch without a DeepSpeed config for DDP)")
+    if _enabled(config.get("fp16")):
+        problems.append("fp16 with DeepSpeed's loss scaling skips a step when a scaled gradient overflows, a data-"
+                        'dependent event the accountant does not cover: use bf16=True ("bf16": {"enabled": "auto"}) '
+                        "or fp32")
+    clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed's default when the key is absent
+    if clipping == "auto" or float(clipping) > 0:
+        problems.append(f'"gradient_clipping" is {clipping} (absent: DeepSpeed\'s default 1.0; "auto": the Trainer\'s '
+                        "max_grad_norm, default 1.0): it would clip the averaged, noised gradient, not each unit. Set "
+                        '"gradient_clipping": 0 in the DeepSpeed config, or keep "auto" and pass max_grad_norm=0; each '
+                        "unit is clipped at PrivacyArguments.per_sample_max_grad_norm")
+    offloaded = [name for name in ("offload_optimizer", "offload_param")
+                 if str((zero.get(name) or {}).get("device", "none")).lower() != "none"]
+    if offloaded:
+        problems.append(f"ZeRO offloading ({', '.join(offloaded)}) moves the gradients through buffers that dptorch "
+                        "does not hand its gradient to: remove the offload sections")
+    for section in ("zenflow", "pipeline"):
+        if config.get(section):
+            problems.append(f'the "{section}" section splits or schedules a step in a way dptorch does not follow: '
+                            "remove it")
+    return problems
+
+
+def one_deepspeed_step_per_logical_batch(config: Dict[str, Any], args: Any) -> None:
+    """Set DeepSpeed's ``gradient_accumulation_steps`` to 1 (and ``train_batch_size`` to match) in place: the
+    Trainer's accumulation splits the Poisson logical batch, and ``engine.step()`` runs once per logical batch."""
+    config["gradient_accumulation_steps"] = 1
+    if isinstance(config.get("train_batch_size"), int):
+        config["train_batch_size"] = args.per_device_train_batch_size * args.world_size
+
+
+def _enabled(section: Any) -> bool:
+    return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", None)
+
+
+__all__ = ["config_problems", "deepspeed_config", "one_deepspeed_step_per_logical_batch"]

@@ -1,0 +1,118 @@
+"""DPTrainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``), run by ``torchrun``
+from ``test_hf_deepspeed.py`` on CPU (``DS_ACCELERATOR=cpu``, gloo).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/hf_deepspeed_script.py OUT
+
+The runs are ``hf_script.py``'s DDP ``full`` run (same model, data, seeds, noise stream ``ShardedNoise``,
+Trainer settings, gradient accumulation 2 with empty micro-batches) with a DeepSpeed config whose values
+are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint at step 2 and ``resumed``
+from it; ``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights). Then the set-ups
+the private Trainer refuses at construction. Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed.comm.torch  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from accelerate.state import AcceleratorState  # noqa: E402
+from peft import LoraConfig, get_peft_model  # noqa: E402
+
+from dptorch.distributed import ShardedNoise  # noqa: E402
+from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
+from tests.distributed import hf_script  # noqa: E402
+from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_llama, without_dropout, word_tokenizer  # noqa: E402
+
+# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it
+deepspeed.comm.torch.build_shm_op = lambda: None
+
+
+def config(stage: int, **extra) -> dict:
+    """A DeepSpeed config that leaves to the Trainer what it fills (``"auto"``)."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "bf16": {"enabled": "auto"}, "steps_per_print": 10**9, **extra}
+
+
+class ObservedDeepSpeed(hf_script.ObservedDPTrainer):
+    """``hf_script``'s observed trainer; its DP optimizer (built with DeepSpeed's engine) draws ``ShardedNoise``."""
+
+    def create_optimizer(self, model=None):
+        return DPTrainer.create_optimizer(self, model)  # under DeepSpeed no DP optimizer exists yet
+
+    def _new_dp_optimizer(self, inner):
+        optimizer = super()._new_dp_optimizer(inner)
+        optimizer.noise_generator = ShardedNoise(optimizer.noise_generator)  # the DDP run's stream
+        return optimizer
+
+
+def ds_trainer(output_dir: Path, tokenizer, deepspeed: dict, **training) -> ObservedDeepSpeed:
+    """``hf_script.dp_trainer``'s DDP trainer, with ``deepspeed`` and ``training`` in its TrainingArguments."""
+    AcceleratorState._reset_state()  # each trainer's Accelerator takes its own DeepSpeed plugin
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
+    model = get_peft_model(without_dropout(tiny_llama(tokenizer)), lora)
+    settings = dict(hf_script.TRAINING, save_strategy="steps", save_steps=2, include_num_input_tokens_seen="all",
+                    ddp_backend="gloo")
+    settings.update(training)
+    args = cpu_training_args(str(output_dir), deepspeed=deepspeed, **settings)
+    return ObservedDeepSpeed(model=model, args=args, train_dataset=lm_dataset(tokenizer, hf_script.ROWS),
+                             data_collator=DataCollatorForPrivateCausalLanguageModeling(tokenizer),
+                             privacy_args=PrivacyArguments(sampling_seed=hf_script.SAMPLING_SEED, **hf_script.PRIVACY))
+
+
+def trained(trainer, **train) -> dict:
+    trainer.train(**train)
+    engine = trainer.model_wrapped
+    report = hf_script.summary(trainer)
+    report.update(global_steps=engine.global_steps, ds_accumulation=engine.gradient_accumulation_steps(),
+                  dtype=str(next(trainer.model.parameters()).dtype))
+    return report
+
+
+def refusal(out: Path, tokenizer, deepspeed: dict, **training) -> str:
+    """The error building a private Trainer with ``deepspeed`` raises (``"accepted"`` if none)."""
+    try:
+        ds_trainer(out, tokenizer, deepspeed, **training)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def main(out: Path) -> None:
+    torch.set_num_threads(1)
+    tokenizer = word_tokenizer()
+    report = {"zero1": trained(ds_trainer(out / "zero1", tokenizer, config(1), save_strategy="no"))}
+    zero2 = ds_trainer(out / "zero2", tokenizer, config(2))
+    report["zero2"] = trained(zero2)
+    report["checkpoint"] = sorted(os.listdir(out / "zero2" / "checkpoint-2"))
+    report["resumed"] = trained(ds_trainer(out / "resumed", tokenizer, config(2)),
+                                resume_from_checkpoint=str(out / "zero2" / "checkpoint-2"))
+    report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
+    report.update({
+        "seed": zero2._dp_sampling_seed, "sample_rate": zero2.privacy_plan.sample_rate,
+        "steps_per_epoch": zero2.privacy_plan.steps_per_epoch, "micro_batches": zero2.sampling_plan.micro_batches,
+        "noise_multiplier": zero2.noise_multiplier, "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
+        "refused-stage3": refusal(out / "r3", tokenizer, config(3)),
+        "refused-stage0": refusal(out / "r0", tokenizer, config(0)),
+        "refused-clipping": refusal(out / "rc", tokenizer, config(2), max_grad_norm=1.0),
+        "refused-offload": refusal(out / "ro", tokenizer, config(
+            2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})),
+        "refused-fp16": refusal(out / "rf", tokenizer, config(1, fp16={"enabled": True}, bf16={"enabled": False})),
+    })
+    rank = torch.distributed.get_rank()
+    (out / f"hf-deepspeed-rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
