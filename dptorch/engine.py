@@ -29,12 +29,14 @@ from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
+from dptorch.distributed.fsdp import check_sharding
 from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
     DPDataLoader,
     check_map_style,
     check_sampler_replaceable,
     check_sharded_for_process_group,
+    mirror_draws,
     poisson_sampler_of,
 )
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
@@ -307,10 +309,17 @@ class PrivacyEngine:
         check_clipping(clipping, max_grad_norm, params, [names.get(p, "?") for p in params])
         if poisson_sampling or bands is not None:
             _check_source_loader(data_loader)
+        tensor_parallel = check_sharding(module)  # TP: every rank trains on one batch (dptorch.distributed.tensor_parallel)
+        if tensor_parallel and (bands is not None or not poisson_sampling):
+            raise ValueError("tensor parallelism is supported with Poisson sampling and independent noise only (not "
+                             "poisson_sampling=False, not bandmf's correlated noise)")
         if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
             dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         else:
-            dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode)
+            dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode,
+                                             data_parallel=not tensor_parallel)
+        if tensor_parallel:
+            mirror_draws(dp_loader.batch_sampler, next(iter(tensor_parallel.values())).group)
         if isinstance(dp_loader, ShuffledDataLoader):
             logger.info("poisson_sampling=False: the loader's shuffled batches of %d are accounted without "
                         "amplification, one Gaussian per pass", dp_loader.batch_sampler.batch_size)
@@ -781,7 +790,8 @@ def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional
     return None
 
 
-def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure_mode: bool = False) -> DPDataLoader:
+def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure_mode: bool = False,
+                         data_parallel: bool = True) -> DPDataLoader:
     if isinstance(data_loader, DPDataLoader):
         if secure_mode and not data_loader.batch_sampler.secure:
             raise ValueError(
@@ -792,7 +802,7 @@ def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure
         return data_loader
     if not poisson_sampling:  # the loader's own batches, accounted per pass (dptorch.data.shuffled)
         return ShuffledDataLoader(data_loader)
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    distributed = data_parallel and torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         return DPDataLoader.from_data_loader(data_loader, distributed=distributed, secure_mode=secure_mode)
     except (TypeError, ValueError) as err:

@@ -151,6 +151,9 @@ class PoissonBatchSampler:
         #: in a loader's prefetch): how a loop that cannot wrap the loader (the plain-Trainer callback) learns
         #: of the draws in the order the loop will train on them.
         self.listener: Optional[Callable[[Optional[int]], None]] = None
+        #: Tensor parallelism: the process group whose ranks all train on one batch; every draw is then
+        #: its rank 0's, broadcast (``mirror_draws``), secure draws included.
+        self.mirror: Any = None
 
     def __len__(self) -> int:
         return self.steps
@@ -197,7 +200,14 @@ class PoissonBatchSampler:
             if self.world_size > 1:
                 mask = mask[self.rank :: self.world_size]
         local = mask.nonzero().flatten()
-        return position, (local * self.world_size + self.rank).tolist()
+        indices = (local * self.world_size + self.rank).tolist()
+        if self.mirror is not None:  # one batch for the whole tensor-parallel group: rank 0's
+            import torch.distributed as dist
+
+            box = [indices]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.mirror, 0), group=self.mirror)
+            indices = list(box[0])
+        return position, indices
 
     def draws(self) -> Iterator[Tuple[int, List[int]]]:
         """One pass of ``(position, indices)``, up to the next epoch boundary, not marked as handed out.
@@ -415,7 +425,7 @@ def check_sharded_for_process_group(batch_sampler: Any) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     world_size, rank = dist.get_world_size(), dist.get_rank()
-    if world_size == 1:
+    if world_size == 1 or getattr(batch_sampler, "mirror", None) is not None:  # TP: one data-parallel rank
         return
     has, at = int(getattr(batch_sampler, "world_size", 1)), int(getattr(batch_sampler, "rank", 0))
     if (has, at) == (world_size, rank):
@@ -431,6 +441,21 @@ def check_sharded_for_process_group(batch_sampler: Any) -> None:
         "rank draws its shard rank::world_size of one global Poisson batch), or pass a plain DataLoader to "
         "make_private, which rebuilds it sharded"
     )
+
+
+def mirror_draws(batch_sampler: Any, group: Any) -> None:
+    """Make every draw of ``batch_sampler`` rank 0's of ``group`` (tensor parallelism: the ranks of the
+    group train on one batch). A sampler sharded over several data-parallel ranks is refused."""
+    if int(getattr(batch_sampler, "world_size", 1)) != 1:
+        raise ValueError(
+            f"this loader's Poisson sampler is sharded over {batch_sampler.world_size} processes, but under tensor "
+            "parallelism every rank trains on the same batch (one data-parallel rank): build the DPDataLoader "
+            "without distributed=True, or pass a plain DataLoader to make_private"
+        )
+    if not hasattr(batch_sampler, "mirror"):
+        raise ValueError(f"{type(batch_sampler).__name__} cannot share its draws over a tensor-parallel group; "
+                         "use a DPDataLoader (Poisson sampling) under tensor parallelism")
+    batch_sampler.mirror = group
 
 
 def distributed_rank_and_world_size() -> tuple:
@@ -670,6 +695,7 @@ __all__ = [
     "EmptyBatchCollate",
     "PoissonBatchSampler",
     "check_sharded_for_process_group",
+    "mirror_draws",
     "default_steps",
     "draw_seed",
     "empty_batch_like",

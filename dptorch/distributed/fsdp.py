@@ -35,7 +35,7 @@ What FSDP2 changes, and what dptorch does about it:
   reduce-scattered on the compute device, then each shard moves to the CPU, where the shard lives,
   its noise is drawn and the optimizer steps (as FSDP2's own offloaded gradients do).
 
-Refused: other meshes and placements (tensor parallelism: ``Shard(1)``, a TP mesh dimension;
+Refused: other meshes and placements (TP with FSDP2 on a 2-D mesh, DTensors made by hand;
 custom shard placements).
 """
 
@@ -95,30 +95,37 @@ def fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, torch.device]:
     return managed
 
 
-def check_sharding(module: nn.Module) -> None:
-    """Refuse, before anything is attached, DTensor parameters that are not FSDP2's (or HSDP's) shards.
+def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
+    """Refuse, before anything is attached, DTensor parameters private training cannot keep exact;
+    the tensor-parallel layouts of the parameters (empty without tensor parallelism).
 
-    A DTensor that ``fully_shard`` does not manage is never gathered for its layer's call: under
-    tensor parallelism (``parallelize_module`` with ``ColwiseParallel``, ``RowwiseParallel``, ...)
-    each rank computes with its slice of the weight, so one sample's gradient is split across the
-    ranks and a per-sample norm formed on one rank would miss the others' parts.
+    FSDP2's (and HSDP's) shards are gathered for their layer's call. A DTensor that ``fully_shard``
+    does not manage is a tensor-parallel slice: each rank computes with its slice of the weight, so
+    one sample's gradient is split across the ranks; ``tensor_parallel`` supports the splits whose
+    partial norms it can add up (and refuses the others), on a mesh of its own (TP with FSDP2 is
+    refused).
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
     if not named:
-        return
+        return {}
     managed = fully_shard_params(module)
     foreign = [name for name, p in named if p not in managed]
-    if foreign:
+    if foreign and len(foreign) < len(named):
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise ValueError(
             f"parameters {shown} are DTensors that fully_shard does not manage (tensor parallelism: "
-            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand). "
-            "Each rank computes with its slice of such a weight, so one sample's gradient is split across the ranks "
-            "and its norm on one rank would miss the others' parts: private training refuses it. Use FSDP2 "
-            "(fully_shard) or HSDP (fully_shard on a 2-D (replicate, shard) mesh), or DDP"
+            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand), "
+            "in a model FSDP2 shards too: tensor parallelism with FSDP2 (a 2-D mesh) is not supported yet, since "
+            "each rank would hold part of a sample's gradient in a layer FSDP2 does not gather. Use tensor "
+            "parallelism alone, FSDP2 (fully_shard) or HSDP alone, or DDP"
         )
+    if foreign:
+        from dptorch.distributed.tensor_parallel import tensor_parallel_params
+
+        return tensor_parallel_params(module)  # refuses the splits whose per-sample norms it cannot complete
     for name, p in named:
         shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
+    return {}
 
 
 def any_sharded(params: Sequence[Any]) -> bool:

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dptorch.data import drawn
 from dptorch.distributed.ddp import keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import check_sharding, is_fully_sharded_module
+from dptorch.distributed.tensor_parallel import check_same_batch, local_part, local_shape
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -190,7 +191,10 @@ class GradSampleHooks:
     # ------------------------------------------------------------------ attach / detach
 
     def _check_compatible(self, strict: bool) -> None:
-        check_sharding(self.module)  # tensor parallelism splits one sample's gradient across ranks
+        # tensor parallelism splits one sample's gradient across ranks: only the splits it can add up
+        self.tensor_parallel = check_sharding(self.module)
+        self._tensor_parallel_modules = [m for m in self.module.modules()
+                                         if any(p in self.tensor_parallel for p in m.parameters(recurse=False))]
         if self.grad_sample_mode == "ew":
             unsupported = expanded_weights.unsupported_modules(self.module)
             if unsupported:
@@ -417,6 +421,8 @@ class GradSampleHooks:
             self.last_batch_size = self._batch_size
             units, self._token_units = self._token_units, None  # token units hold for one forward
             self._packed_forward = None
+            if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
+                check_same_batch(_tensor_leaves((args, kwargs)), next(iter(self.tensor_parallel.values())).group)
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size)
                 if units is not None:
@@ -687,10 +693,12 @@ class GradSampleHooks:
 
     def _attach_wrapper_input_tags(self) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
-        (its post-backward Function), which the batch tracker never saw being made: hooks around
-        it hand each input's batch tag to its replacement."""
+        (its post-backward Function), and a tensor-parallel layer's by DTensors wrapping them, which
+        the batch tracker never saw being made: hooks around it hand each input's batch tag to its
+        replacement."""
+        tensor_parallel = {id(m) for m in self._tensor_parallel_modules}
         for sub in self.module.modules():
-            if is_fully_sharded_module(sub):
+            if is_fully_sharded_module(sub) or id(sub) in tensor_parallel:
                 self._handles.append(sub.register_forward_pre_hook(self._note_wrapper_inputs, prepend=True, with_kwargs=True))
                 self._handles.append(sub.register_forward_pre_hook(self._tag_wrapper_inputs, with_kwargs=True))
 
@@ -711,7 +719,7 @@ class GradSampleHooks:
         if len(leaves) != len(noted):
             return
         for t, (before, tag) in zip(leaves, noted):
-            if t is not before and tag is not None and tracker.get(t) is None and t.shape == before.shape:
+            if t is not before and tag is not None and tracker.get(t) is None and local_shape(t) == before.shape:
                 tracker.put(t, tag)
 
     def _live_params(self, module: nn.Module, layer: _Layer) -> Dict[str, torch.Tensor]:
@@ -987,6 +995,11 @@ class GradSampleHooks:
             )
         self._round_units = units
         packed = None
+        if self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
+            dims = call.input_dims if call.kind == "batched" else (None,) * len(activations)
+            activations = tuple(local_part(a, None if d is None else d % INNER) for a, d in zip(activations, dims))
+            out_dim = call.output_dims[0] if call.kind == "batched" else None
+            grad_outputs = tuple(local_part(g, None if out_dim is None else out_dim % INNER) for g in grad_outputs)
         if units is not None and self._packed_affine(layer, activations, grad_outputs[0], units):
             backprops, group, packed = grad_outputs[0], None, units  # kept packed (packed_affine: no (U, L) layout)
             scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
@@ -1183,6 +1196,10 @@ def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int
     if isinstance(value, PackedSequence):
         return int(value.batch_sizes[0]) if len(value.batch_sizes) else 0
     return None if value is None else value.shape[batch_dim]
+
+
+def _tensor_leaves(tree: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
 def _tensor_arguments(module: nn.Module, args: tuple, kwargs: dict) -> Tuple[torch.Tensor, ...]:

@@ -43,6 +43,7 @@ from dptorch.clipping.factors import (
     per_layer_thresholds,
 )
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
+from dptorch.distributed.tensor_parallel import add_noise_tensor_parallel, complete_norms
 from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
@@ -174,7 +175,11 @@ class DPOptimizer(torch.optim.Optimizer):
         which the controller then refuses."""
         self.hooks = hooks
         hooks.keep_param_grads = False
-        self._sharded = any_sharded(self.params)  # FSDP2 (fully_shard): see dptorch.distributed.fsdp
+        # tensor parallelism (dptorch.distributed.tensor_parallel): every rank runs the whole batch
+        self._tensor_parallel = dict(getattr(hooks, "tensor_parallel", None) or {})
+        self._sharded = any_sharded(self.params) and not self._tensor_parallel  # FSDP2: dptorch.distributed.fsdp
+        if self._tensor_parallel:  # one data-parallel rank: nothing to add up over the ranks
+            self._world_size = 1
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -282,6 +287,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
+        if self._tensor_parallel:  # a split parameter's norm is the sum of the ranks' parts
+            norms = complete_norms(norms, self._tensor_parallel)
         if not norms:
             if self._sharded:  # FSDP2: every rank takes part in the reductions of every backward pass
                 accumulate_sharded(self, hooks, {})
@@ -404,6 +411,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 counts[1:] += self.noise_generator.noise_like(counts[1:], std).to(counts.dtype)
         if self._world_size > 1:
             torch.distributed.all_reduce(counts)
+        if self._tensor_parallel:  # the same counts on every rank; rank 0's noise
+            group = next(iter(self._tensor_parallel.values())).group
+            torch.distributed.broadcast(counts, src=torch.distributed.get_global_rank(group, 0), group=group)
         unclipped, dropped = counts.tolist()
         return unclipped_fraction(unclipped, self.expected_batch_size), (2.0 * dropped if released else None)
 
@@ -500,6 +510,8 @@ class DPOptimizer(torch.optim.Optimizer):
         params = self.params
         if not params:
             return
+        if self._tensor_parallel:  # each rank its slice of split parameters, rank 0's value of the others
+            return add_noise_tensor_parallel(self, params, self._tensor_parallel)
         if self._sharded or isinstance(self.noise_generator, ShardedNoise):  # noise per parameter element
             return add_noise_per_parameter(self, params)
         sizes = [p.numel() for p in params]
