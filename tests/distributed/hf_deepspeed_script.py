@@ -12,6 +12,7 @@ the private Trainer refuses at construction. Each rank writes ``OUT/hf-deepspeed
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -19,7 +20,6 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-import deepspeed.comm.torch  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +33,9 @@ from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling
 from tests.distributed import hf_script  # noqa: E402
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_llama, without_dropout, word_tokenizer  # noqa: E402
 
-# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it
-deepspeed.comm.torch.build_shm_op = lambda: None
+# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it.
+# (The module itself: the attribute deepspeed.comm.torch is the torch package, which deepspeed.comm re-exports.)
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def config(stage: int, **extra) -> dict:

@@ -78,13 +78,6 @@ def test_sharded_noise_does_not_depend_on_the_cut():
     assert not torch.equal(noise.slice(noise.step_key(), 4, 50, 0, 50, 1.0), whole)  # another step, too
 
 
-def test_tensor_parallelism_is_refused_when_the_controller_attaches(result):
-    for rank in range(WORLD):  # ColwiseParallel: each rank holds half the rows and computes with them alone
-        message = result("tp-refused", rank)
-        assert "0.weight, 0.bias are DTensors that fully_shard does not manage" in message
-        assert "one sample's gradient is split across the ranks" in message
-
-
 def test_an_engine_checkpoint_of_a_sharded_run_resumes_exactly(result):
     """save_checkpoint writes a directory (DCP shards + rank 0's privacy state); a fresh run with other
     initial weights, resumed from it, takes the same second epoch: parameters, momentum, sampler, noise."""

@@ -89,7 +89,7 @@ def test_tensor_parallel_x_fsdp_is_refused_when_the_controller_attaches(hsdp):
 def test_hsdp_placements_made_by_hand_are_refused(hsdp):
     for rank in range(WORLD):  # (Replicate(), Shard(0)) like HSDP, but nothing gathers the weight for its call
         message = hsdp("hand-2d-refused", rank)
-        assert "0.weight, 0.bias are DTensors that fully_shard does not manage" in message
+        assert "0: a DTensor parameter on a 2-D mesh" in message and "supported on a 1-D mesh" in message
 
 
 def test_an_engine_checkpoint_of_an_hsdp_run_resumes_exactly(hsdp):

@@ -257,24 +257,28 @@ def ddp_ranks_skip_different_forwards() -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _sharded_private(seed: int, folder: Optional[str] = None, mesh=None):
-    """A per-layer FSDP2 model (on ``mesh``: HSDP when 2-D), momentum SGD and the engine (rdp), made private;
-    with ``folder``, resumed from it."""
+def _sharded_private(seed: int, folder: Optional[str] = None, mesh=None, tensor_parallel=None):
+    """A per-layer FSDP2 model (on ``mesh``: HSDP when 2-D; or ``tensor_parallel(model)``'s split one, from
+    ``tensor_parallel.model``), momentum SGD and the engine (rdp), made private; with ``folder``, resumed from it."""
     from torch.distributed.fsdp import fully_shard
 
     on = {} if mesh is None else {"mesh": mesh}
-    model = model_like()
+    model = model_like() if tensor_parallel is None else tensor_parallel.model()
     if seed:
         torch.manual_seed(seed)  # other initial weights: a resumed run must take the checkpoint's
         for p in model.parameters():
             nn.init.normal_(p)
-    for layer in (model[0], model[3]):
-        fully_shard(layer, **on)
-    fully_shard(model, **on)
+    if tensor_parallel is not None:
+        tensor_parallel(model)
+    else:
+        for layer in (model[0], model[3]):
+            fully_shard(layer, **on)
+        fully_shard(model, **on)
     engine = PrivacyEngine(accountant="rdp")
     _hooks, optimizer, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
-        data_loader=DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED, distributed=True),
+        data_loader=DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED,
+                                 distributed=tensor_parallel is None),
         noise_multiplier=SIGMA, max_grad_norm=CLIP, loss_reduction="sum", grad_sample_mode="bk", wrap_model=False,
         noise_generator=ShardedNoise(seed=NOISE_SEED),
     )
@@ -291,18 +295,18 @@ def _sharded_epoch(model, optimizer, loader) -> None:
             optimizer.zero_grad()
 
 
-def sharded_resume(mesh=None) -> dict:
-    """FSDP2 engine checkpoint: one epoch, save, one more epoch; then a fresh run resumed from the save
-    takes the same second epoch. Parameters and epsilon of both, and a save refused mid-step."""
+def sharded_resume(mesh=None, tensor_parallel=None) -> dict:
+    """FSDP2 (or tensor-parallel) engine checkpoint: one epoch, save, one more epoch; then a fresh run resumed
+    from the save takes the same second epoch. Parameters and epsilon of both, and a save refused mid-step."""
     box = [tempfile.mkdtemp(prefix="dptorch-sharded-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     folder = os.path.join(box[0], "checkpoint")
-    engine, model, optimizer, loader = _sharded_private(seed=0, mesh=mesh)
+    engine, model, optimizer, loader = _sharded_private(seed=0, mesh=mesh, tensor_parallel=tensor_parallel)
     _sharded_epoch(model, optimizer, loader)
     engine.save_checkpoint(folder, module=model, optimizer=optimizer, data_loader=loader)
     _sharded_epoch(model, optimizer, loader)
     first = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
-    engine, model, optimizer, loader = _sharded_private(seed=3, folder=folder, mesh=mesh)
+    engine, model, optimizer, loader = _sharded_private(seed=3, folder=folder, mesh=mesh, tensor_parallel=tensor_parallel)
     _sharded_epoch(model, optimizer, loader)
     resumed = {"params": flat_params(model), "epsilon": engine.get_epsilon(DELTA), "steps": engine.plan.steps}
     x, y = next(iter(loader))
@@ -317,9 +321,8 @@ def sharded_resume(mesh=None) -> dict:
 
 def sharding_refusal(kind: str) -> str:
     """The error attaching a controller raises on a model whose DTensor weights fully_shard does not
-    manage or places otherwise (``"accepted"`` if none): ``tp`` (ColwiseParallel on a 1-D mesh),
-    ``tp-fsdp`` (TP x FSDP2 on a 2-D (dp, tp) mesh), ``hand-2d`` (HSDP's placements on a 2-D mesh,
-    made by hand: no all-gather ever happens)."""
+    manage or places otherwise (``"accepted"`` if none): ``tp-fsdp`` (TP x FSDP2 on a 2-D (dp, tp) mesh),
+    ``hand-2d`` (HSDP's placements on a 2-D mesh, made by hand: no all-gather ever happens)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -328,9 +331,7 @@ def sharding_refusal(kind: str) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6))
     world = dist.get_world_size()
-    if kind == "tp":
-        parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
-    elif kind == "tp-fsdp":
+    if kind == "tp-fsdp":
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
@@ -364,7 +365,6 @@ def scenarios(rank: int):
     yield "unseen-ddp", unseen_path_under_ddp
     yield "ddp-sync", ddp_sync_restored
     yield "ddp-uneven-forwards", ddp_ranks_skip_different_forwards
-    yield "tp-refused", lambda: sharding_refusal("tp")
     yield "fsdp-resume", sharded_resume
 
 

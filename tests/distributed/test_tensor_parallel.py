@@ -1,0 +1,229 @@
+"""DP-SGD under tensor parallelism (``parallelize_module``, ColwiseParallel / RowwiseParallel), 2 processes (gloo).
+
+Every rank runs the same Poisson batch with its slice of the split weights: the partial per-sample
+norms are added up over the ranks before clipping, each rank keeps its slice of the clipped sum and
+of the one noise stream, so the run ends where one process ends.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptorch import PrivacyEngine
+from dptorch.data import DPDataLoader
+from dptorch.distributed import ShardedNoise
+from dptorch.grad_sample import GradSampleHooks
+from dptorch.noise import SecureNoiseGenerator
+from dptorch.optim import DPOptimizer
+from tests.distributed import workers
+
+WORLD = 2
+WIDE_IN, WIDE_MID, WIDE_OUT = 60, 40, 50  # noise-only model: enough elements for a std check
+
+
+def tp_model() -> nn.Module:
+    """Column-wise, then row-wise (a split pair, as in a transformer MLP), then replicated layers."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
+
+
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def parallelized(model: nn.Module, first: str = "0", second: str = "2") -> nn.Module:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    return parallelize_module(model, mesh(), {first: ColwiseParallel(), second: RowwiseParallel()})
+
+
+def noise_only(generator, tensor_parallel: bool) -> dict:
+    """Two noise-only steps (empty batches): every gradient is the noise / B."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDE_IN, WIDE_MID), nn.Linear(WIDE_MID, WIDE_OUT))
+    if tensor_parallel:
+        parallelized(model, "0", "1")
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=workers.SIGMA,
+                            max_grad_norm=workers.CLIP, expected_batch_size=workers.BIG_BATCH, noise_generator=generator)
+    draws = []
+    for _ in range(2):
+        model(torch.zeros(0, WIDE_IN)).sum().backward()
+        optimizer.step()
+        draws.append({
+            "full": torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                               for p in optimizer.params]),
+            "local": [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).flatten() for p in optimizer.params],
+        })
+        optimizer.zero_grad()
+    hooks.cleanup()
+    return {"draws": draws}
+
+
+def different_data(rank: int) -> str:
+    """Each rank feeds its own batch: refused on every rank."""
+    model = parallelized(tp_model())
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    try:
+        model(torch.randn(3, 5, generator=torch.Generator().manual_seed(rank)))
+    except ValueError as error:
+        return str(error)
+    finally:
+        hooks.cleanup()
+    return "accepted"
+
+
+def refusal(kind: str) -> str:
+    """The error make_private (or attaching) raises for a tensor-parallel set-up it cannot keep exact."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    try:
+        if kind == "distributed-loader":
+            model = parallelized(tp_model())
+            loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=1, distributed=True)
+            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+        elif kind == "sequence-parallel":
+            model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+            parallelize_module(model, mesh(), {"1": SequenceParallel()})
+            GradSampleHooks(model).cleanup()
+        elif kind == "embedding":
+            model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
+            parallelize_module(model, mesh(), {"0": RowwiseParallel()})
+            GradSampleHooks(model).cleanup()
+        elif kind == "shuffled":
+            model = parallelized(tp_model())
+            loader = torch.utils.data.DataLoader(workers.dataset(), batch_size=4, shuffle=True)
+            PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False,
+                                         poisson_sampling=False)
+        elif kind == "colwise-only":  # accepted: one split layer alone
+            model = nn.Sequential(nn.Linear(4, 6))
+            parallelize_module(model, mesh(), {"0": ColwiseParallel()})
+            GradSampleHooks(model).cleanup()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def secure_run() -> dict:
+    """Secure sampling and secure noise under TP: rank 0's draws on every rank, replicas identical."""
+    model = parallelized(tp_model())
+    engine = PrivacyEngine(secure_mode=True)
+    loader = torch.utils.data.DataLoader(workers.dataset(), batch_size=6)
+    _hooks, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=loader,
+        noise_multiplier=workers.SIGMA, max_grad_norm=workers.CLIP, loss_reduction="sum", wrap_model=False)
+    sizes = []
+    for x, y in loader:
+        sizes.append(len(x))
+        ((model(x) - y) ** 2).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"params": workers.flat_params(model), "sizes": sizes, "epsilon": engine.get_epsilon(workers.DELTA)}
+
+
+def split(model: nn.Module) -> nn.Module:
+    return parallelized(model)
+
+
+split.model = tp_model  # what sharded_resume builds before splitting
+
+
+def scenarios(rank: int):
+    for mode in ("hooks", "bk", "ghost"):
+        yield f"tp-{mode}", lambda mode=mode: workers.train(parallelized(tp_model()), mode, distributed=False, physical=3)
+    torch.manual_seed(100 + rank)  # the ranks' own generators differ: the stream must still be rank 0's
+    yield "tp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK), True)
+    yield "tp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), True)
+    yield "tp-secure", secure_run
+    yield "tp-different-data", lambda: different_data(rank)
+    yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=split)
+    for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
+        yield f"tp-refused-{kind}", lambda kind=kind: refusal(kind)
+
+
+@pytest.fixture(scope="module")
+def tp():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return workers.reader(workers.spawn_all(scenarios, world=WORLD))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+def test_tensor_parallel_run_ends_where_one_process_ends(tp, mode):
+    """Same Poisson batches, same noise stream: both ranks end with the one-process parameters."""
+    runs = [tp(f"tp-{mode}", rank) for rank in range(WORLD)]
+    torch.testing.assert_close(runs[1]["params"], runs[0]["params"], rtol=0, atol=0)
+    reference = workers.train(tp_model(), mode, distributed=False, physical=3)
+    torch.testing.assert_close(runs[0]["params"], reference["params"], rtol=1e-5, atol=1e-6)
+    start = workers.flat_params(tp_model())
+    assert (reference["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
+    for run in runs:
+        assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
+        assert run["steps"] == reference["steps"] and run["rows_per_step"] == reference["rows_per_step"]
+
+
+def test_tensor_parallel_noise_is_the_one_process_stream_drawn_once_per_element(tp):
+    runs = [tp("tp-noise", rank)["draws"] for rank in range(WORLD)]
+    reference = noise_only(ShardedNoise(seed=workers.NOISE_SEED, chunk_size=workers.CHUNK), False)["draws"]
+    for step, expected in enumerate(reference):
+        for run in runs:  # split and replicated parameters alike: rank 0's stream, the same as one process
+            torch.testing.assert_close(run[step]["full"], expected["full"], rtol=0, atol=0)
+        # the split weights' slices differ between the ranks (each its own part of the stream)
+        assert not torch.equal(runs[0][step]["local"][0], runs[1][step]["local"][0])
+
+
+def test_secure_tensor_parallel_noise_one_draw_per_element_with_the_right_std(tp):
+    runs = [tp("tp-noise-secure", rank)["draws"] for rank in range(WORLD)]
+    std = workers.SIGMA * workers.CLIP / workers.BIG_BATCH
+    for step in range(2):
+        full = [run[step]["full"] for run in runs]
+        torch.testing.assert_close(full[0], full[1], rtol=0, atol=0)  # one gradient on every rank
+        values = full[0].double()
+        assert values.numel() > 3000
+        assert values.std().item() == pytest.approx(std, rel=0.06)  # 6%: over 5 standard errors at 4490 draws
+        split = [run[step]["local"][0] for run in runs]  # the column-wise weight: each rank its own draws
+        assert not torch.equal(split[0], split[1])
+    assert not torch.equal(runs[0][0]["full"], runs[0][1]["full"])  # fresh draws every step
+
+
+def test_secure_sampling_draws_one_batch_for_the_group(tp):
+    runs = [tp("tp-secure", rank) for rank in range(WORLD)]
+    assert runs[0]["sizes"] == runs[1]["sizes"] and sum(runs[0]["sizes"]) > 0
+    torch.testing.assert_close(runs[0]["params"], runs[1]["params"], rtol=0, atol=0)
+    assert runs[0]["epsilon"] == runs[1]["epsilon"]
+
+
+def test_an_engine_checkpoint_of_a_tensor_parallel_run_resumes_exactly(tp):
+    for rank in range(WORLD):
+        run = tp("tp-resume", rank)
+        torch.testing.assert_close(run["resumed"]["params"], run["first"]["params"], rtol=0, atol=0)
+        assert run["resumed"]["epsilon"] == run["first"]["epsilon"] and run["first"]["steps"] > 0
+        assert run["resumed"]["steps"] == run["first"]["steps"]
+        assert "clipped gradients are held for the next step" in run["mid_step"]
+
+
+def test_ranks_running_different_data_are_refused_on_every_rank(tp):
+    for rank in range(WORLD):
+        assert "ran forwards on different inputs" in tp("tp-different-data", rank)
+
+
+@pytest.mark.parametrize("kind, words", [
+    ("distributed-loader", "every rank trains on the same batch"),
+    ("sequence-parallel", "SequenceParallel splits the tokens"),
+    ("embedding", "Embedding"),
+    ("shuffled", "tensor parallelism is supported with Poisson sampling"),
+])
+def test_tensor_parallel_set_ups_it_cannot_keep_exact_are_refused(tp, kind, words):
+    for rank in range(WORLD):
+        assert words in tp(f"tp-refused-{kind}", rank)
+
+
+def test_one_split_layer_alone_is_accepted(tp):
+    for rank in range(WORLD):
+        assert tp("tp-refused-colwise-only", rank) == "accepted"
