@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "== 1/2 torch 2.13.0, CPU build, first (an open range could pull a multi-GB CUDA build)"
 	$(BIN)/python -m pip install --progress-bar on $(TORCH)
-	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, dp-accounting, plotting and test tools"
-	$(BIN)/python -m pip install --progress-bar on -e '.[hf,dev,plot,examples]'
+	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, DeepSpeed, dp-accounting, plotting and test tools"
+	$(BIN)/python -m pip install --progress-bar on -e '.[hf,dev,plot,examples,deepspeed]'
 	touch $(STAMP)
 	@echo "== Ready. Use the environment with: source $(VENV)/bin/activate  (or prefix commands with $(BIN)/)"
 

@@ -53,9 +53,15 @@ def test_trainer_refusals_say_why():
 
     privacy = PrivacyArguments(noise_multiplier=1.0)
     assert setup_problems(fake_trainer(world_size=2), privacy) == []  # DDP is supported
-    deepspeed = fake_trainer()
-    deepspeed.is_deepspeed_enabled = True
-    assert "DeepSpeed in the Trainer is not supported yet" in " ".join(setup_problems(deepspeed, privacy))  # the engine: ZeRO-1/2
+    for zero, refused in (({"stage": 2}, ""), ({"stage": 3}, "ZeRO stage 3"), ({"stage": 1, "offload_param": {
+            "device": "cpu"}}, "offload_param")):  # ZeRO-1/2 are supported (test_hf_deepspeed.py trains them)
+        deepspeed = fake_trainer()
+        deepspeed.is_deepspeed_enabled = True
+        config = {"zero_optimization": zero, "gradient_clipping": 0.0}
+        deepspeed.accelerator = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+            hf_ds_config=SimpleNamespace(config=config))))
+        problems = setup_problems(deepspeed, privacy)
+        assert (problems == []) if not refused else (refused in " ".join(problems) and len(problems) == 1)
     for version, refused in ((1, True), (2, False)):
         fsdp = fake_trainer(world_size=2)
         fsdp.is_fsdp_enabled = True
