@@ -8,7 +8,8 @@ A small transformer-shaped model (token embedding, ``--layers`` blocks of LayerN
 of width ``4 * --width``, LM head; no attention, which has no parameters to clip) trained on random
 tokens. The *global* batch is ``--batch`` sequences of ``--seq`` tokens: one process takes all of
 it, two or four processes split it (DDP; FSDP2 with ``fully_shard`` on every block and the
-root; HSDP: the same on a 2 x 2 ``(replicate, shard)`` mesh). Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
+root; HSDP: the same on a 2 x 2 ``(replicate, shard)`` mesh); under tensor parallelism (TP: every
+block's MLP split column-wise then row-wise) every process runs the whole batch. Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
 intra-op thread each); the step is forward, backward and optimizer step (plus clipping and noise
 when private), median of ``--steps`` steps after two warm-up steps.
 
@@ -19,7 +20,9 @@ and reduce-scatters included). What a rank sends on a ring is (n-1)/n of that (2
 all-reduce). DDP's own gradient
 all-reduce runs in its C++ reducer and is not seen: for plain DDP it is the parameters' bytes per
 step (added to the figure, marked ``+reducer``); private DDP switches it off and all-reduces the
-clipped sums through the Python API (counted).
+clipped sums through the Python API (counted). Tensor parallelism's own all-reduces of activations go
+through functional collectives and are not counted either (``plain TP`` shows 0); ``private TP`` shows
+what DP adds: the partial per-sample norms, rank 0's step key and the replicated parameters' gradients.
 
 Peak memory per rank: on CPU the growth of the process's peak RSS over the step loop (the model
 and optimizer state are built before, so what shows is activations, gradients and what DP adds);
@@ -67,6 +70,10 @@ CONFIGS = [
     ("private DDP x4", 4, "ddp", True),
     ("private FSDP2 x4", 4, "fsdp", True),
     ("private HSDP 2x2", 4, "hsdp", True),
+    ("plain TP", 2, "tp", False),
+    ("private TP", 2, "tp", True),
+    ("plain TP x4", 4, "tp", False),
+    ("private TP x4", 4, "tp", True),
 ]
 
 #: The ``torch.distributed`` functions whose payload is counted, and the argument holding the full tensor
@@ -163,8 +170,15 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         for block in model.blocks:
             fully_shard(block, **mesh)
         fully_shard(model, **mesh)
+    elif parallel == "tp":  # each block's MLP split: up by columns, down by rows (every rank runs the whole batch)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in model.blocks:
+            parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    local_batch = opts["batch"] // world
+    local_batch = opts["batch"] if parallel == "tp" else opts["batch"] // world
     if private:
         from dptorch.grad_sample import GradSampleHooks
         from dptorch.optim import DPOptimizer
@@ -172,7 +186,7 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0,
                                 expected_batch_size=float(opts["batch"]))
-    generator = torch.Generator().manual_seed(rank)
+    generator = torch.Generator().manual_seed(0 if parallel == "tp" else rank)
     batches = [torch.randint(0, vocab, (local_batch, seq + 1), generator=generator).to(device)
                for _ in range(opts["steps"] + 2)]
     loss_fn = nn.CrossEntropyLoss(reduction="sum")

@@ -127,6 +127,37 @@ def secure_run() -> dict:
     return {"params": workers.flat_params(model), "sizes": sizes, "epsilon": engine.get_epsilon(workers.DELTA)}
 
 
+LLAMA_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col", "self_attn.o_proj": "row",
+              "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"}
+
+
+def llama_step(mode: str, tensor_parallel: bool) -> dict:
+    """One noiseless DP step on a tiny Llama (heads and MLP split as the usual TP plan splits them):
+    per-sample norms and the updated parameters."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).train()
+    if tensor_parallel:
+        styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
+    hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=0.3, expected_batch_size=3.0)
+    start = workers.flat_params(model)
+    ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
+    logits = model(input_ids=ids).logits
+    nn.functional.cross_entropy(logits.reshape(-1, 50), ids.reshape(-1), reduction="sum").backward()
+    optimizer.step()
+    hooks.cleanup()
+    return {"params": workers.flat_params(model), "start": start, "clipped": optimizer.last_clipped_fraction}
+
+
 def split(model: nn.Module) -> nn.Module:
     return parallelized(model)
 
@@ -141,6 +172,8 @@ def scenarios(rank: int):
     yield "tp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK), True)
     yield "tp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), True)
     yield "tp-secure", secure_run
+    for mode in ("hooks", "bk"):
+        yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, True)
     yield "tp-different-data", lambda: different_data(rank)
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=split)
     for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
@@ -166,6 +199,18 @@ def test_tensor_parallel_run_ends_where_one_process_ends(tp, mode):
     for run in runs:
         assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
         assert run["steps"] == reference["steps"] and run["rows_per_step"] == reference["rows_per_step"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_tensor_parallel_llama_step_is_the_one_process_step(tp, mode):
+    """Attention heads and MLP split over the ranks: the clipped update equals the unsplit model's."""
+    reference = llama_step(mode, False)  # here, without a process group
+    assert reference["clipped"] == 1.0  # every sample clipped: the norms matter
+    assert (reference["params"] - reference["start"]).abs().max() > 1e-3  # the step moved the weights
+    for rank in range(WORLD):
+        run = tp(f"tp-llama-{mode}", rank)
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+        assert run["clipped"] == reference["clipped"]
 
 
 def test_tensor_parallel_noise_is_the_one_process_stream_drawn_once_per_element(tp):
