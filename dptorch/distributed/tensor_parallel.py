@@ -220,6 +220,23 @@ def _agrees(t: torch.Tensor, group: Any) -> bool:
     return bool(torch.equal(high, low))
 
 
+def context_parallel_active() -> bool:
+    """Whether torch's context parallelism is on (``context_parallel`` patched SDPA, or its DTensor
+    handlers are enabled): it splits every sample's tokens over the ranks, so no rank holds a sample's
+    gradient, and attention meets the other ranks' tokens through collectives the tracker cannot see."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):  # it needs a device mesh
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+    except ImportError:  # no context parallelism in this torch
+        return False
+    handlers = getattr(getattr(DTensor, "_op_dispatcher", None), "_custom_op_handlers", {}) or {}
+    patched = torch.nn.functional.scaled_dot_product_attention in getattr(cp, "_replaced_functions", {})
+    return patched or any(op in handlers for op in getattr(cp, "custom_ops", {}))
+
+
 def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], layouts: Dict[nn.Parameter, TensorParallelLayout]) -> None:
     """Write ``p.grad = (clipped sum + noise) / expected batch size`` on every rank of the group.
 
@@ -281,6 +298,7 @@ __all__ = [
     "add_noise_tensor_parallel",
     "check_same_batch",
     "complete_norms",
+    "context_parallel_active",
     "local_part",
     "local_shape",
     "tensor_parallel_params",

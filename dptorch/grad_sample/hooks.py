@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dptorch.data import drawn
 from dptorch.distributed.ddp import keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import check_sharding, is_fully_sharded_module
-from dptorch.distributed.tensor_parallel import check_same_batch, local_part, local_shape
+from dptorch.distributed.tensor_parallel import check_same_batch, context_parallel_active, local_part, local_shape
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -421,6 +421,13 @@ class GradSampleHooks:
             self.last_batch_size = self._batch_size
             units, self._token_units = self._token_units, None  # token units hold for one forward
             self._packed_forward = None
+            if module.training and torch.is_grad_enabled() and context_parallel_active():
+                raise PerSampleGradientError(
+                    "context parallelism (torch.distributed.tensor.experimental.context_parallel) is on: it splits "
+                    "every sample's tokens over the ranks, so no rank holds a sample's whole gradient and attention "
+                    "meets the other ranks' tokens through collectives the batch tracker does not follow. Private "
+                    "training refuses it; give each rank whole sequences (DDP, FSDP2, or tensor parallelism)"
+                )
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), next(iter(self.tensor_parallel.values())).group)
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:

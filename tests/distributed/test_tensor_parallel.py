@@ -110,6 +110,24 @@ def refusal(kind: str) -> str:
     return "accepted"
 
 
+def context_parallel_refusal() -> str:
+    """A forward under torch's context_parallel (each rank a slice of every sequence): refused."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    x = torch.randn(2, 4, 4)
+    try:
+        with context_parallel(mesh(), buffers=[x], buffer_seq_dims=[1]):
+            model(x)
+    except Exception as error:  # noqa: BLE001 - the message says which
+        return f"{type(error).__name__}: {error}"
+    finally:
+        hooks.cleanup()
+    return "accepted"
+
+
 def secure_run() -> dict:
     """Secure sampling and secure noise under TP: rank 0's draws on every rank, replicas identical."""
     model = parallelized(tp_model())
@@ -175,6 +193,7 @@ def scenarios(rank: int):
     for mode in ("hooks", "bk"):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, True)
     yield "tp-different-data", lambda: different_data(rank)
+    yield "cp-refused", context_parallel_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=split)
     for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
         yield f"tp-refused-{kind}", lambda kind=kind: refusal(kind)
@@ -267,6 +286,12 @@ def test_ranks_running_different_data_are_refused_on_every_rank(tp):
 def test_tensor_parallel_set_ups_it_cannot_keep_exact_are_refused(tp, kind, words):
     for rank in range(WORLD):
         assert words in tp(f"tp-refused-{kind}", rank)
+
+
+def test_context_parallelism_is_refused_on_every_rank(tp):
+    for rank in range(WORLD):
+        message = tp("cp-refused", rank)
+        assert message.startswith("PerSampleGradientError: context parallelism"), message
 
 
 def test_one_split_layer_alone_is_accepted(tp):
