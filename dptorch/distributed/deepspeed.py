@@ -76,7 +76,7 @@ def engine_problems(engine: Any) -> List[str]:
         problems.append(f'"gradient_accumulation_steps": {engine.gradient_accumulation_steps()}: DeepSpeed divides '
                         "the loss by it and steps on a fixed count of micro-batches, while a Poisson logical batch "
                         'has none: set it to 1 and split a logical batch with BatchMemoryManager')
-    if engine.zero_cpu_offload() or _offloads_params(engine):
+    if _offloads(engine):
         problems.append("ZeRO offloading (offload_optimizer / offload_param) moves the gradients through other "
                         "buffers that dptorch does not hand its gradient to: remove the offload sections")
     if getattr(engine, "pipeline_parallelism", False):
@@ -104,9 +104,15 @@ def engine_problems(engine: Any) -> List[str]:
 _ZERO_PARTS = ("bit16_groups", "process_gradients", "_grad_acc_hooks", "create_gradient_handling_hooks")
 
 
-def _offloads_params(engine: Any) -> bool:
-    offload = getattr(engine, "zero_offload_param", None)
-    return bool(offload()) if offload is not None else False
+def _offloads(engine: Any) -> bool:
+    """Whether ZeRO offloads the optimizer or the parameters (a section with ``"device": "none"``, as Accelerate's
+    plugin writes, offloads nothing)."""
+    for name in ("zero_offload_optimizer", "zero_offload_param"):
+        section = getattr(engine, name, lambda: None)()
+        device = getattr(section, "device", None)
+        if getattr(device, "value", device) not in (None, "none"):
+            return True
+    return False
 
 
 def check_engine(engine: Any, optimizer: Any = None) -> None:

@@ -6,8 +6,10 @@ from ``test_hf_deepspeed.py`` on CPU (``DS_ACCELERATOR=cpu``, gloo).
 The runs are ``hf_script.py``'s DDP ``full`` run (same model, data, seeds, noise stream ``ShardedNoise``,
 Trainer settings, gradient accumulation 2 with empty micro-batches) with a DeepSpeed config whose values
 are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint at step 2 and ``resumed``
-from it; ``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights). Then the set-ups
-the private Trainer refuses at construction. Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
+from it; ``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
+and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
+DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
+Then the set-ups the private Trainer refuses at construction. Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ import importlib
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -57,8 +61,10 @@ class ObservedDeepSpeed(hf_script.ObservedDPTrainer):
         return optimizer
 
 
-def ds_trainer(output_dir: Path, tokenizer, deepspeed: dict, **training) -> ObservedDeepSpeed:
-    """``hf_script.dp_trainer``'s DDP trainer, with ``deepspeed`` and ``training`` in its TrainingArguments."""
+def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bool = False,
+               **training) -> ObservedDeepSpeed:
+    """``hf_script.dp_trainer``'s DDP trainer, with ``deepspeed`` (None: DDP, or Accelerate's plugin from the
+    environment) and ``training`` in its TrainingArguments; ``units``: two rows per privacy unit (a "user")."""
     AcceleratorState._reset_state()  # each trainer's Accelerator takes its own DeepSpeed plugin
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
@@ -67,18 +73,36 @@ def ds_trainer(output_dir: Path, tokenizer, deepspeed: dict, **training) -> Obse
                     ddp_backend="gloo")
     settings.update(training)
     args = cpu_training_args(str(output_dir), deepspeed=deepspeed, **settings)
-    return ObservedDeepSpeed(model=model, args=args, train_dataset=lm_dataset(tokenizer, hf_script.ROWS),
+    data, privacy = lm_dataset(tokenizer, hf_script.ROWS), dict(hf_script.PRIVACY)
+    if units:
+        data = data.add_column("user", [f"user{i % (hf_script.ROWS // 2)}" for i in range(hf_script.ROWS)])
+        privacy["privacy_unit_column"] = "user"
+    return ObservedDeepSpeed(model=model, args=args, train_dataset=data,
                              data_collator=DataCollatorForPrivateCausalLanguageModeling(tokenizer),
-                             privacy_args=PrivacyArguments(sampling_seed=hf_script.SAMPLING_SEED, **hf_script.PRIVACY))
+                             privacy_args=PrivacyArguments(sampling_seed=hf_script.SAMPLING_SEED, **privacy))
 
 
 def trained(trainer, **train) -> dict:
     trainer.train(**train)
     engine = trainer.model_wrapped
     report = hf_script.summary(trainer)
-    report.update(global_steps=engine.global_steps, ds_accumulation=engine.gradient_accumulation_steps(),
-                  dtype=str(next(trainer.model.parameters()).dtype))
+    report["dtype"] = str(next(trainer.model.parameters()).dtype)
+    if trainer.is_deepspeed_enabled:
+        report.update(global_steps=engine.global_steps, ds_accumulation=engine.gradient_accumulation_steps(),
+                      zero_stage=engine.zero_optimization_stage())
     return report
+
+
+@contextmanager
+def accelerate_deepspeed_plugin(stage: int):
+    """The environment ``accelerate launch --use_deepspeed --zero_stage STAGE`` sets (Accelerate's plugin, no config)."""
+    names = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage)}
+    os.environ.update(names)
+    try:
+        yield
+    finally:
+        for name in names:
+            os.environ.pop(name)
 
 
 def refusal(out: Path, tokenizer, deepspeed: dict, **training) -> str:
@@ -100,6 +124,10 @@ def main(out: Path) -> None:
     report["resumed"] = trained(ds_trainer(out / "resumed", tokenizer, config(2)),
                                 resume_from_checkpoint=str(out / "zero2" / "checkpoint-2"))
     report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
+    report["units-zero1"] = trained(ds_trainer(out / "units", tokenizer, config(1), units=True, save_strategy="no"))
+    report["units-ddp"] = trained(ds_trainer(out / "units-ddp", tokenizer, None, units=True, save_strategy="no"))
+    with accelerate_deepspeed_plugin(2):
+        report["plugin-zero2"] = trained(ds_trainer(out / "plugin", tokenizer, None, save_strategy="no"))
     report.update({
         "seed": zero2._dp_sampling_seed, "sample_rate": zero2.privacy_plan.sample_rate,
         "steps_per_epoch": zero2.privacy_plan.steps_per_epoch, "micro_batches": zero2.sampling_plan.micro_batches,

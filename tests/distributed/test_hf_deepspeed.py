@@ -18,7 +18,7 @@ from tests.distributed.test_hf_ddp import assert_close_params, expected_micro_ba
 if importlib.util.find_spec("deepspeed") is None:  # the optional extra: pip install dptorch[deepspeed]
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-RUNS = ("zero1", "zero2")
+RUNS = ("zero1", "zero2", "plugin-zero2")  # plugin: Accelerate's DeepSpeed plugin from the environment, no config
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,21 @@ def test_empty_micro_batches_run_as_phantoms(hf_deepspeed, run):
         assert seen == expected_micro_batches(report, rank)[:8]
         assert report[run]["phantoms"] == sum(not batch for batch in seen) > 0
     assert hf_deepspeed[1][run]["seen"][4] == hf_deepspeed[1][run]["seen"][5] == []  # a whole step empty on rank 1
+
+
+def test_accelerates_plugin_is_zero2(hf_deepspeed):
+    assert [report["plugin-zero2"]["zero_stage"] for report in hf_deepspeed] == [2] * WORLD
+
+
+def test_privacy_units_under_zero1_as_under_ddp(hf_deepspeed):
+    """Two rows per unit (``privacy_unit_column``): ZeRO-1 ends where DDP with the same units ends, at the same
+    epsilon; units sampled whole (micro-batches of 2 and 4 rows, or empty)."""
+    for report in hf_deepspeed:
+        zero, ddp = report["units-zero1"], report["units-ddp"]
+        assert_close_params(zero["params"], ddp["params"], rtol=1e-5, atol=1e-6)
+        assert zero["epsilon"] == ddp["epsilon"] and zero["steps"] == ddp["steps"] == 4
+        assert {len(batch) for batch in zero["seen"]} <= {0, 2, 4} and zero["phantoms"] > 0
+        assert zero["params"] != report["zero1"]["params"]  # the units changed the run
 
 
 def test_resume_from_a_deepspeed_checkpoint(hf_deepspeed):

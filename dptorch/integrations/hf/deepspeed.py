@@ -1,4 +1,5 @@
-"""The private Trainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``).
+"""The private Trainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``, or Accelerate's
+DeepSpeed plugin that ``accelerate launch --use_deepspeed`` sets up).
 
 The Trainer builds DeepSpeed's engine through Accelerate in ``train()`` and runs every micro-batch as
 ``engine.backward(loss)``, calling ``engine.step()`` after the last micro-batch of a logical step
