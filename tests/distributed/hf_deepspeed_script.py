@@ -33,9 +33,19 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 from dptorch.distributed import ShardedNoise  # noqa: E402
-from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
+from dptorch.integrations.hf import (  # noqa: E402
+    DataCollatorForPrivateCausalLanguageModeling,
+    DPTrainer,
+    PrivacyArguments,
+)
 from tests.distributed import hf_script  # noqa: E402
-from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_llama, without_dropout, word_tokenizer  # noqa: E402
+from tests.integrations.tiny import (  # noqa: E402
+    cpu_training_args,
+    lm_dataset,
+    tiny_llama,
+    without_dropout,
+    word_tokenizer,
+)
 
 # DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it.
 # (The module itself: the attribute deepspeed.comm.torch is the torch package, which deepspeed.comm re-exports.)
@@ -95,7 +105,7 @@ def trained(trainer, **train) -> dict:
 
 @contextmanager
 def accelerate_deepspeed_plugin(stage: int):
-    """The environment ``accelerate launch --use_deepspeed --zero_stage STAGE`` sets (Accelerate's plugin, no config)."""
+    """What ``accelerate launch --use_deepspeed --zero_stage STAGE`` sets in the environment (no DeepSpeed config)."""
     names = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": str(stage)}
     os.environ.update(names)
     try:
@@ -131,7 +141,8 @@ def main(out: Path) -> None:
     report.update({
         "seed": zero2._dp_sampling_seed, "sample_rate": zero2.privacy_plan.sample_rate,
         "steps_per_epoch": zero2.privacy_plan.steps_per_epoch, "micro_batches": zero2.sampling_plan.micro_batches,
-        "noise_multiplier": zero2.noise_multiplier, "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
+        "noise_multiplier": zero2.noise_multiplier,
+        "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
         "refused-stage3": refusal(out / "r3", tokenizer, config(3)),
         "refused-stage0": refusal(out / "r0", tokenizer, config(0)),
         "refused-clipping": refusal(out / "rc", tokenizer, config(2), max_grad_norm=1.0),
