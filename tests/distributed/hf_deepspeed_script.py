@@ -9,7 +9,8 @@ are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint a
 from it; ``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
 and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
 DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
-Then the set-ups the private Trainer refuses at construction. Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
+Then the set-ups the private Trainer refuses at construction, and a second ``train()`` of ``zero1``.
+Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -115,10 +116,10 @@ def accelerate_deepspeed_plugin(stage: int):
             os.environ.pop(name)
 
 
-def refusal(out: Path, tokenizer, deepspeed: dict, **training) -> str:
-    """The error building a private Trainer with ``deepspeed`` raises (``"accepted"`` if none)."""
+def refusal(call, *args, **kwargs) -> str:
+    """The ValueError ``call(*args, **kwargs)`` raises (``"accepted"`` if none)."""
     try:
-        ds_trainer(out, tokenizer, deepspeed, **training)
+        call(*args, **kwargs)
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -127,7 +128,8 @@ def refusal(out: Path, tokenizer, deepspeed: dict, **training) -> str:
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     tokenizer = word_tokenizer()
-    report = {"zero1": trained(ds_trainer(out / "zero1", tokenizer, config(1), save_strategy="no"))}
+    zero1 = ds_trainer(out / "zero1", tokenizer, config(1), save_strategy="no")
+    report = {"zero1": trained(zero1), "refused-second-train": refusal(zero1.train)}
     zero2 = ds_trainer(out / "zero2", tokenizer, config(2))
     report["zero2"] = trained(zero2)
     report["checkpoint"] = sorted(os.listdir(out / "zero2" / "checkpoint-2"))
@@ -143,12 +145,13 @@ def main(out: Path) -> None:
         "steps_per_epoch": zero2.privacy_plan.steps_per_epoch, "micro_batches": zero2.sampling_plan.micro_batches,
         "noise_multiplier": zero2.noise_multiplier,
         "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
-        "refused-stage3": refusal(out / "r3", tokenizer, config(3)),
-        "refused-stage0": refusal(out / "r0", tokenizer, config(0)),
-        "refused-clipping": refusal(out / "rc", tokenizer, config(2), max_grad_norm=1.0),
-        "refused-offload": refusal(out / "ro", tokenizer, config(
+        "refused-stage3": refusal(ds_trainer, out / "r3", tokenizer, config(3)),
+        "refused-stage0": refusal(ds_trainer, out / "r0", tokenizer, config(0)),
+        "refused-clipping": refusal(ds_trainer, out / "rc", tokenizer, config(2), max_grad_norm=1.0),
+        "refused-offload": refusal(ds_trainer, out / "ro", tokenizer, config(
             2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})),
-        "refused-fp16": refusal(out / "rf", tokenizer, config(1, fp16={"enabled": True}, bf16={"enabled": False})),
+        "refused-fp16": refusal(ds_trainer, out / "rf", tokenizer,
+                                config(1, fp16={"enabled": True}, bf16={"enabled": False})),
     })
     rank = torch.distributed.get_rank()
     (out / f"hf-deepspeed-rank{rank}.json").write_text(json.dumps(report))

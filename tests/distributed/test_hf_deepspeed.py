@@ -114,3 +114,11 @@ def test_unsupported_set_ups_are_refused_at_construction_on_every_rank(hf_deepsp
     for report in hf_deepspeed:
         assert report[name].startswith("cannot train privately"), report[name]
         assert all(word in report[name] for word in words), report[name]
+
+
+def test_a_second_train_of_a_deepspeed_trainer_is_refused(hf_deepspeed):
+    """Accelerate would not prepare the first train()'s engine again, and a new DP optimizer would replay the noise
+    stream of noise_seed: refused before anything runs, naming the fix."""
+    for report in hf_deepspeed:
+        message = report["refused-second-train"]
+        assert "second train()" in message and "resume_from_checkpoint" in message, message

@@ -529,6 +529,13 @@ class PrivateTrainerMixin:
         last entry of ``state.log_history`` (the final training metrics; hence in
         ``trainer_state.json`` when the state is saved) and one line in the log. ``epsilon`` is
         already in every log entry, the final metrics included."""
+        if self._dp_engine_optimizer is not None:
+            raise ValueError(
+                "a second train() of a trainer under DeepSpeed is not supported: the Trainer hands Accelerate the "
+                "engine of the first train(), which it does not prepare again (its backward would fail), and a new "
+                "DP optimizer would restart the noise stream of noise_seed. Build a new trainer, or resume one from a "
+                "checkpoint of this run (train(resume_from_checkpoint=...))"
+            )
         output = super().train(*args, **kwargs)
         if self.privacy_plan is not None:
             report = self.privacy_report()
