@@ -29,7 +29,7 @@ from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
-from dptorch.distributed.fsdp import check_sharding
+from dptorch.distributed.tensor_parallel import check_sharding
 from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
     DPDataLoader,

@@ -95,39 +95,6 @@ def fully_shard_params(module: nn.Module) -> Dict[nn.Parameter, torch.device]:
     return managed
 
 
-def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
-    """Refuse, before anything is attached, DTensor parameters private training cannot keep exact;
-    the tensor-parallel layouts of the parameters (empty without tensor parallelism).
-
-    FSDP2's (and HSDP's) shards are gathered for their layer's call. A DTensor that ``fully_shard``
-    does not manage is a tensor-parallel slice: each rank computes with its slice of the weight, so
-    one sample's gradient is split across the ranks; ``tensor_parallel`` supports the splits whose
-    partial norms it can add up (and refuses the others), on a mesh of its own (TP with FSDP2 is
-    refused).
-    """
-    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
-    if not named:
-        return {}
-    managed = fully_shard_params(module)
-    foreign = [name for name, p in named if p not in managed]
-    if foreign and len(foreign) < len(named):
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
-        raise ValueError(
-            f"parameters {shown} are DTensors that fully_shard does not manage (tensor parallelism: "
-            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand), "
-            "in a model FSDP2 shards too: tensor parallelism with FSDP2 (a 2-D mesh) is not supported yet, since "
-            "each rank would hold part of a sample's gradient in a layer FSDP2 does not gather. Use tensor "
-            "parallelism alone, FSDP2 (fully_shard) or HSDP alone, or DDP"
-        )
-    if foreign:
-        from dptorch.distributed.tensor_parallel import tensor_parallel_params
-
-        return tensor_parallel_params(module)  # refuses the splits whose per-sample norms it cannot complete
-    for name, p in named:
-        shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
-    return {}
-
-
 def any_sharded(params: Sequence[Any]) -> bool:
     return any(is_sharded(p) for p in params)
 
@@ -354,7 +321,6 @@ __all__ = [
     "accumulate_sharded",
     "add_noise_per_parameter",
     "any_sharded",
-    "check_sharding",
     "fully_shard_params",
     "is_sharded",
     "reduce_to_shard",

@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from dptorch.distributed.fsdp import fully_shard_params, is_sharded, shard_layout, sharded_noise
+
 
 @dataclass(frozen=True)
 class TensorParallelLayout:
@@ -73,8 +75,6 @@ def tensor_parallel_params(module: nn.Module, managed: Sequence[Any] = ()) -> Di
     """The tensor-parallel parameters of ``module`` (DTensors not in ``managed``, FSDP2's shards), each
     with its layout; refused, with the reason, where the DP optimizer could not form exact per-sample
     norms (see the module docstring)."""
-    from dptorch.distributed.fsdp import is_sharded
-
     managed = set(managed)
     layouts: Dict[nn.Parameter, TensorParallelLayout] = {}
     for name, sub in module.named_modules():
@@ -127,6 +127,37 @@ def tensor_parallel_params(module: nn.Module, managed: Sequence[Any] = ()) -> Di
     return layouts
 
 
+def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
+    """Refuse, before anything is attached, DTensor parameters private training cannot keep exact;
+    the tensor-parallel layouts of the parameters (empty without tensor parallelism).
+
+    FSDP2's (and HSDP's) shards are gathered for their layer's call. A DTensor that ``fully_shard``
+    does not manage is a tensor-parallel slice: each rank computes with its slice of the weight, so
+    one sample's gradient is split across the ranks; ``tensor_parallel`` supports the splits whose
+    partial norms it can add up (and refuses the others), on a mesh of its own (TP with FSDP2 is
+    refused).
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
+    if not named:
+        return {}
+    managed = fully_shard_params(module)
+    foreign = [name for name, p in named if p not in managed]
+    if foreign and len(foreign) < len(named):
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise ValueError(
+            f"parameters {shown} are DTensors that fully_shard does not manage (tensor parallelism: "
+            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand), "
+            "in a model FSDP2 shards too: tensor parallelism with FSDP2 (a 2-D mesh) is not supported yet, since "
+            "each rank would hold part of a sample's gradient in a layer FSDP2 does not gather. Use tensor "
+            "parallelism alone, FSDP2 (fully_shard) or HSDP alone, or DDP"
+        )
+    if foreign:
+        return tensor_parallel_params(module)  # refuses the splits whose per-sample norms it cannot complete
+    for name, p in named:
+        shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
+    return {}
+
+
 def _layout(param: Any, dim: Optional[int], name: str) -> TensorParallelLayout:
     mesh = param.device_mesh
     group, rank, world = mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0)
@@ -146,8 +177,6 @@ def _layout(param: Any, dim: Optional[int], name: str) -> TensorParallelLayout:
 def local_part(t: Any, batch_dim: Optional[int]) -> Any:
     """A layer input or output gradient as this rank computed with it: a DTensor's local tensor, whose
     batch dim (``batch_dim``) must be whole on every rank (its split dims are feature dims)."""
-    from dptorch.distributed.fsdp import is_sharded
-
     if not is_sharded(t):
         return t
     from torch.distributed.tensor import Replicate, Shard
@@ -165,8 +194,6 @@ def local_part(t: Any, batch_dim: Optional[int]) -> Any:
 
 def local_shape(t: Any) -> torch.Size:
     """The shape of the tensor this rank holds (a DTensor's local one)."""
-    from dptorch.distributed.fsdp import is_sharded
-
     return t.to_local().shape if is_sharded(t) else t.shape
 
 
@@ -247,8 +274,6 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
     """
     from torch.distributed.tensor import DTensor
 
-    from dptorch.distributed.fsdp import sharded_noise
-
     dist = torch.distributed
     noise = sharded_noise(optimizer)
     std = optimizer.noise_std
@@ -296,6 +321,7 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
 __all__ = [
     "TensorParallelLayout",
     "add_noise_tensor_parallel",
+    "check_sharding",
     "check_same_batch",
     "complete_norms",
     "context_parallel_active",

@@ -32,8 +32,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.data import drawn
 from dptorch.distributed.ddp import keep_out_of_gradient_sync
-from dptorch.distributed.fsdp import check_sharding, is_fully_sharded_module
-from dptorch.distributed.tensor_parallel import check_same_batch, context_parallel_active, local_part, local_shape
+from dptorch.distributed.fsdp import is_fully_sharded_module
+from dptorch.distributed.tensor_parallel import check_same_batch, check_sharding, context_parallel_active, local_part, local_shape
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
