@@ -7,6 +7,7 @@ records the refusals; each rank writes ``OUT/deepspeed-rank<r>.json``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import deepspeed  # noqa: E402
 import deepspeed.comm.torch  # noqa: E402
+
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -25,8 +27,9 @@ from dptorch.data import DPDataLoader  # noqa: E402
 from dptorch.distributed import ShardedNoise  # noqa: E402
 from tests.distributed import workers  # noqa: E402
 
-# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it
-deepspeed.comm.torch.build_shm_op = lambda: None
+# DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it.
+# The module, not the attribute: ``deepspeed.comm.torch`` as an attribute is the torch package.
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def config(stage: int, **extra) -> dict:
