@@ -29,7 +29,7 @@ from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
-from dptorch.distributed.tensor_parallel import check_sharding
+from dptorch.distributed.tensor_parallel import check_sharding, data_parallel_group
 from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
     DPDataLoader,
@@ -317,9 +317,10 @@ class PrivacyEngine:
             dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         else:
             dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode,
-                                             data_parallel=not tensor_parallel)
+                                             data_parallel=data_parallel_group(tensor_parallel))
         if tensor_parallel:
-            mirror_draws(dp_loader.batch_sampler, next(iter(tensor_parallel.values())).group)
+            mirror_draws(dp_loader.batch_sampler, next(iter(tensor_parallel.values())).group,
+                         data_parallel_group(tensor_parallel))
         if isinstance(dp_loader, ShuffledDataLoader):
             logger.info("poisson_sampling=False: the loader's shuffled batches of %d are accounted without "
                         "amplification, one Gaussian per pass", dp_loader.batch_sampler.batch_size)
@@ -791,7 +792,9 @@ def _data_loader_problem(data_loader: DataLoader, secure_mode: bool) -> Optional
 
 
 def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure_mode: bool = False,
-                         data_parallel: bool = True) -> DPDataLoader:
+                         data_parallel: Any = True) -> DPDataLoader:
+    """``data_parallel``: whether the Poisson draws are sharded over the process group (True), over a
+    group of its ranks (a group: tensor parallelism with FSDP2), or not at all (None: tensor parallelism)."""
     if isinstance(data_loader, DPDataLoader):
         if secure_mode and not data_loader.batch_sampler.secure:
             raise ValueError(
@@ -802,7 +805,8 @@ def _private_data_loader(data_loader: DataLoader, poisson_sampling: bool, secure
         return data_loader
     if not poisson_sampling:  # the loader's own batches, accounted per pass (dptorch.data.shuffled)
         return ShuffledDataLoader(data_loader)
-    distributed = data_parallel and torch.distributed.is_available() and torch.distributed.is_initialized()
+    initialised = torch.distributed.is_available() and torch.distributed.is_initialized()
+    distributed = data_parallel if initialised and data_parallel is not None else False
     try:
         return DPDataLoader.from_data_loader(data_loader, distributed=distributed, secure_mode=secure_mode)
     except (TypeError, ValueError) as err:

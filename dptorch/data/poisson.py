@@ -443,14 +443,22 @@ def check_sharded_for_process_group(batch_sampler: Any) -> None:
     )
 
 
-def mirror_draws(batch_sampler: Any, group: Any) -> None:
+def mirror_draws(batch_sampler: Any, group: Any, data_parallel: Any = None) -> None:
     """Make every draw of ``batch_sampler`` rank 0's of ``group`` (tensor parallelism: the ranks of the
-    group train on one batch). A sampler sharded over several data-parallel ranks is refused."""
-    if int(getattr(batch_sampler, "world_size", 1)) != 1:
+    group train on one batch). The sampler must be sharded over the ``data_parallel`` group (None: not
+    sharded), each of whose ranks holds other samples."""
+    import torch.distributed as dist
+
+    expected = (dist.get_rank(data_parallel), dist.get_world_size(data_parallel)) if data_parallel is not None else (0, 1)
+    has = (int(getattr(batch_sampler, "rank", 0)), int(getattr(batch_sampler, "world_size", 1)))
+    if has != expected:
+        how = ("DPDataLoader(..., distributed=mesh['dp'].get_group())" if data_parallel is not None
+               else "a DPDataLoader without distributed=True")
         raise ValueError(
-            f"this loader's Poisson sampler is sharded over {batch_sampler.world_size} processes, but under tensor "
-            "parallelism every rank trains on the same batch (one data-parallel rank): build the DPDataLoader "
-            "without distributed=True, or pass a plain DataLoader to make_private"
+            f"this loader's Poisson sampler is rank {has[0]} of {has[1]} shards, but under tensor parallelism every "
+            f"rank of a tensor-parallel group trains on the same batch, so the draws are sharded over the "
+            f"data-parallel ranks only (rank {expected[0]} of {expected[1]} here): build {how}, or pass a plain "
+            "DataLoader to make_private, which builds it"
         )
     if not hasattr(batch_sampler, "mirror"):
         raise ValueError(f"{type(batch_sampler).__name__} cannot share its draws over a tensor-parallel group; "
@@ -458,13 +466,13 @@ def mirror_draws(batch_sampler: Any, group: Any) -> None:
     batch_sampler.mirror = group
 
 
-def distributed_rank_and_world_size() -> tuple:
-    """(rank, world_size) of the initialised default process group; ValueError if none."""
+def distributed_rank_and_world_size(group: Any = None) -> tuple:
+    """(rank, world_size) in ``group`` (default: the initialised default process group); ValueError if none."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("distributed=True needs torch.distributed to be initialised first")
-    return dist.get_rank(), dist.get_world_size()
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class DPDataLoader(DataLoader):
@@ -496,7 +504,7 @@ class DPDataLoader(DataLoader):
         generator: Optional[torch.Generator] = None,
         steps: Optional[int] = None,
         seed: Optional[int] = None,
-        distributed: bool = False,
+        distributed: Any = False,
         secure_mode: bool = False,
         **dataloader_kwargs: Any,
     ):
@@ -504,7 +512,7 @@ class DPDataLoader(DataLoader):
         conflicting = {"batch_size", "shuffle", "sampler", "batch_sampler", "drop_last"} & set(dataloader_kwargs)
         if conflicting:
             raise TypeError(f"{type(self).__name__} chooses its own batches; remove {sorted(conflicting)}")
-        rank, world_size = distributed_rank_and_world_size() if distributed else (0, 1)
+        rank, world_size = distributed_rank_and_world_size(None if distributed is True else distributed) if distributed else (0, 1)
         batch_sampler = self._batch_sampler(
             len(dataset), sample_rate, steps=steps, generator=generator, seed=seed, rank=rank,
             world_size=world_size, secure=secure_mode,
@@ -558,7 +566,7 @@ class DPDataLoader(DataLoader):
         data_loader: DataLoader,
         *,
         generator: Optional[torch.Generator] = None,
-        distributed: bool = False,
+        distributed: Any = False,
         seed: Optional[int] = None,
         secure_mode: bool = False,
     ) -> "DPDataLoader":

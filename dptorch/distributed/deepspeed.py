@@ -45,6 +45,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
+from dptorch.distributed import deepspeed_zero3 as zero3
+
 
 def is_deepspeed_engine(module: Any) -> bool:
     """Whether ``module`` is a ``deepspeed.DeepSpeedEngine`` (False when DeepSpeed was never imported)."""
@@ -58,13 +60,10 @@ def engine_problems(engine: Any) -> List[str]:
     problems: List[str] = []
     stage = int(engine.zero_optimization_stage())
     if stage == 0:
-        problems.append('ZeRO stage 0 is DeepSpeed\'s plain data parallelism: use "zero_optimization": {"stage": 1} '
-                        "or 2, or torch's DistributedDataParallel")
-    elif stage == 3:
-        problems.append("ZeRO stage 3 partitions the parameters themselves (gathered per layer by DeepSpeed's hooks), "
-                        "which dptorch does not follow yet: use stage 1 or 2, or FSDP2 (fully_shard)")
-    elif stage not in (1, 2):
-        problems.append(f"ZeRO stage {stage} is unknown to dptorch: use stage 1 or 2")
+        problems.append('ZeRO stage 0 is DeepSpeed\'s plain data parallelism: use "zero_optimization": {"stage": 1}, '
+                        "2 or 3, or torch's DistributedDataParallel")
+    elif stage not in (1, 2, 3):
+        problems.append(f"ZeRO stage {stage} is unknown to dptorch: use stage 1, 2 or 3")
     if engine.fp16_enabled():
         problems.append('fp16 with DeepSpeed\'s loss scaling skips a step when a scaled gradient overflows, a data-'
                         'dependent event the accountant does not cover: use "bf16" or fp32')
@@ -88,11 +87,15 @@ def engine_problems(engine: Any) -> List[str]:
     if managed is not None and not managed():
         problems.append('"managed_gradient_accumulation": false moves the gradient reduction into step(): '
                         "remove it (dptorch's BatchMemoryManager accumulates)")
-    missing = [name for name in _ZERO_PARTS if not hasattr(engine.optimizer, name)] if stage in (1, 2) else []
+    parts = {1: _ZERO_PARTS, 2: _ZERO_PARTS, 3: zero3.ZERO3_PARTS}.get(stage, ())
+    missing = [name for name in parts if not hasattr(engine.optimizer, name)]
     if missing:
         problems.append(f"this DeepSpeed's ZeRO optimizer ({type(engine.optimizer).__name__}) has no "
                         f"{', '.join(missing)}, through which dptorch hands it the noised gradient (tested with "
                         "deepspeed 0.19.8): install that version")
+    if stage == 3 and getattr(engine.optimizer, "leaf_parameters", None):
+        problems.append("ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules, e.g. for mixture-of-experts "
+                        "blocks) reduce their parameters' gradients in a module backward hook of their own: unset them")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if int(getattr(engine, "dp_world_size", world)) != world:
         problems.append(f"the data-parallel group has {engine.dp_world_size} of {world} ranks (model, tensor or "
@@ -136,7 +139,12 @@ class DeepSpeedHandOver(torch.optim.Optimizer):
     """
 
     def __init__(self, engine: Any) -> None:
-        params = [p for group in engine.optimizer.bit16_groups for p in group if p.requires_grad]  # what ZeRO steps
+        zero = engine.optimizer
+        self.partitioned = int(engine.zero_optimization_stage()) == 3  # ZeRO-3: the parameters are partitioned too
+        if self.partitioned:
+            params = zero3.trainable_params(zero)
+        else:
+            params = [p for group in zero.bit16_groups for p in group if p.requires_grad]  # what ZeRO steps
         super().__init__(params, defaults={})
         self.engine = engine
         self._lr_kwargs: Optional[Dict[str, Any]] = None
@@ -146,11 +154,14 @@ class DeepSpeedHandOver(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("DeepSpeed's step takes no closure")
         engine, zero = self.engine, self.engine.optimizer
-        for index, group in enumerate(zero.bit16_groups):  # what DeepSpeed's gradient hooks do in a backward
-            for param in group:
-                if param.requires_grad and param.grad is not None:
-                    zero.process_gradients(param, index)
-        engine.allreduce_gradients()  # the backward epilogue: the ranks' average, kept per partition
+        if not self.partitioned:  # ZeRO-3: the DP optimizer wrote each rank's partition (write_noised_partitions)
+            for index, group in enumerate(zero.bit16_groups):  # what DeepSpeed's gradient hooks do in a backward
+                for param in group:
+                    if param.requires_grad and param.grad is not None:
+                        zero.process_gradients(param, index)
+        # the backward epilogue: ZeRO-1/2 average the ranks' gradients and keep each partition; ZeRO-3's buckets are
+        # empty, and its epilogue only points the step at the partitions written
+        engine.allreduce_gradients()
         type(engine).step(engine, lr_kwargs=self._lr_kwargs)  # DeepSpeed's own step (the instance's is ours)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -184,6 +195,14 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
             hand_over._lr_kwargs = None
 
     zero = engine.optimizer
+    if hand_over.partitioned:
+        problems = zero3.layer_problems(dp_optimizer.hooks)
+        if problems:  # before anything on the engine changes; the controller leaves the model as it was
+            dp_optimizer.detach()
+            dp_optimizer.hooks.cleanup()
+            raise ValueError("private training under DeepSpeed ZeRO-3 refuses this model: " + "; ".join(problems)
+                             + ". Freeze those parameters, or use ZeRO stage 1 or 2 (whole parameters on every rank)")
+        dp_optimizer.add_noise = types.MethodType(lambda self: zero3.write_noised_partitions(self, zero), dp_optimizer)
     engine.__dict__["_dptorch_saved"] = (engine.enable_backward_allreduce, bool(zero._grad_acc_hooks))
     # ZeRO's gradient hooks would put any gradient autograd still gives a parameter (a path the controller does not
     # see, which it refuses at the end of that backward) into ZeRO's buckets, where a later step would add it raw
@@ -199,7 +218,9 @@ def detach(engine: Any) -> None:
     if "_dptorch_saved" in engine.__dict__:
         engine.enable_backward_allreduce, had_hooks = engine.__dict__.pop("_dptorch_saved")
         engine.__dict__.pop("step", None)
-        if had_hooks:
+        if had_hooks and int(engine.zero_optimization_stage()) == 3:
+            engine.optimizer.create_reduce_and_remove_grad_hooks()
+        elif had_hooks:
             engine.optimizer.create_gradient_handling_hooks()
 
 

@@ -187,7 +187,8 @@ def reduce_to_shard(full: torch.Tensor, layout: ShardLayout) -> torch.Tensor:
     return out[: layout.row_end - layout.row_start]
 
 
-def _layouts(optimizer: Any, params: Sequence[nn.Parameter]) -> Dict[nn.Parameter, ShardLayout]:
+def shard_layouts(optimizer: Any, params: Sequence[nn.Parameter]) -> Dict[nn.Parameter, ShardLayout]:
+    """The shard layouts of ``params`` (cached on the optimizer; TP x FSDP2 puts its own in first)."""
     cache = optimizer.__dict__.setdefault("_dp_shard_layouts", {})
     for p in params:
         if p not in cache:
@@ -221,7 +222,7 @@ def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, t
     optimizer's order (zeros for those this rank's pass did not reach), so the collectives match.
     """
     params = [p for p in optimizer.params if is_sharded(p)]
-    layouts = _layouts(optimizer, params)
+    layouts = shard_layouts(optimizer, params)
     for group in _groups_by_module(hooks, params):
         wanted = {p: factors[p] for p in group if p in factors}
         sums = hooks.clipped_sums(wanted, dropped) if wanted else {}
@@ -265,7 +266,7 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
     noise = sharded_noise(optimizer)
     std = optimizer.noise_std
     sharded = [p for p in params if is_sharded(p)]
-    layouts = _layouts(optimizer, sharded)
+    layouts = shard_layouts(optimizer, sharded)
     rank, world = rank_and_world_size()
     key = noise.step_key() if std > 0 else None
     if key is not None and layouts:
@@ -325,5 +326,6 @@ __all__ = [
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",
+    "shard_layouts",
     "sharded_noise",
 ]

@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dptorch.distributed.fsdp import fully_shard_params, is_sharded, shard_layout, sharded_noise
+from dptorch.distributed.fsdp import ShardLayout, fully_shard_params, is_sharded, shard_layout, shard_layouts, sharded_noise
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,12 @@ class TensorParallelLayout:
     dim: Optional[int]  # the split dim; None for a replicated parameter
     start: int = 0
     end: int = 0
+    with_fsdp: bool = False  # TP x FSDP2: the parameter is a 2-D (dp, tp) DTensor FSDP2 shards over dp
+
+    @property
+    def local_shape(self) -> Tuple[int, ...]:
+        """The shape of this rank's tensor-parallel slice (what the layer computes with)."""
+        return tuple(self.end - self.start if d == self.dim else n for d, n in enumerate(self.shape))
 
     @property
     def sharded(self) -> bool:
@@ -71,41 +77,66 @@ def _placement_dim(placement: Any) -> Optional[int]:
 _LINEAR_SPLITS = {(0, 0): "column-wise", (1, None): "row-wise", (0, None): "column-wise"}
 
 
-def tensor_parallel_params(module: nn.Module, managed: Sequence[Any] = ()) -> Dict[nn.Parameter, TensorParallelLayout]:
-    """The tensor-parallel parameters of ``module`` (DTensors not in ``managed``, FSDP2's shards), each
-    with its layout; refused, with the reason, where the DP optimizer could not form exact per-sample
-    norms (see the module docstring)."""
-    managed = set(managed)
+def _is_dp_shard(placement: Any) -> bool:
+    """FSDP2's placement on the data-parallel dim of a TP x FSDP2 parameter: Shard(0), or the strided
+    Shard(0) it uses when tensor parallelism splits dim 0 too."""
+    from torch.distributed.tensor import Shard
+
+    strided = type(placement).__name__ == "_StridedShard"  # torch's name for it (not a Shard subclass)
+    return (isinstance(placement, Shard) or strided) and getattr(placement, "dim", None) == 0
+
+
+def _tensor_parallel_dim(p: Any, managed: Any) -> Optional[int]:
+    """The mesh dim along which ``p`` is a tensor-parallel slice (None: not one)."""
+    if not is_sharded(p):
+        return None
+    if p not in managed:  # parallelize_module alone
+        return 0
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim == 2 and len(placements) == 2 and _is_dp_shard(placements[0]):  # FSDP2 over dp, TP over tp
+        return 1
+    return None  # FSDP2's or HSDP's own shards
+
+
+def tensor_parallel_params(module: nn.Module, managed: Any = ()) -> Dict[nn.Parameter, TensorParallelLayout]:
+    """The tensor-parallel parameters of ``module`` (alone, or sharded by FSDP2 over the other dim of a
+    2-D mesh; ``managed``: FSDP2's shards), each with its layout; refused, with the reason, where the DP
+    optimizer could not form exact per-sample norms (see the module docstring)."""
+    managed = managed if isinstance(managed, (dict, set)) else set(managed)
     layouts: Dict[nn.Parameter, TensorParallelLayout] = {}
     for name, sub in module.named_modules():
-        own = {n: p for n, p in sub.named_parameters(recurse=False) if is_sharded(p) and p not in managed}
+        own = {n: p for n, p in sub.named_parameters(recurse=False) if _tensor_parallel_dim(p, managed) is not None}
         if not own:
             continue
         label = name or type(module).__name__
-        if type(sub) is not nn.Linear:
+        if not (isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward):  # FSDP2's FSDPLinear too
             raise ValueError(
-                f"{label} ({type(sub).__name__}) has DTensor parameters {sorted(own)} that fully_shard does not manage: "
-                "tensor parallelism is supported for nn.Linear layers split by ColwiseParallel or RowwiseParallel "
+                f"{label} ({type(sub).__name__}) has tensor-parallel DTensor parameters {sorted(own)}: tensor "
+                "parallelism is supported for nn.Linear layers split by ColwiseParallel or RowwiseParallel "
                 "only (SequenceParallel splits the tokens of one sample across the ranks, an embedding split by rows "
                 "gives each rank part of a sample's lookups). Leave this layer replicated, or freeze its parameters"
             )
         weight, bias = sub.weight, sub.bias
-        dims = []
+        dims, mesh_dims = [], []
         for p in (weight, bias):
             if p is None:
                 continue
-            if not is_sharded(p):
-                raise ValueError(f"{label}: its weight and bias must both be DTensors of one mesh (one is a plain tensor)")
+            mesh_dim = _tensor_parallel_dim(p, managed)
+            if mesh_dim is None:
+                raise ValueError(f"{label}: its weight and bias must both be tensor-parallel DTensors of one mesh")
             mesh = p.device_mesh
-            if mesh.ndim != 1 or len(p.placements) != 1:
+            if mesh_dim == 0 and (mesh.ndim != 1 or len(p.placements) != 1):
                 raise ValueError(
                     f"{label}: a DTensor parameter on a {mesh.ndim}-D mesh with placements {tuple(p.placements)}; "
-                    "tensor parallelism is supported on a 1-D mesh (TP with FSDP2 or DDP on a 2-D mesh is not yet)"
+                    "tensor parallelism is supported on a 1-D mesh, or on the second dim of a (dp, tp) mesh whose "
+                    "first dim FSDP2 shards"
                 )
             try:
-                dims.append(_placement_dim(p.placements[0]))
+                dims.append(_placement_dim(p.placements[mesh_dim]))
             except ValueError:
-                raise ValueError(f"{label}: placement {p.placements[0]} is not supported (Shard or Replicate only)") from None
+                raise ValueError(f"{label}: placement {p.placements[mesh_dim]} is not supported (Shard or Replicate "
+                                 "only)") from None
+            mesh_dims.append(mesh_dim)
         key = (dims[0], dims[1] if len(dims) > 1 else None)
         if key not in _LINEAR_SPLITS or (key == (0, None) and bias is not None):
             raise ValueError(
@@ -116,13 +147,13 @@ def tensor_parallel_params(module: nn.Module, managed: Sequence[Any] = ()) -> Di
         world = torch.distributed.get_world_size()
         if mesh.size() != world:
             raise ValueError(
-                f"{label}: its tensor-parallel mesh has {mesh.size()} of the {world} processes; tensor parallelism "
-                "is supported on a mesh of the whole world (TP alone); TP with data parallelism is not yet"
+                f"{label}: its device mesh has {mesh.size()} of the {world} processes; tensor parallelism is "
+                "supported on a mesh of the whole world (TP alone, or a (dp, tp) mesh with FSDP2 over dp)"
             )
-        for p, dim in zip((weight, bias), dims):
-            layouts[p] = _layout(p, dim, f"{label}.{'weight' if p is weight else 'bias'}")
-    groups = {id(layout.mesh) for layout in layouts.values()}
-    if len(groups) > 1:
+        for p, dim, mesh_dim in zip((weight, bias), dims, mesh_dims):
+            layouts[p] = _layout(p, dim, mesh_dim, f"{label}.{'weight' if p is weight else 'bias'}")
+    meshes = {(tuple(layout.mesh.mesh.shape), tuple(layout.mesh.mesh.flatten().tolist())) for layout in layouts.values()}
+    if len(meshes) > 1:
         raise ValueError("the tensor-parallel layers are on different device meshes; one mesh is supported")
     return layouts
 
@@ -131,47 +162,74 @@ def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
     """Refuse, before anything is attached, DTensor parameters private training cannot keep exact;
     the tensor-parallel layouts of the parameters (empty without tensor parallelism).
 
-    FSDP2's (and HSDP's) shards are gathered for their layer's call. A DTensor that ``fully_shard``
-    does not manage is a tensor-parallel slice: each rank computes with its slice of the weight, so
-    one sample's gradient is split across the ranks; ``tensor_parallel`` supports the splits whose
-    partial norms it can add up (and refuses the others), on a mesh of its own (TP with FSDP2 is
-    refused).
+    FSDP2's (and HSDP's) shards are gathered for their layer's call; a tensor-parallel slice is not
+    (each rank computes with its slice, so one sample's gradient is split across the ranks), and
+    only the splits whose partial norms can be added up are accepted: tensor parallelism alone, or on
+    the second dim of a (dp, tp) mesh whose first dim FSDP2 shards.
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
     if not named:
         return {}
     managed = fully_shard_params(module)
-    foreign = [name for name, p in named if p not in managed]
-    if foreign and len(foreign) < len(named):
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    layouts = tensor_parallel_params(module, managed)
+    alone = [name for name, p in named if p in layouts and not layouts[p].with_fsdp]
+    if alone and len(alone) < len(named):
+        shown = ", ".join(alone[:4]) + (f" and {len(alone) - 4} more" if len(alone) > 4 else "")
         raise ValueError(
-            f"parameters {shown} are DTensors that fully_shard does not manage (tensor parallelism: "
-            "parallelize_module with ColwiseParallel / RowwiseParallel / SequenceParallel, or DTensors made by hand), "
-            "in a model FSDP2 shards too: tensor parallelism with FSDP2 (a 2-D mesh) is not supported yet, since "
-            "each rank would hold part of a sample's gradient in a layer FSDP2 does not gather. Use tensor "
-            "parallelism alone, FSDP2 (fully_shard) or HSDP alone, or DDP"
+            f"parameters {shown} are tensor-parallel DTensors that fully_shard does not manage, in a model FSDP2 "
+            "shards too: apply fully_shard to the whole model after parallelize_module, on the dp dim of one "
+            "(dp, tp) mesh (the TP x FSDP2 recipe), or use tensor parallelism alone"
         )
-    if foreign:
-        return tensor_parallel_params(module)  # refuses the splits whose per-sample norms it cannot complete
+    mesh = next(iter(layouts.values())).mesh if layouts else None
     for name, p in named:
+        if p in layouts:
+            continue
+        if mesh is not None and mesh.ndim == 2:  # TP x FSDP2: the other parameters are FSDP2's over dp
+            ranks = torch.distributed.get_process_group_ranks
+            if p.device_mesh.ndim != 1 or ranks(p.device_mesh.get_group(0)) != ranks(mesh.get_group(0)):
+                raise ValueError(f"parameter {name} is sharded over another mesh than the tensor-parallel layers' "
+                                 "data-parallel dim; apply fully_shard on that dim (mesh['dp'])")
         shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
-    return {}
+    return layouts
 
 
-def _layout(param: Any, dim: Optional[int], name: str) -> TensorParallelLayout:
+def _layout(param: Any, dim: Optional[int], mesh_dim: int, name: str) -> TensorParallelLayout:
     mesh = param.device_mesh
-    group, rank, world = mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0)
-    shape = tuple(param.shape)
+    group, rank, world = mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)
+    shape, with_fsdp = tuple(param.shape), mesh_dim == 1
     if dim is None:
-        return TensorParallelLayout(mesh, group, rank, world, shape, None)
+        return TensorParallelLayout(mesh, group, rank, world, shape, None, with_fsdp=with_fsdp)
     per_rank = -(-shape[dim] // world)  # DTensor's Shard: torch.chunk semantics
     start, end = min(rank * per_rank, shape[dim]), min((rank + 1) * per_rank, shape[dim])
-    layout = TensorParallelLayout(mesh, group, rank, world, shape, dim, start, end)
-    expected = tuple(end - start if d == dim else size for d, size in enumerate(shape))
-    if tuple(param.to_local().shape) != expected:
-        raise ValueError(f"{name}: the local slice has shape {tuple(param.to_local().shape)}, not the {expected} of an "
-                         f"even split of dim {dim} over {world} ranks; this split is not supported")
+    layout = TensorParallelLayout(mesh, group, rank, world, shape, dim, start, end, with_fsdp)
+    if not with_fsdp and tuple(param.to_local().shape) != layout.local_shape:
+        raise ValueError(f"{name}: the local slice has shape {tuple(param.to_local().shape)}, not the "
+                         f"{layout.local_shape} of an even split of dim {dim} over {world} ranks; not supported")
     return layout
+
+
+def data_parallel_group(layouts: Dict[nn.Parameter, TensorParallelLayout]) -> Any:
+    """The group over which the Poisson draws are sharded: True (the world) without tensor parallelism,
+    None under tensor parallelism alone (every rank the same batch), the dp group under TP x FSDP2."""
+    if not layouts:
+        return True
+    layout = next(iter(layouts.values()))
+    return layout.mesh.get_group(0) if layout.with_fsdp else None
+
+
+def data_parallel_shard_layout(param: Any, layout: TensorParallelLayout) -> ShardLayout:
+    """TP x FSDP2: where this rank's FSDP2 shard lies in its tensor-parallel slice (rows of dim 0 over dp),
+    the layout the sharded accumulator and its reduce-scatter over the dp group use."""
+    mesh = param.device_mesh
+    group, rank, world = mesh.get_group(0), mesh.get_local_rank(0), mesh.size(0)
+    shape = layout.local_shape
+    per_rank = -(-shape[0] // world)
+    start, end = min(rank * per_rank, shape[0]), min((rank + 1) * per_rank, shape[0])
+    dp = ShardLayout(group, rank, world, shape, per_rank, start, end)
+    if tuple(param.to_local().shape) != dp.local_shape:
+        raise ValueError(f"a TP x FSDP2 parameter's local shard has shape {tuple(param.to_local().shape)}, not the "
+                         f"{dp.local_shape} of an even dim-0 split of its tensor-parallel slice; not supported")
+    return dp
 
 
 def local_part(t: Any, batch_dim: Optional[int]) -> Any:
@@ -265,12 +323,14 @@ def context_parallel_active() -> bool:
 
 
 def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], layouts: Dict[nn.Parameter, TensorParallelLayout]) -> None:
-    """Write ``p.grad = (clipped sum + noise) / expected batch size`` on every rank of the group.
+    """Write ``p.grad = (clipped sum + noise) / expected batch size`` on every rank.
 
-    The noise of parameter ``i`` is element-wise the one-process stream of ``ShardedNoise`` (rank 0's
-    key, broadcast): a split parameter takes its slice of it on each rank (secure noise: each rank
-    draws its own slice, one draw per element over the group). Every other parameter (replicated or
-    plain) gets rank 0's clipped sum and noise, broadcast: the same gradient on every rank.
+    The noise of parameter ``i`` is element-wise the one-process stream of ``ShardedNoise`` (global
+    rank 0's key, broadcast): a split parameter takes its slice of it on each rank (under TP x FSDP2,
+    the rows of its FSDP2 shard within the slice; secure noise: each rank draws its own elements,
+    one draw per element). Every other parameter (replicated over the tensor-parallel group, plain,
+    or FSDP2's over dp) gets the clipped sum and noise of its group's rank 0, broadcast over the
+    tensor-parallel group: the same gradient on every rank of it.
     """
     from torch.distributed.tensor import DTensor
 
@@ -278,18 +338,18 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
     noise = sharded_noise(optimizer)
     std = optimizer.noise_std
     group = next(iter(layouts.values())).group
-    source = dist.get_global_rank(group, 0)
     key = noise.step_key() if std > 0 else None
-    if key is not None:
+    if key is not None:  # one stream: global rank 0's key, whatever the others drew
         box = [key]
-        dist.broadcast_object_list(box, src=source, group=group)
+        dist.broadcast_object_list(box, src=0)
         key = int(box[0])
+    sharded = shard_layouts(optimizer, [p for p in params if is_sharded(p) and (p not in layouts or layouts[p].with_fsdp)])
     locals_: List[torch.Tensor] = []
     whole: List[int] = []
     for index, p in enumerate(params):
-        layout = layouts.get(p)
+        layout, shard = layouts.get(p), sharded.get(p)
         split = layout is not None and layout.sharded
-        value = p.to_local() if layout is not None else p
+        value = p.to_local() if is_sharded(p) else p
         held = optimizer._summed.get(p)
         local = (held.reshape(value.shape).float().clone() if held is not None
                  else torch.zeros(value.shape, dtype=torch.float32, device=value.device))
@@ -297,21 +357,25 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
             local.view(-1).add_(noise.slice(None, index, local.numel(), 0, local.numel(), std, device=local.device))
         elif std > 0 and split:
             full = noise.slice(key, index, p.numel(), 0, p.numel(), std, device=local.device).view(layout.shape)
-            local.add_(layout.local_of(full))
+            piece = layout.local_of(full)
+            if shard is not None:  # TP x FSDP2: this rank's rows of its slice
+                piece = piece.narrow(0, shard.row_start, shard.row_end - shard.row_start)
+            local.add_(piece)
         elif std > 0:
-            local.view(-1).add_(noise.slice(key, index, p.numel(), 0, p.numel(), std, device=local.device))
+            start, end = shard.element_range if shard is not None else (0, p.numel())
+            local.view(-1).add_(noise.slice(key, index, p.numel(), start, end, std, device=local.device))
         if not split:
             whole.append(index)
         locals_.append(local)
-    if whole:  # rank 0's clipped sum and noise everywhere
+    if whole:  # the tensor-parallel group's rank 0's clipped sum and noise everywhere in the group
         flat = torch.cat([locals_[i].reshape(-1) for i in whole])
-        dist.broadcast(flat, src=source, group=group)
+        dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
         for i, piece in zip(whole, flat.split([locals_[i].numel() for i in whole])):
             locals_[i] = piece.view_as(locals_[i])
     for p, local in zip(params, locals_):
         if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
             local = local / optimizer.plan.divisor
-        if p in layouts:
+        if is_sharded(p):
             p.grad = DTensor.from_local(local.to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
                                         stride=p.stride(), run_check=False)
         else:
@@ -325,6 +389,8 @@ __all__ = [
     "check_same_batch",
     "complete_norms",
     "context_parallel_active",
+    "data_parallel_group",
+    "data_parallel_shard_layout",
     "local_part",
     "local_shape",
     "tensor_parallel_params",

@@ -43,7 +43,7 @@ from dptorch.clipping.factors import (
     per_layer_thresholds,
 )
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
-from dptorch.distributed.tensor_parallel import add_noise_tensor_parallel, complete_norms
+from dptorch.distributed.tensor_parallel import add_noise_tensor_parallel, complete_norms, data_parallel_shard_layout
 from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
@@ -176,10 +176,16 @@ class DPOptimizer(torch.optim.Optimizer):
         self.hooks = hooks
         hooks.keep_param_grads = False
         # tensor parallelism (dptorch.distributed.tensor_parallel): every rank runs the whole batch
-        self._tensor_parallel = dict(getattr(hooks, "tensor_parallel", None) or {})
-        self._sharded = any_sharded(self.params) and not self._tensor_parallel  # FSDP2: dptorch.distributed.fsdp
-        if self._tensor_parallel:  # one data-parallel rank: nothing to add up over the ranks
-            self._world_size = 1
+        tensor_parallel = self._tensor_parallel = dict(getattr(hooks, "tensor_parallel", None) or {})
+        with_fsdp = any(layout.with_fsdp for layout in tensor_parallel.values())
+        self._sharded = any_sharded(self.params) and (with_fsdp or not tensor_parallel)  # FSDP2: distributed.fsdp
+        self._data_parallel_group = None  # the group whose ranks hold different samples (None: the world)
+        if tensor_parallel:  # the ranks of a tensor-parallel group hold the same samples
+            self.__dict__["_dp_shard_layouts"] = {p: data_parallel_shard_layout(p, layout)
+                                                  for p, layout in tensor_parallel.items() if layout.with_fsdp}
+            mesh = next(iter(tensor_parallel.values())).mesh
+            self._data_parallel_group = mesh.get_group(0) if with_fsdp else None
+            self._world_size = mesh.size(0) if with_fsdp else 1
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -410,7 +416,7 @@ class DPOptimizer(torch.optim.Optimizer):
             if released:
                 counts[1:] += self.noise_generator.noise_like(counts[1:], std).to(counts.dtype)
         if self._world_size > 1:
-            torch.distributed.all_reduce(counts)
+            torch.distributed.all_reduce(counts, group=self._data_parallel_group)
         if self._tensor_parallel:  # the same counts on every rank; rank 0's noise
             group = next(iter(self._tensor_parallel.values())).group
             torch.distributed.broadcast(counts, src=torch.distributed.get_global_rank(group, 0), group=group)

@@ -33,8 +33,7 @@ def hsdp_scenarios(rank: int):
         True, ShardedNoise(NoiseGenerator(seed=workers.NOISE_SEED + rank), chunk_size=workers.CHUNK), mesh=mesh())
     yield "hsdp-noise-secure", lambda: workers.noise_only(True, SecureNoiseGenerator(), mesh=mesh())
     yield "hsdp-resume", lambda: workers.sharded_resume(mesh())
-    yield "tp-fsdp-refused", lambda: workers.sharding_refusal("tp-fsdp")
-    yield "hand-2d-refused", lambda: workers.sharding_refusal("hand-2d")
+    yield "hand-2d-refused", lambda: workers.sharding_refusal()
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +77,6 @@ def test_hsdp_secure_noise_has_the_std_of_one_draw_and_is_shared_by_the_replicas
         # two replicas' draws summed would give sqrt(2) = 1.41 times it
         assert full.std().item() == pytest.approx(std, rel=0.04)
     assert abs(torch.corrcoef(torch.stack([runs[0][0]["full"], runs[0][1]["full"]]))[0, 1].item()) < 0.06
-
-
-def test_tensor_parallel_x_fsdp_is_refused_when_the_controller_attaches(hsdp):
-    for rank in range(WORLD):  # managed by fully_shard, but its TP placement splits each sample's gradient
-        message = hsdp("tp-fsdp-refused", rank)
-        assert "supports FSDP2's sharding" in message and "Tensor parallelism" in message
 
 
 def test_hsdp_placements_made_by_hand_are_refused(hsdp):

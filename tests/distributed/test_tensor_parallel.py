@@ -28,24 +28,13 @@ def tp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
 
 
-def mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (dist.get_world_size(),))
-
-
-def parallelized(model: nn.Module, first: str = "0", second: str = "2") -> nn.Module:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    return parallelize_module(model, mesh(), {first: ColwiseParallel(), second: RowwiseParallel()})
-
-
-def noise_only(generator, tensor_parallel: bool) -> dict:
-    """Two noise-only steps (empty batches): every gradient is the noise / B."""
+def noise_only(generator, split=None) -> dict:
+    """Two noise-only steps (empty batches): every gradient is the noise / B (``split``: its tensor-parallel
+    layout, None for one process)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDE_IN, WIDE_MID), nn.Linear(WIDE_MID, WIDE_OUT))
-    if tensor_parallel:
-        parallelized(model, "0", "1")
+    if split is not None:
+        split(model)
     hooks = GradSampleHooks(model, loss_reduction="sum")
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=workers.SIGMA,
                             max_grad_norm=workers.CLIP, expected_batch_size=workers.BIG_BATCH, noise_generator=generator)
@@ -65,7 +54,7 @@ def noise_only(generator, tensor_parallel: bool) -> dict:
 
 def different_data(rank: int) -> str:
     """Each rank feeds its own batch: refused on every rank."""
-    model = parallelized(tp_model())
+    model = Split()(tp_model())
     hooks = GradSampleHooks(model, loss_reduction="sum")
     try:
         model(torch.randn(3, 5, generator=torch.Generator().manual_seed(rank)))
@@ -76,34 +65,35 @@ def different_data(rank: int) -> str:
     return "accepted"
 
 
-def refusal(kind: str) -> str:
+def refusal(kind: str, split=None) -> str:
     """The error make_private (or attaching) raises for a tensor-parallel set-up it cannot keep exact."""
+    split = split or Split()
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     torch.manual_seed(0)
     try:
-        if kind == "distributed-loader":
-            model = parallelized(tp_model())
+        if kind == "distributed-loader":  # sharded over the world, not over the data-parallel ranks
+            model = split(tp_model())
             loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=1, distributed=True)
             PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
         elif kind == "sequence-parallel":
             model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-            parallelize_module(model, mesh(), {"1": SequenceParallel()})
+            parallelize_module(model, split.mesh(), {"1": SequenceParallel()})
             GradSampleHooks(model).cleanup()
         elif kind == "embedding":
             model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
-            parallelize_module(model, mesh(), {"0": RowwiseParallel()})
+            parallelize_module(model, split.mesh(), {"0": RowwiseParallel()})
             GradSampleHooks(model).cleanup()
         elif kind == "shuffled":
-            model = parallelized(tp_model())
+            model = split(tp_model())
             loader = torch.utils.data.DataLoader(workers.dataset(), batch_size=4, shuffle=True)
             PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False,
                                          poisson_sampling=False)
         elif kind == "colwise-only":  # accepted: one split layer alone
             model = nn.Sequential(nn.Linear(4, 6))
-            parallelize_module(model, mesh(), {"0": ColwiseParallel()})
+            parallelize_module(model, split.mesh(), {"0": ColwiseParallel()})
             GradSampleHooks(model).cleanup()
     except ValueError as error:
         return str(error)
@@ -119,7 +109,7 @@ def context_parallel_refusal() -> str:
     hooks = GradSampleHooks(model, loss_reduction="sum")
     x = torch.randn(2, 4, 4)
     try:
-        with context_parallel(mesh(), buffers=[x], buffer_seq_dims=[1]):
+        with context_parallel(Split().mesh(), buffers=[x], buffer_seq_dims=[1]):
             model(x)
     except Exception as error:  # noqa: BLE001 - the message says which
         return f"{type(error).__name__}: {error}"
@@ -128,9 +118,10 @@ def context_parallel_refusal() -> str:
     return "accepted"
 
 
-def secure_run() -> dict:
-    """Secure sampling and secure noise under TP: rank 0's draws on every rank, replicas identical."""
-    model = parallelized(tp_model())
+def secure_run(split=None) -> dict:
+    """Secure sampling and secure noise under TP from a plain DataLoader (make_private builds the Poisson
+    loader): rank 0's draws on every rank of a tensor-parallel group, replicas identical."""
+    model = (split or Split())(tp_model())
     engine = PrivacyEngine(secure_mode=True)
     loader = torch.utils.data.DataLoader(workers.dataset(), batch_size=6)
     _hooks, optimizer, loader = engine.make_private(
@@ -163,7 +154,7 @@ def llama_step(mode: str, tensor_parallel: bool) -> dict:
     if tensor_parallel:
         styles = {"col": ColwiseParallel, "row": RowwiseParallel}
         for layer in model.model.layers:
-            parallelize_module(layer, mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
+            parallelize_module(layer, Split().mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
     hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
                             max_grad_norm=0.3, expected_batch_size=3.0)
@@ -176,27 +167,97 @@ def llama_step(mode: str, tensor_parallel: bool) -> dict:
     return {"params": workers.flat_params(model), "start": start, "clipped": optimizer.last_clipped_fraction}
 
 
-def split(model: nn.Module) -> nn.Module:
-    return parallelized(model)
+class Split:
+    """How a scenario splits ``tp_model``: tensor parallelism alone, or with FSDP2 over the dp dim of a
+    (dp, tp) mesh (``per_layer``: every Linear its own FSDP2 unit, then the root)."""
 
+    def __init__(self, fsdp: bool = False, per_layer: bool = False, names=("0", "2")) -> None:
+        self.fsdp, self.per_layer, self.names = fsdp, per_layer, names
 
-split.model = tp_model  # what sharded_resume builds before splitting
+    def mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if not self.fsdp:
+            return init_device_mesh("cpu", (dist.get_world_size(),))
+        return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
+
+    def model(self) -> nn.Module:
+        return tp_model()
+
+    def __call__(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.mesh()
+        first, second = self.names
+        parallelize_module(model, mesh["tp"] if self.fsdp else mesh, {first: ColwiseParallel(), second: RowwiseParallel()})
+        if self.fsdp:
+            for layer in (model[int(first)], model[int(second)]) if self.per_layer else ():
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+        self.data_parallel = mesh["dp"].get_group() if self.fsdp else None
+        return model
+
+    def distributed(self):
+        """The loader's ``distributed=``: the dp group under FSDP2, not sharded under TP alone."""
+        return self.data_parallel if self.fsdp else False
 
 
 def scenarios(rank: int):
     for mode in ("hooks", "bk", "ghost"):
-        yield f"tp-{mode}", lambda mode=mode: workers.train(parallelized(tp_model()), mode, distributed=False, physical=3)
+        yield f"tp-{mode}", lambda mode=mode: workers.train(Split()(tp_model()), mode, distributed=False, physical=3)
     torch.manual_seed(100 + rank)  # the ranks' own generators differ: the stream must still be rank 0's
-    yield "tp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK), True)
-    yield "tp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), True)
+    yield "tp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK),
+                                         Split(names=("0", "1")))
+    yield "tp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), Split(names=("0", "1")))
     yield "tp-secure", secure_run
     for mode in ("hooks", "bk"):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, True)
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
-    yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=split)
+    yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
     for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
         yield f"tp-refused-{kind}", lambda kind=kind: refusal(kind)
+
+
+def fsdp_train(mode: str, per_layer: bool) -> dict:
+    split = Split(fsdp=True, per_layer=per_layer)
+    model = split(tp_model())
+    return workers.train(model, mode, distributed=split.distributed(), physical=3)
+
+
+def separate_meshes_refusal() -> str:
+    """Tensor parallelism alone on some layers, FSDP2 on another: refused."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Split()(tp_model())
+    fully_shard(model[4])
+    try:
+        GradSampleHooks(model).cleanup()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def fsdp_scenarios(rank: int):
+    yield "tpfsdp-whole-bk", lambda: fsdp_train("bk", per_layer=False)
+    yield "tpfsdp-per-layer-hooks", lambda: fsdp_train("hooks", per_layer=True)
+    yield "tpfsdp-per-layer-ghost", lambda: fsdp_train("ghost", per_layer=True)
+    torch.manual_seed(100 + rank)
+    yield "tpfsdp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK),
+                                             Split(fsdp=True, per_layer=True, names=("0", "1")))
+    yield "tpfsdp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), Split(fsdp=True, names=("0", "1")))
+    yield "tpfsdp-secure", lambda: secure_run(Split(fsdp=True))
+    yield "tpfsdp-resume", lambda: workers.sharded_resume(tensor_parallel=Split(fsdp=True, per_layer=True))
+    yield "tpfsdp-refused-distributed-loader", lambda: refusal("distributed-loader", Split(fsdp=True))
+    yield "tp-and-fsdp-apart-refused", separate_meshes_refusal
+
+
+@pytest.fixture(scope="module")
+def tp_fsdp():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return workers.reader(workers.spawn_all(fsdp_scenarios, world=2 * WORLD))
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +295,7 @@ def test_a_tensor_parallel_llama_step_is_the_one_process_step(tp, mode):
 
 def test_tensor_parallel_noise_is_the_one_process_stream_drawn_once_per_element(tp):
     runs = [tp("tp-noise", rank)["draws"] for rank in range(WORLD)]
-    reference = noise_only(ShardedNoise(seed=workers.NOISE_SEED, chunk_size=workers.CHUNK), False)["draws"]
+    reference = noise_only(ShardedNoise(seed=workers.NOISE_SEED, chunk_size=workers.CHUNK))["draws"]
     for step, expected in enumerate(reference):
         for run in runs:  # split and replicated parameters alike: rank 0's stream, the same as one process
             torch.testing.assert_close(run[step]["full"], expected["full"], rtol=0, atol=0)
@@ -278,7 +339,7 @@ def test_ranks_running_different_data_are_refused_on_every_rank(tp):
 
 
 @pytest.mark.parametrize("kind, words", [
-    ("distributed-loader", "every rank trains on the same batch"),
+    ("distributed-loader", "every rank of a tensor-parallel group trains on the same batch"),
     ("sequence-parallel", "SequenceParallel splits the tokens"),
     ("embedding", "Embedding"),
     ("shuffled", "tensor parallelism is supported with Poisson sampling"),
@@ -297,3 +358,66 @@ def test_context_parallelism_is_refused_on_every_rank(tp):
 def test_one_split_layer_alone_is_accepted(tp):
     for rank in range(WORLD):
         assert tp("tp-refused-colwise-only", rank) == "accepted"
+
+
+# ------------------------------------------------------------------ TP x FSDP2: a 2 x 2 (dp, tp) mesh
+
+
+@pytest.mark.parametrize("name", ["tpfsdp-whole-bk", "tpfsdp-per-layer-hooks", "tpfsdp-per-layer-ghost"])
+def test_tp_x_fsdp_run_ends_where_one_process_ends(tp_fsdp, name):
+    """FSDP2 over dp, TP over tp: each dp rank its share of the Poisson batch, the same share on both
+    ranks of its tensor-parallel group; all four end with the one-process parameters."""
+    mode = name.rsplit("-", 1)[1]
+    runs = [tp_fsdp(name, rank) for rank in range(2 * WORLD)]
+    for run in runs[1:]:
+        torch.testing.assert_close(run["params"], runs[0]["params"], rtol=0, atol=0)
+    reference = workers.train(tp_model(), mode, distributed=False, physical=3)
+    torch.testing.assert_close(runs[0]["params"], reference["params"], rtol=1e-5, atol=1e-6)
+    assert runs[0]["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
+    assert runs[0]["steps"] == reference["steps"]
+    # ranks 0 and 1 (one tp group) share rows; 0 and 2 (dp ranks) split the logical batches between them
+    assert runs[0]["rows_per_step"] == runs[1]["rows_per_step"]
+    assert [a + b for a, b in zip(runs[0]["rows_per_step"], runs[2]["rows_per_step"])] == reference["rows_per_step"]
+
+
+def test_tp_x_fsdp_noise_is_the_one_process_stream(tp_fsdp):
+    runs = [tp_fsdp("tpfsdp-noise", rank)["draws"] for rank in range(2 * WORLD)]
+    reference = noise_only(ShardedNoise(seed=workers.NOISE_SEED, chunk_size=workers.CHUNK))["draws"]
+    for step, expected in enumerate(reference):
+        for run in runs:
+            torch.testing.assert_close(run[step]["full"], expected["full"], rtol=0, atol=0)
+        locals_ = [run[step]["local"][0] for run in runs]  # the column-wise weight: four different pieces
+        assert len({tuple(piece.tolist()) for piece in locals_}) == 2 * WORLD
+
+
+def test_secure_tp_x_fsdp_noise_one_draw_per_element(tp_fsdp):
+    runs = [tp_fsdp("tpfsdp-noise-secure", rank)["draws"] for rank in range(2 * WORLD)]
+    std = workers.SIGMA * workers.CLIP / workers.BIG_BATCH
+    for step in range(2):
+        for run in runs[1:]:
+            torch.testing.assert_close(run[step]["full"], runs[0][step]["full"], rtol=0, atol=0)
+        assert runs[0][step]["full"].double().std().item() == pytest.approx(std, rel=0.06)
+        locals_ = [run[step]["local"][0] for run in runs]
+        assert len({tuple(piece.tolist()) for piece in locals_}) == 2 * WORLD  # no element drawn twice
+
+
+def test_secure_sampling_under_tp_x_fsdp(tp_fsdp):
+    runs = [tp_fsdp("tpfsdp-secure", rank) for rank in range(2 * WORLD)]
+    assert runs[0]["sizes"] == runs[1]["sizes"] and runs[2]["sizes"] == runs[3]["sizes"]  # one draw per tp group
+    for run in runs[1:]:
+        torch.testing.assert_close(run["params"], runs[0]["params"], rtol=0, atol=0)
+
+
+def test_a_tp_x_fsdp_checkpoint_resumes_exactly(tp_fsdp):
+    for rank in range(2 * WORLD):
+        run = tp_fsdp("tpfsdp-resume", rank)
+        torch.testing.assert_close(run["resumed"]["params"], run["first"]["params"], rtol=0, atol=0)
+        assert run["resumed"]["epsilon"] == run["first"]["epsilon"] and run["first"]["steps"] > 0
+
+
+def test_tp_x_fsdp_refusals(tp_fsdp):
+    for rank in range(2 * WORLD):
+        message = tp_fsdp("tpfsdp-refused-distributed-loader", rank)
+        assert "rank of a tensor-parallel group trains on the same batch" in message
+        assert "of 4 shards" in message and "of 2 here" in message
+        assert "in a model FSDP2 shards too" in tp_fsdp("tp-and-fsdp-apart-refused", rank)

@@ -259,7 +259,8 @@ def ddp_ranks_skip_different_forwards() -> torch.Tensor:
 
 def _sharded_private(seed: int, folder: Optional[str] = None, mesh=None, tensor_parallel=None):
     """A per-layer FSDP2 model (on ``mesh``: HSDP when 2-D; or ``tensor_parallel(model)``'s split one, from
-    ``tensor_parallel.model``), momentum SGD and the engine (rdp), made private; with ``folder``, resumed from it."""
+    ``tensor_parallel.model``, its loader sharded as ``tensor_parallel.distributed()`` says), momentum SGD and
+    the engine (rdp), made private; with ``folder``, resumed from it."""
     from torch.distributed.fsdp import fully_shard
 
     on = {} if mesh is None else {"mesh": mesh}
@@ -278,7 +279,7 @@ def _sharded_private(seed: int, folder: Optional[str] = None, mesh=None, tensor_
     _hooks, optimizer, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
         data_loader=DPDataLoader(dataset(), sample_rate=SAMPLE_RATE, seed=SAMPLING_SEED,
-                                 distributed=tensor_parallel is None),
+                                 distributed=True if tensor_parallel is None else tensor_parallel.distributed()),
         noise_multiplier=SIGMA, max_grad_norm=CLIP, loss_reduction="sum", grad_sample_mode="bk", wrap_model=False,
         noise_generator=ShardedNoise(seed=NOISE_SEED),
     )
@@ -319,26 +320,17 @@ def sharded_resume(mesh=None, tensor_parallel=None) -> dict:
     return {"first": first, "resumed": resumed, "mid_step": mid_step}
 
 
-def sharding_refusal(kind: str) -> str:
-    """The error attaching a controller raises on a model whose DTensor weights fully_shard does not
-    manage or places otherwise (``"accepted"`` if none): ``tp-fsdp`` (TP x FSDP2 on a 2-D (dp, tp) mesh),
-    ``hand-2d`` (HSDP's placements on a 2-D mesh, made by hand: no all-gather ever happens)."""
+def sharding_refusal() -> str:
+    """The error attaching a controller raises on HSDP's placements on a 2-D mesh made by hand (no
+    all-gather ever happens; ``"accepted"`` if none)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6))
-    world = dist.get_world_size()
-    if kind == "tp-fsdp":
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
-        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
-        fully_shard(model, mesh=mesh["dp"])
-    elif kind == "hand-2d":
-        mesh = init_device_mesh("cpu", (2, world // 2))
-        for name, p in list(model[0].named_parameters()):
-            setattr(model[0], name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Shard(0)])))
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2))
+    for name, p in list(model[0].named_parameters()):
+        setattr(model[0], name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Replicate(), Shard(0)])))
     try:
         GradSampleHooks(model, loss_reduction="sum").cleanup()
     except ValueError as error:
