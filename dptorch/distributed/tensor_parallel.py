@@ -1,27 +1,34 @@
 """Tensor parallelism (``torch.distributed.tensor.parallel``) under DP-SGD: partial norms summed, sliced noise.
 
-Under ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` every rank of the
-tensor-parallel group runs the *same* batch, each with its slice of the sharded weights:
+Under ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` every rank of a
+tensor-parallel group runs the *same* batch, each with its slice of the split weights:
 
-* **Per-sample gradients** of a sharded weight are formed on every rank for its slice only (the
-  controller hands the layer's samplers the local activations and output gradients). One sample's
-  squared norm is therefore the sum of the ranks' partial squared norms: ``complete_norms``
-  all-reduces them (one collective of B floats per sharded parameter, one call per backward pass)
-  before any clip factor is formed. A replicated parameter (a row-wise layer's bias) has its whole
-  per-sample gradient on every rank and is counted once.
-* **Clipped sums** need no collective: every rank forms its slice of the one clipped sum.
-* **Noise** is one draw per element of the full parameter: each rank adds its slice of one stream
-  (``ShardedNoise``; rank 0's step key, broadcast), a replicated parameter gets the same draw on
-  every rank (secure noise: drawn on rank 0 and broadcast).
-* **The batch** must be the same on every rank (a row-wise layer's all-reduce adds the ranks' rows
-  position by position): ``check_same_batch`` compares the root inputs of every forward across the
-  group exactly, and ``mirror_draws`` makes the Poisson sampler's draw rank 0's on every rank.
+* **Per-sample gradients** of a split weight are formed on every rank for its slice only (the
+  controller hands the layer's samplers the local inputs and output gradients). One sample's
+  squared norm is the sum of the ranks' partial squared norms: ``complete_norms`` all-reduces them
+  (one collective per backward pass) before any clip factor is formed. Every other parameter (a
+  row-wise layer's bias, the embedding, the norms) takes the group's rank 0's norm, so every rank
+  forms the same clip factors.
+* **Clipped sums** need no collective over the group: every rank forms its slice of the one sum.
+* **Noise** is the one-process stream element by element (``ShardedNoise``; global rank 0's key,
+  broadcast): a split parameter takes each rank's slice (secure noise: each rank draws its own
+  elements); every other parameter gets the group's rank 0's clipped sum and noise, broadcast.
+* **The batch** must be the same on every rank of the group (a row-wise layer's all-reduce adds the
+  ranks' rows position by position): ``check_same_batch`` compares the root inputs of every forward
+  across the group exactly, and the Poisson sampler's draws are the group's rank 0's
+  (``dptorch.data.poisson.mirror_draws``).
 
-Supported: a 1-D mesh spanning the whole world (tensor parallelism alone), ``nn.Linear`` layers
-split column-wise (weight and bias ``Shard(0)``) or row-wise (weight ``Shard(1)``, bias
-``Replicate()``), local inputs and outputs. Refused when the controller attaches: any other layer
-with DTensor parameters (``SequenceParallel``'s norms, an embedding split by rows), other
-placements, 2-D meshes (TP with FSDP2 or DDP).
+**TP x FSDP2**: ``parallelize_module`` on ``mesh["tp"]``, then ``fully_shard`` on ``mesh["dp"]`` of one
+2-D ``(dp, tp)`` mesh. Each tensor-parallel parameter is a 2-D DTensor FSDP2 shards over dp: FSDP2
+gathers the slice for the layer's call, the clipped sums are reduce-scattered over dp within the
+slice (``dptorch.distributed.fsdp.accumulate_sharded`` with ``data_parallel_shard_layout``), and the
+noise takes this rank's rows of its slice. The draws are sharded over dp and mirrored within tp.
+
+Supported: ``nn.Linear`` layers split column-wise (weight and bias ``Shard(0)``) or row-wise (weight
+``Shard(1)``, bias ``Replicate()``), local inputs and outputs, on a 1-D mesh of the whole world or
+the tp dim of a (dp, tp) mesh. Refused when the controller attaches: any other layer with DTensor
+parameters (``SequenceParallel``'s norms, an embedding split by rows), other placements, TP and
+FSDP2 on separate meshes, TP x DDP; context parallelism at every forward (``context_parallel_active``).
 """
 
 from __future__ import annotations
