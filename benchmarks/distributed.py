@@ -352,8 +352,31 @@ def comm_rows(micro_batches: int = 1, gpus: int = 64, replicas: int = 8):
          k * (2 * ring("all_gather", bf16, shards) + ring("reduce_scatter", fp32, shards))
          + ring("all_reduce", fp32 / shards, replicas) + key,
          "the replicas' all-reduce runs once per step (FSDP2's default: once per backward pass)"),
+        tp_fsdp_row(k, gpus, replicas),
     ]
     return params, rows
+
+
+def tp_fsdp_row(k: int, gpus: int, tp: int, batch_per_rank: int = 16):
+    """TP x FSDP2 (``gpus / tp`` dp ranks x ``tp``): every Linear of the decoder layers split over tp (the
+    usual plan), the embedding, the norms and the LM head replicated over tp (dptorch refuses a row-split
+    embedding) and FSDP2-sharded over dp. Tensor parallelism's own activation all-reduces are the same
+    with and without DP and are left out."""
+    layers, d, d_ff, d_kv, vocab = LLAMA_8B
+    total, per_layer, _ = model_sizes(*LLAMA_8B)
+    split = layers * (2 * d * d + 2 * d * d_kv + 3 * d * d_ff)  # q, k, v, o, gate, up, down
+    whole = total - split  # embedding, LM head, norms
+    dp = gpus // tp
+    per_rank = split / tp + whole  # a rank's tensor-parallel slice of every parameter (before FSDP2)
+    plain = k * (2 * ring("all_gather", 2 * per_rank, dp) + ring("reduce_scatter", 4 * per_rank, dp))
+    norms = k * ring("all_reduce", 4 * batch_per_rank * layers * 7, tp)  # partial norms, once per backward
+    replicated = ring("all_gather", 4 * whole / dp, tp)  # rank 0's sums of the tp-replicated shards, broadcast
+    private = plain + norms + replicated + 16
+    return (f"TP x FSDP2, {dp} x {tp}", plain, private,
+            f"the same gathers and reduce-scatters (of each slice over dp); plus the partial per-sample norms "
+            f"({batch_per_rank} samples per rank, all-reduced over tp per backward pass) and the tp-replicated "
+            f"parameters' clipped sums ({whole / 1e9:.2f} B: embedding, LM head, norms; this rank's dp shard), "
+            "broadcast over tp once per step")
 
 
 def print_comm_table(micro_batches: int) -> None:
