@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stages 1 and 2 under DP-SGD: the noised gradient handed to ZeRO's own reduction.
+"""DeepSpeed ZeRO stages 1, 2 and 3 under DP-SGD: the noised gradient handed to ZeRO's own buffers.
 
 Under ZeRO-1 and ZeRO-2 every rank holds the model's full parameters (only the fp32 master
 weights, the optimizer state and, at stage 2, the reduced gradients are partitioned), and they are
@@ -18,22 +18,30 @@ the very ``nn.Parameter`` objects of ``engine.module``. So a private step runs a
   to themselves up to fp32 rounding, and keeps each rank's partition; DeepSpeed's own
   ``engine.step()`` then steps its fp32 master partitions and all-gathers the weights.
 
+Under ZeRO-3 the parameters themselves are partitioned; the same controller, hooks removal and
+backward switch apply, and the DP optimizer's noise goes straight into ZeRO-3's partitions instead
+(:mod:`dptorch.distributed.deepspeed_zero3`: each rank reduce-scatters the clipped sums, adds its
+partition's slice of the noise, and writes the partition DeepSpeed steps from; layers whose samplers
+would read a released parameter are refused).
+
 ``engine.step()`` on a private engine is the DP optimizer's step (an instance attribute that
 shadows DeepSpeed's method until ``detach``), so DeepSpeed's loop ``loss = engine(x);
 engine.backward(loss); engine.step()`` is private as written, virtual steps (``BatchMemoryManager``)
 included: a skipped step never reaches DeepSpeed.
 
-Refused before any step (``check_engine``), each with its reason: ZeRO stages 0 and 3, fp16 (loss
+Refused before any step (``check_engine``), each with its reason: ZeRO stage 0, fp16 (loss
 scaling that skips steps on overflow), DeepSpeed's ``gradient_clipping`` (its default is 1.0: it
 would clip the averaged, noised gradient, not each sample), ``gradient_accumulation_steps`` other
 than 1 (DeepSpeed divides the loss by it and steps on a fixed count; a Poisson logical batch has no
-fixed count), CPU/NVMe offloading, pipeline parallelism, ZenFlow, unmanaged gradient accumulation
-a data-parallel group smaller than the world (model or sequence parallelism), and the client torch
-optimizer passed instead of ``engine.optimizer``. Checkpoints of the hand-over's state are refused
-too: DeepSpeed's partitioned state is saved by DeepSpeed.
+fixed count), CPU/NVMe offloading, pipeline parallelism, ZenFlow, unmanaged gradient accumulation,
+a data-parallel group smaller than the world (model or sequence parallelism), the client torch
+optimizer passed instead of ``engine.optimizer``, and at stage 3 leaf modules and MiCS. Checkpoints
+of the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
 
 Memory: the clipped sums are held at full size on every rank (as under DDP), so a private ZeRO-2
-run saves the optimizer state and master weights of the other partitions, not gradient memory.
+run saves the optimizer state and master weights of the other partitions, not gradient memory; a
+private ZeRO-3 run saves the parameters too, but still holds one full-size fp32 clipped sum per
+trainable parameter on every rank until the step.
 """
 
 from __future__ import annotations
@@ -93,10 +101,9 @@ def engine_problems(engine: Any) -> List[str]:
         problems.append(f"this DeepSpeed's ZeRO optimizer ({type(engine.optimizer).__name__}) has no "
                         f"{', '.join(missing)}, through which dptorch hands it the noised gradient (tested with "
                         "deepspeed 0.19.8): install that version")
-    if stage == 3 and getattr(engine.optimizer, "leaf_parameters", None):
-        problems.append("ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules, e.g. for mixture-of-experts "
-                        "blocks) reduce their parameters' gradients in a module backward hook of their own: unset them")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if stage == 3 and not missing:
+        problems += zero3.engine_problems(engine.optimizer, world)
     if int(getattr(engine, "dp_world_size", world)) != world:
         problems.append(f"the data-parallel group has {engine.dp_world_size} of {world} ranks (model, tensor or "
                         "sequence parallelism), which splits one sample's gradient: use data parallelism only")
@@ -201,7 +208,8 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
             dp_optimizer.detach()
             dp_optimizer.hooks.cleanup()
             raise ValueError("private training under DeepSpeed ZeRO-3 refuses this model: " + "; ".join(problems)
-                             + ". Freeze those parameters, or use ZeRO stage 1 or 2 (whole parameters on every rank)")
+                             + ". Or use ZeRO stage 1 or 2, which keep whole parameters on every rank")
+        engine.__dict__["_dptorch_markers"] = zero3.carry_batch_tags(engine.module, dp_optimizer.hooks)
         dp_optimizer.add_noise = types.MethodType(lambda self: zero3.write_noised_partitions(self, zero), dp_optimizer)
     engine.__dict__["_dptorch_saved"] = (engine.enable_backward_allreduce, bool(zero._grad_acc_hooks))
     # ZeRO's gradient hooks would put any gradient autograd still gives a parameter (a path the controller does not
@@ -218,7 +226,9 @@ def detach(engine: Any) -> None:
     if "_dptorch_saved" in engine.__dict__:
         engine.enable_backward_allreduce, had_hooks = engine.__dict__.pop("_dptorch_saved")
         engine.__dict__.pop("step", None)
+        zero3.restore_markers(engine.__dict__.pop("_dptorch_markers", {}))
         if had_hooks and int(engine.zero_optimization_stage()) == 3:
+            engine.optimizer._partition_all_parameters()  # a backward refused half-way leaves some gathered
             engine.optimizer.create_reduce_and_remove_grad_hooks()
         elif had_hooks:
             engine.optimizer.create_gradient_handling_hooks()

@@ -1,8 +1,10 @@
 """DP-SGD under DeepSpeed ZeRO on CPU (gloo), run by ``torchrun`` from ``test_deepspeed.py``.
 
-``deepspeed_script.py OUT`` trains the distributed tests' model at ZeRO stages 1 and 2 with the
+``deepspeed_script.py OUT`` trains the distributed tests' model at ZeRO stages 1, 2 and 3 with the
 engine (``engine(x)``, ``engine.backward(loss)``, ``engine.step()``), takes noise-only steps, and
-records the refusals; each rank writes ``OUT/deepspeed-rank<r>.json``.
+records the refusals; each rank writes ``OUT/deepspeed-rank<r>.json``. ZeRO-3 runs with
+``stage3_param_persistence_threshold: 0``: every parameter is released outside its module's calls
+(by default DeepSpeed keeps parameters under 100k elements whole, which would hide the partitioning).
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from tests.distributed import workers  # noqa: E402
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
+#: ZeRO-3 with every parameter partitioned and released after each use (none kept whole as "persistent").
+ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+
+
 def config(stage: int, **extra) -> dict:
+    if stage == 3:
+        extra.setdefault("zero_optimization", ZERO3)
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             **extra}
@@ -41,6 +49,12 @@ def config(stage: int, **extra) -> dict:
 def initialize(model: nn.Module, stage: int, lr: float = 0.5, **extra):
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     return deepspeed.initialize(model=model, optimizer=optimizer, config=config(stage, **extra))[0]
+
+
+def full_params(engine) -> torch.Tensor:
+    """The model's parameters, flat; under ZeRO-3 gathered from the ranks' partitions (collective: every rank)."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return workers.flat_params(engine.module)
 
 
 def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
@@ -56,8 +70,10 @@ def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
         noise_generator=ShardedNoise(seed=workers.NOISE_SEED),
     )
     assert model is engine
+    empty = 0
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
+            empty += not len(x)  # every rank still runs its forward and backward (ZeRO-3 gathers in both)
             dtype = next(engine.module.parameters()).dtype  # bf16: DeepSpeed cast the model, the inputs follow
             loss = ((engine(x.to(dtype)).float() - y) ** 2).sum()
             engine.backward(loss)
@@ -69,8 +85,9 @@ def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
     except NotImplementedError as error:
         checkpoint = str(error)
     privacy.detach()
-    return {"params": workers.flat_params(engine.module).tolist(), "epsilon": privacy.get_epsilon(workers.DELTA),
-            "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint}
+    whole = sum(p.numel() for p in engine.module.parameters())  # ZeRO-3: 0, every parameter released to partitions
+    return {"params": full_params(engine).tolist(), "whole": whole, "epsilon": privacy.get_epsilon(workers.DELTA),
+            "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint, "empty": empty}
 
 
 def with_epsilon(stage: int) -> dict:
@@ -91,41 +108,61 @@ def with_epsilon(stage: int) -> dict:
             "global_steps": engine.global_steps, "steps": privacy.plan.steps}
 
 
-def noise_only(stage: int) -> list:
+def noise_only(stage: int, secure: bool = False) -> list:
     """BIG_STEPS steps of a Linear(BIG_IN, BIG_OUT) on a loss that is 0 for every sample, lr 1, mean over
-    E[B] = BIG_BATCH: each update is minus the noise / BIG_BATCH."""
+    E[B] = BIG_BATCH: each update is minus the noise / BIG_BATCH. ``secure``: secure_mode, each rank's own stream."""
     torch.manual_seed(0)
     engine = initialize(nn.Sequential(nn.Linear(workers.BIG_IN, workers.BIG_OUT)), stage, lr=1.0)
     rows = 2 * int(workers.BIG_BATCH)
     data = torch.utils.data.TensorDataset(torch.ones(rows, workers.BIG_IN))
     loader = DPDataLoader(data, sample_rate=workers.BIG_BATCH / rows, seed=0, distributed=True)
-    privacy = PrivacyEngine(accountant="rdp")
+    if secure:  # make_private samples it with the OS CSPRNG, each rank its shard
+        loader = torch.utils.data.DataLoader(data, batch_size=int(workers.BIG_BATCH))
+    privacy = PrivacyEngine(accountant="rdp", secure_mode=secure)
     _, _, loader = privacy.make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
                                         noise_multiplier=workers.SIGMA, max_grad_norm=workers.CLIP,
-                                        loss_reduction="mean", noise_generator=ShardedNoise(seed=workers.NOISE_SEED))
+                                        loss_reduction="mean",
+                                        noise_generator=None if secure else ShardedNoise(seed=workers.NOISE_SEED))
     assert privacy.plan.expected_batch_size == workers.BIG_BATCH
     draws = []
     for _, (x,) in zip(range(workers.BIG_STEPS), loader):
-        before = workers.flat_params(engine.module)
+        before = full_params(engine)
         engine.backward((engine(x) * 0).mean())
         engine.step()
-        draws.append((before - workers.flat_params(engine.module)).tolist())
+        draws.append((before - full_params(engine)).tolist())
     privacy.detach()
     return draws
 
 
-def refusal(stage: int, client_optimizer: bool = False, **extra) -> str:
+class Scale(nn.Module):
+    """A per-feature scale: a trainable layer no grad sampler is registered for (the torch.func fallback)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def refusal(stage: int, client_optimizer: bool = False, model=workers.model_like, mode: str = "auto",
+            leaf: bool = False, **extra) -> str:
     """The error make_private raises for a DeepSpeed set-up (``"accepted"`` if none); ``client_optimizer``: pass
-    the torch optimizer DeepSpeed wrapped instead of the one it returned."""
-    model = workers.model_like()
+    the torch optimizer DeepSpeed wrapped instead of the one it returned; ``leaf``: its Linear layers are ZeRO-3
+    leaf modules."""
+    model = model()
+    if leaf:
+        deepspeed.utils.set_z3_leaf_modules(model, [nn.Linear])
     client = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, _optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config(stage, **extra))
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=0, distributed=True)
+    privacy = PrivacyEngine()
     try:
-        PrivacyEngine().make_private(module=engine, optimizer=client if client_optimizer else engine.optimizer,
-                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0)
+        privacy.make_private(module=engine, optimizer=client if client_optimizer else engine.optimizer,
+                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)
     except ValueError as error:
         return str(error)
+    privacy.detach()
     return "accepted"
 
 
@@ -164,7 +201,16 @@ def main(out: Path) -> None:
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
         "unseen-zero2": unseen_path(2),
-        "refused-stage3": refusal(3),
+        "zero3-hooks": train(3, "hooks"),
+        "zero3-bk": train(3, "bk", physical=3),
+        "zero3-bf16-bk": train(3, "bk", physical=3, bf16={"enabled": True}),
+        "noise-zero3": noise_only(3),
+        "noise-zero3-secure": noise_only(3, secure=True),
+        "unseen-zero3": unseen_path(3),
+        "refused-zero3-no-sampler": refusal(3, model=lambda: nn.Sequential(nn.Linear(5, 2), Scale())),
+        "refused-zero3-embedding": refusal(3, model=lambda: nn.Sequential(nn.Embedding(4, 2))),
+        "refused-zero3-functorch": refusal(3, mode="functorch"),
+        "refused-zero3-leaf": refusal(3, leaf=True),
         "refused-stage0": refusal(0),
         "refused-offload": refusal(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
                                    zero_force_ds_cpu_optimizer=False),

@@ -1,9 +1,10 @@
-"""DP-SGD under DeepSpeed ZeRO stages 1 and 2 (CPU, gloo, 2 processes), against one process.
+"""DP-SGD under DeepSpeed ZeRO stages 1, 2 and 3 (CPU, gloo, 2 processes), against one process.
 
 ``deepspeed_script.py`` trains through DeepSpeed's own loop (``engine(x)``, ``engine.backward(loss)``,
 ``engine.step()``) on the same Poisson batches and the same noise stream as the one-process
-references of ``workers``; the DP optimizer's noised gradient is handed to ZeRO's reduction and
-DeepSpeed steps its partitioned fp32 master weights with it.
+references of ``workers``; the DP optimizer's noised gradient is handed to ZeRO's reduction (ZeRO-1/2)
+or written into each rank's ZeRO-3 partition, and DeepSpeed steps its partitioned fp32 master weights
+with it. ZeRO-3 runs with every parameter released outside its module's calls.
 """
 
 import importlib.util
@@ -26,7 +27,8 @@ def ranks(tmp_path_factory):
     return reports
 
 
-@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk")])
+@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero3-hooks", "hooks"),
+                                        ("zero3-bk", "bk")])
 def test_zero_ends_where_one_process_ends(ranks, name, mode):
     """Same logical batches, same noise: every rank's weights equal the one-process run's to fp32 rounding."""
     reference = workers.reference(mode)
@@ -37,17 +39,28 @@ def test_zero_ends_where_one_process_ends(ranks, name, mode):
     assert (reference["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
 
 
-def test_bf16_zero2_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks):
+@pytest.mark.parametrize("name", ["zero2-bf16-bk", "zero3-bf16-bk"])
+def test_bf16_zero_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks, name):
     """DeepSpeed's bf16 (the model cast to bf16, fp32 master weights): the same update to bf16 rounding."""
     reference = workers.reference("bk")["params"]
-    runs = [torch.tensor(rank["zero2-bf16-bk"]["params"]) for rank in ranks]
+    runs = [torch.tensor(rank[name]["params"]) for rank in ranks]
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
     # the weights are read back in bf16 (8 significant bits): a few units of 2**-8 of their size
     torch.testing.assert_close(runs[0], reference, rtol=0, atol=4 * 2**-8 * reference.abs().max().item())
-    assert [rank["zero2-bf16-bk"]["global_steps"] for rank in ranks] == [3] * WORLD
+    assert [rank[name]["global_steps"] for rank in ranks] == [3] * WORLD
 
 
-@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero2-bf16-bk", "bk")])
+def test_zero3_runs_with_released_parameters_and_empty_micro_batches(ranks):
+    """Outside its module's calls every ZeRO-3 parameter is released to its partitions (the samplers ran on
+    released parameters), and the ranks ran their empty physical batches' forwards and backwards (ZeRO-3 gathers
+    in both, so every rank must): the runs above still end where one process ends."""
+    for name in ("zero3-hooks", "zero3-bk", "zero3-bf16-bk"):
+        assert [rank[name]["whole"] for rank in ranks] == [0] * WORLD
+    assert sum(rank["zero3-hooks"]["empty"] for rank in ranks) > 0
+
+
+@pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero2-bf16-bk", "bk"),
+                                        ("zero3-hooks", "hooks"), ("zero3-bk", "bk"), ("zero3-bf16-bk", "bk")])
 def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ranks, name, mode):
     reference = workers.reference(mode)
     assert [rank[name]["steps"] for rank in ranks] == [reference["steps"]] * WORLD == [3] * WORLD
@@ -65,12 +78,14 @@ def test_make_private_with_epsilon_takes_a_deepspeed_engine(ranks):
     assert runs[0]["steps"] == runs[0]["global_steps"] == runs[1]["global_steps"] > 0
 
 
-def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
-    """Updates of a zero loss are the noise / E[B]: one process's stream exactly, std sigma C / E[B], not sqrt(2) times."""
+@pytest.mark.parametrize("name", ["noise-zero2", "noise-zero3"])
+def test_noise_is_drawn_once_per_element_across_the_ranks(ranks, name):
+    """Updates of a zero loss are the noise / E[B]: one process's stream exactly, std sigma C / E[B], not sqrt(2) times
+    (ZeRO-3: each rank draws only its partition's slice of the stream)."""
     from dptorch.distributed import ShardedNoise
 
     expected = workers.reference_noise(ShardedNoise(seed=workers.NOISE_SEED))
-    runs = [[torch.tensor(step) for step in rank["noise-zero2"]] for rank in ranks]
+    runs = [[torch.tensor(step) for step in rank[name]] for rank in ranks]
     for step, reference in enumerate(expected):
         torch.testing.assert_close(runs[0][step], runs[1][step], rtol=0, atol=0)
         torch.testing.assert_close(runs[0][step], reference, rtol=1e-5, atol=1e-7)
@@ -78,10 +93,22 @@ def test_noise_is_drawn_once_per_element_across_the_ranks(ranks):
     assert noise.std().item() == pytest.approx(workers.SIGMA * workers.CLIP / workers.BIG_BATCH, rel=0.04)
 
 
+def test_secure_noise_under_zero3_is_each_ranks_own_partition_draw(ranks):
+    """secure_mode: each rank draws its partition's slice from its own OS-seeded stream; the gathered updates are the
+    same on both ranks, of std sigma C / E[B] (once per element), and not the seeded stream."""
+    runs = [torch.cat([torch.tensor(step) for step in rank["noise-zero3-secure"]]) for rank in ranks]
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    assert runs[0].std().item() == pytest.approx(workers.SIGMA * workers.CLIP / workers.BIG_BATCH, rel=0.04)
+    assert not torch.equal(runs[0], torch.cat([torch.tensor(step) for step in ranks[0]["noise-zero3"]]))
+
+
 @pytest.mark.parametrize("name, words", [
     ("refused-clipping", ['"gradient_clipping": 1.0', "noised gradient", '"gradient_clipping": 0']),
     ("refused-accumulation", ['"gradient_accumulation_steps": 2', "BatchMemoryManager"]),
-    ("refused-stage3", ["ZeRO stage 3", "stage 1 or 2"]),
+    ("refused-zero3-no-sampler", ["ZeRO-3", "1 (Scale) has no grad sampler", "released", "ZeRO stage 1 or 2"]),
+    ("refused-zero3-embedding", ["ZeRO-3", "0 (Embedding)", "released", "nn.Linear"]),
+    ("refused-zero3-functorch", ['grad_sample_mode="functorch"', "released", '"hooks" or "bk"']),
+    ("refused-zero3-leaf", ["leaf modules", "set_z3_leaf_modules"]),
     ("refused-stage0", ["ZeRO stage 0", "DistributedDataParallel"]),
     ("refused-offload", ["offload_optimizer", "remove the offload"]),
     ("refused-client-optimizer", ["engine.optimizer", "got SGD"]),
@@ -91,10 +118,11 @@ def test_unsupported_set_ups_are_refused_before_any_step_on_every_rank(ranks, na
         assert all(word in rank[name] for word in words), rank[name]
 
 
-def test_a_path_the_controller_does_not_see_is_refused_and_never_reaches_zero(ranks):
-    """The weight read outside its layer: refused on every rank, and its raw gradient is in no ZeRO-2 bucket
+@pytest.mark.parametrize("name", ["unseen-zero2", "unseen-zero3"])
+def test_a_path_the_controller_does_not_see_is_refused_and_never_reaches_zero(ranks, name):
+    """The weight read outside its layer: refused on every rank, and its raw gradient is in no ZeRO bucket
     (ZeRO's gradient hooks are off while the engine is private), so no later step can add it."""
     for rank in ranks:
-        seen = rank["unseen-zero2"]
+        seen = rank[name]
         assert "lin.weight" in seen["error"] and "path outside" in seen["error"]
         assert seen["reduced_by_deepspeed"] == 0

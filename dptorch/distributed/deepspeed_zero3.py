@@ -1,0 +1,189 @@
+"""DeepSpeed ZeRO stage 3 under DP-SGD: each rank's partition of the noised gradient, written into ZeRO-3's buffer.
+
+Under ZeRO-3 a parameter's ``data`` is empty outside the calls of its module (``param.ds_tensor`` holds
+the rank's partition, ``param.ds_shape`` its shape), and ZeRO-3 reduce-scatters gradients into
+partitions by its own gradient hooks. A private step instead:
+
+* keeps the hooked layers' parameters out of autograd during their calls, as at stages 1 and 2 (no
+  raw gradient; ZeRO-3's gradient hooks are removed while private, so a gradient by a path the
+  controller refuses never enters its buckets); DeepSpeed's module hooks still gather the
+  parameters for every forward and backward, so every rank runs every forward and backward (an
+  empty Poisson micro-batch too);
+* forms each unit's norm and the clipped sums from the captured activations and output gradients at
+  the end of backward: a full-size clipped sum per parameter on every rank, summed over the
+  backward passes of the logical step (as under DDP);
+* at the step, reduce-scatters each clipped sum into ZeRO-3's partition layout (``ceil(numel / world)``
+  elements per rank, the last padded), adds the rank's slice of the step's noise (``ShardedNoise``:
+  every element drawn once, by the rank that owns it; no full-size noise anywhere), divides by the
+  plan's divisor and writes the partition with DeepSpeed's own
+  ``set_local_grad_for_param`` (what ``deepspeed.utils.safe_set_local_grad`` calls) into the buffer
+  ZeRO-3 steps its fp32 master partition from. Nothing is averaged: the partition is the sum of the
+  ranks' clipped sums plus noise, exactly.
+
+The samplers run while the parameters are released (``data`` empty), so they must read no parameter
+data, not even a shape: the layers whose samplers read only their activations, output gradients and
+the parameters' ``requires_grad`` and dtype are accepted (:func:`reads_no_parameter_data`); another
+trainable layer (or the torch.func fallback, which replays the call with the parameters, or expanded
+weights) is refused before any step.
+
+ZeRO-3's module hooks pass every module's inputs and outputs through two identity autograd Functions
+(``module.pre_bwd_fn``, ``module.post_bwd_fn``: ``x.detach()`` forward, gradient unchanged) outside the
+batch tracker's view; while private, each module's pair is wrapped so that its output carries its
+input's batch tag (:func:`carry_batch_tags`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+
+from dptorch.distributed.fsdp import sharded_noise
+
+
+def reads_no_parameter_data(module: nn.Module) -> bool:
+    """Whether ``module``'s grad and norm samplers read only its activations, output gradients and the parameters'
+    ``requires_grad`` and dtype, so they are exact while ZeRO-3 has the parameters released (``data`` empty, so
+    ``shape`` and ``dim()`` are wrong): ``nn.Linear`` (LoRA's adapters are ``nn.Linear``), and ``nn.LayerNorm`` over
+    one dimension (its sampler sums to ``weight.dim()`` dimensions, 1 for the released parameter)."""
+    if isinstance(module, nn.LayerNorm):
+        return len(module.normalized_shape) == 1
+    return isinstance(module, nn.Linear)
+
+
+#: What of ZeRO-3's optimizer (``DeepSpeedZeroOptimizer_Stage3``) the hand-over uses.
+ZERO3_PARTS = ("fp16_groups", "set_local_grad_for_param", "independent_gradient_partition_epilogue",
+               "_grad_acc_hooks", "create_reduce_and_remove_grad_hooks", "_get_param_partition_rank",
+               "_get_param_partition_group", "_partition_all_parameters")
+
+
+def engine_problems(zero: Any, world: int) -> List[str]:
+    """What in a ZeRO-3 optimizer's set-up the partition hand-over cannot keep exact (empty: none)."""
+    problems = []
+    if getattr(zero, "leaf_parameters", None):
+        problems.append("ZeRO-3 leaf modules (deepspeed.utils.set_z3_leaf_modules, or "
+                        '"stage3_module_granularity_threshold") reduce their parameters\' gradients in a module '
+                        "backward hook of their own: unset them")
+    groups = {torch.distributed.get_world_size(zero._get_param_partition_group(p))
+              for p in trainable_params(zero)} if torch.distributed.is_initialized() else {1}
+    if groups - {world}:
+        problems.append(f"parameters partitioned over {sorted(groups - {world})} of {world} ranks (MiCS, "
+                        '"mics_shard_size"): dptorch hands ZeRO-3 partitions over all ranks; remove mics_shard_size')
+    return problems
+
+
+def layer_problems(hooks: Any) -> List[str]:
+    """The controller's trainable layers that ZeRO-3's released parameters would make inexact (empty: none)."""
+    if hooks.grad_sample_mode in ("functorch", "ew"):
+        return [f'grad_sample_mode="{hooks.grad_sample_mode}" needs the parameters themselves in backward (the '
+                "torch.func replay, expanded weights), which ZeRO-3 has released: use grad_sample_mode "
+                '"hooks" or "bk"']
+    problems = []
+    for layer in hooks._layers.values():
+        if not any(p.requires_grad for p in layer.params.values()):
+            continue
+        if layer.sampler is None:
+            problems.append(f"{layer.name} ({type(layer.module).__name__}) has no grad sampler: the torch.func "
+                            "fallback replays its call with its parameters, which ZeRO-3 has released by then: "
+                            f"register a grad sampler for {type(layer.module).__name__}, or freeze it")
+        elif not reads_no_parameter_data(layer.module):
+            problems.append(f"{layer.name} ({type(layer.module).__name__}): its sampler reads its parameters' shape "
+                            "or values, which ZeRO-3 has released when the samplers run at the end of backward "
+                            "(supported under ZeRO-3: nn.Linear, nn.LayerNorm over one dimension): freeze it")
+    return problems
+
+
+#: DeepSpeed's autograd Functions that mark where a module's backward starts (on its outputs) and ends (on its
+#: inputs): ``forward`` returns ``x.detach()``, ``backward`` returns the gradients unchanged.
+_MARKERS = {"pre_bwd_fn": "PreBackwardFunctionForModule", "post_bwd_fn": "PostBackwardFunctionModule"}
+
+
+class _TagCarrying:
+    """Stands in for one of a module's marker Functions (``module.pre_bwd_fn``, ``module.post_bwd_fn``), which
+    ZeRO-3's module hooks apply to every input and output, outside the batch tracker's view: the same Function,
+    its output tagged as its input was (values and gradients pass unchanged, so the tag is exact)."""
+
+    def __init__(self, function: Any, hooks: Any) -> None:
+        self.function, self.hooks = function, hooks
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = self.function.apply(tensor)
+        for tracker in (self.hooks._tracker, getattr(self.hooks, "_token_tracker", None)):
+            if tracker is not None and out is not tensor and tracker.get(out) is None:
+                tracker.put(out, tracker.get(tensor))
+        return out
+
+
+def carry_batch_tags(model: nn.Module, hooks: Any) -> Dict[nn.Module, Dict[str, Any]]:
+    """Make ZeRO-3's marker Functions on every module of ``model`` carry the batch tracker's tags; returns the
+    originals (:func:`restore_markers`). Refused when a marker is not the Function it is known to be."""
+    saved: Dict[nn.Module, Dict[str, Any]] = {}
+    for module in model.modules():
+        for attribute, expected in _MARKERS.items():
+            function = module.__dict__.get(attribute)
+            if function is None:
+                continue
+            if getattr(function, "__name__", None) != expected:
+                restore_markers(saved)
+                raise ValueError(f"ZeRO-3's {attribute} on {type(module).__name__} is {function!r}, not DeepSpeed's "
+                                 f"{expected} (tested with deepspeed 0.19.8), whose outputs dptorch knows to be its "
+                                 "inputs: install that version")
+            saved.setdefault(module, {})[attribute] = function
+            setattr(module, attribute, _TagCarrying(function, hooks))
+    return saved
+
+
+def restore_markers(saved: Dict[nn.Module, Dict[str, Any]]) -> None:
+    for module, functions in saved.items():
+        for attribute, function in functions.items():
+            setattr(module, attribute, function)
+
+
+def trainable_params(zero: Any) -> List[nn.Parameter]:
+    """The parameters ZeRO-3 steps, in its order (the noise stream's parameter index; the client optimizer's
+    order, as in one process)."""
+    return [p for group in zero.fp16_groups for p in group if p.requires_grad]
+
+
+@torch.no_grad()
+def write_noised_partitions(optimizer: Any, zero: Any) -> None:
+    """The DP optimizer's ``add_noise`` under ZeRO-3: each rank's partition of ``(sum of the ranks' clipped sums +
+    noise) / divisor``, written into ZeRO-3's gradient partition of every trainable parameter."""
+    params = optimizer.params
+    if not params:
+        return
+    noise, std = sharded_noise(optimizer), optimizer.noise_std
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    key = noise.step_key() if std > 0 else None
+    if key is not None and world > 1:  # one stream: rank 0's key
+        box = [key]
+        torch.distributed.broadcast_object_list(box, src=0)
+        key = int(box[0])
+    for index, param in enumerate(params):
+        numel, size = int(param.ds_numel), int(param.partition_numel())
+        device = param.ds_tensor.device
+        held = optimizer._summed.get(param)
+        if held is not None and held.numel() != numel:
+            raise RuntimeError(f"the clipped sum of {optimizer.hooks.parameter_name(param)} has {held.numel()} "
+                               f"elements, the parameter {numel} (shape {tuple(param.ds_shape)}): refused")
+        full = torch.zeros(size * world, dtype=torch.float32, device=device)
+        if held is not None:
+            full[:numel] = held.reshape(-1).to(device=device, dtype=torch.float32)
+        part = full.new_empty(size)
+        if world > 1:
+            dist = torch.distributed
+            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full)  # torch 2.13
+        else:
+            part.copy_(full)
+        start = size * int(zero._get_param_partition_rank(param))
+        end = min(start + size, numel)
+        if std > 0 and end > start:
+            part[: end - start] += noise.slice(key, index, numel, start, end, std, dtype=part.dtype, device=device)
+        if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
+            part /= optimizer.plan.divisor
+        zero.set_local_grad_for_param(part, param)
+
+
+__all__ = ["ZERO3_PARTS", "carry_batch_tags", "engine_problems", "layer_problems", "reads_no_parameter_data",
+           "restore_markers", "trainable_params", "write_noised_partitions"]
