@@ -116,14 +116,14 @@ def tensor_parallel_params(module: nn.Module, managed: Any = ()) -> Dict[nn.Para
         if not own:
             continue
         label = name or type(module).__name__
-        if not (isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward):  # FSDP2's FSDPLinear too
+        if _split_kind(sub) is None:
             raise ValueError(
                 f"{label} ({type(sub).__name__}) has tensor-parallel DTensor parameters {sorted(own)}: tensor "
-                "parallelism is supported for nn.Linear layers split by ColwiseParallel or RowwiseParallel "
-                "only (SequenceParallel splits the tokens of one sample across the ranks, an embedding split by rows "
-                "gives each rank part of a sample's lookups). Leave this layer replicated, or freeze its parameters"
+                "parallelism is supported for nn.Linear layers split column- or row-wise and nn.Embedding split by "
+                "rows (vocabulary) only: SequenceParallel splits the tokens of one sample across the ranks, and a "
+                "layer of another kind has no rule for its slices. Leave this layer replicated, or freeze its parameters"
             )
-        weight, bias = sub.weight, sub.bias
+        weight, bias = sub.weight, getattr(sub, "bias", None)
         dims, mesh_dims = [], []
         for p in (weight, bias):
             if p is None:
@@ -145,6 +145,9 @@ def tensor_parallel_params(module: nn.Module, managed: Any = ()) -> Dict[nn.Para
                                  "only)") from None
             mesh_dims.append(mesh_dim)
         key = (dims[0], dims[1] if len(dims) > 1 else None)
+        if _split_kind(sub) == "embedding" and key != (0, None):
+            raise ValueError(f"{label}: an embedding split along dim {dims[0]}; only a split of its rows (the "
+                             "vocabulary: RowwiseParallel, transformers' embedding_rowwise) is supported")
         if key not in _LINEAR_SPLITS or (key == (0, None) and bias is not None):
             raise ValueError(
                 f"{label}: weight and bias placements {tuple(dims)} (split dims; None: replicated) are neither "
@@ -174,6 +177,7 @@ def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
     only the splits whose partial norms can be added up are accepted: tensor parallelism alone, or on
     the second dim of a (dp, tp) mesh whose first dim FSDP2 shards.
     """
+    check_transformers_styles(module)
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad and is_sharded(p)]
     if not named:
         return {}
@@ -198,6 +202,83 @@ def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
                                  "data-parallel dim; apply fully_shard on that dim (mesh['dp'])")
         shard_layout(p, name)  # refuses placements other than FSDP2's and HSDP's
     return layouts
+
+
+#: transformers' own tensor-parallel styles (``transformers.distributed.tensor_parallel``) whose slices the
+#: rules here cover; any other (``ReplicatedWithGradAllReduce``: a replicated norm weight whose per-sample
+#: gradient is partial on every rank; ``SequenceParallel``; packed and expert styles) is refused.
+_TRANSFORMERS_STYLES = {"ColwiseParallel", "RowwiseParallel", "EmbeddingParallel"}
+
+
+def transformers_style(module: nn.Module) -> Optional[Any]:
+    """The transformers tensor-parallel style on ``module`` (which transformers marks ``_is_hooked`` and
+    whose ``forward`` it replaces by the style's wrapper): the style object where the wrapper holds it,
+    else the name of the class whose ``install_forward`` made the wrapper; None for a layer it did not
+    touch."""
+    forward = vars(module).get("forward")
+    made_by_transformers = str(getattr(forward, "__module__", "")).startswith("transformers.")
+    if not (vars(module).get("_is_hooked") or made_by_transformers):
+        return None
+    for cell in getattr(forward, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if any(klass.__name__ == "TensorParallelLayer" for klass in type(value).__mro__):
+            return value
+    qualname = str(getattr(forward, "__qualname__", ""))
+    return qualname.split(".", 1)[0] if ".install_forward." in qualname else "an unknown style"
+
+
+def _style_name(style: Any) -> str:
+    return style if isinstance(style, str) else type(style).__name__
+
+
+def _split_kind(module: nn.Module) -> Optional[str]:
+    """``"linear"`` or ``"embedding"`` for a layer whose slices the rules here cover, else None."""
+    style = transformers_style(module)
+    if style is not None and (isinstance(style, str) or type(style).__name__ not in _TRANSFORMERS_STYLES
+                              or style.should_use_local_tensors(module) or getattr(style, "shard_dim", 0) != 0):
+        return None
+    if isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:  # FSDP2's FSDPLinear too
+        return "linear"
+    if isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward:
+        return None if module.scale_grad_by_freq or module.max_norm is not None else "embedding"
+    return None
+
+
+def check_transformers_styles(module: nn.Module) -> None:
+    """Refuse transformers' tensor-parallel styles the rules here do not cover, on layers of any kind."""
+    for name, sub in module.named_modules():
+        style = transformers_style(sub)
+        if style is None or _split_kind(sub) is not None:
+            continue
+        raise ValueError(
+            f"{name or type(module).__name__} ({type(sub).__name__}) runs under transformers' tensor-parallel style "
+            f"{_style_name(style)}, which private training has no rule for (ReplicatedWithGradAllReduce, for "
+            "one, leaves a replicated weight with a partial per-sample gradient on every rank, summed only after "
+            "clipping would need it). Use a tensor-parallel plan of column- and row-wise Linear layers and a "
+            "row-split embedding (tp_plan entries colwise / rowwise / embedding_rowwise), or no tensor parallelism"
+        )
+
+
+def whole_on_every_rank(module: nn.Module, layout: TensorParallelLayout, activations: Sequence[torch.Tensor],
+                        backprops: torch.Tensor) -> bool:
+    """Whether this call of a split layer yields each sample's *whole* gradient on every rank (from full
+    inputs and output gradients: a row-split embedding, a column-split Linear whose output is gathered,
+    a row-split Linear fed its whole input) rather than this rank's slice of it; refused when the
+    shapes say neither."""
+    if _split_kind(module) == "embedding":
+        return True
+    local = layout.end - layout.start
+    width = backprops.shape[-1] if layout.dim == 0 else activations[0].shape[-1]
+    full = layout.shape[layout.dim]
+    if width == local and local != full:
+        return False
+    if width == full:
+        return True
+    raise ValueError(f"a tensor-parallel {type(module).__name__}'s {'output gradient' if layout.dim == 0 else 'input'} "
+                     f"is {width} wide: neither its slice ({local}) nor its whole ({full})")
 
 
 def _layout(param: Any, dim: Optional[int], mesh_dim: int, name: str) -> TensorParallelLayout:
@@ -262,10 +343,11 @@ def local_shape(t: Any) -> torch.Size:
     return t.to_local().shape if is_sharded(t) else t.shape
 
 
-def complete_norms(norms: Dict[nn.Parameter, torch.Tensor], layouts: Dict[nn.Parameter, TensorParallelLayout]) -> Dict[nn.Parameter, torch.Tensor]:
+def complete_norms(norms: Dict[nn.Parameter, torch.Tensor], layouts: Dict[nn.Parameter, TensorParallelLayout],
+                   whole: Any = ()) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample norms of the whole parameters, the same on every rank, in one collective: a split
-    parameter's partial squared norms summed over the group, every other parameter's taken from rank 0
-    (whose clipped sums ``add_noise_tensor_parallel`` hands to all), so the clip factors agree."""
+    parameter's partial squared norms summed over the group, every other parameter's (and a split one's
+    computed whole on every rank, ``whole``) taken from rank 0, so the clip factors agree."""
     if not norms:
         return norms
     group = next(iter(layouts.values())).group
@@ -273,7 +355,8 @@ def complete_norms(norms: Dict[nn.Parameter, torch.Tensor], layouts: Dict[nn.Par
     params = list(norms)
     squares = torch.stack([norms[p].float() ** 2 for p in params])
     for row, p in enumerate(params):
-        if not (p in layouts and layouts[p].sharded) and not first:
+        partial = p in layouts and layouts[p].sharded and p not in whole
+        if not partial and not first:
             squares[row] = 0
     torch.distributed.all_reduce(squares, group=group)
     return {p: value.clamp(min=0).sqrt().to(norms[p].dtype) for p, value in zip(params, squares)}
@@ -393,6 +476,7 @@ __all__ = [
     "TensorParallelLayout",
     "add_noise_tensor_parallel",
     "check_sharding",
+    "check_transformers_styles",
     "check_same_batch",
     "complete_norms",
     "context_parallel_active",
@@ -401,4 +485,6 @@ __all__ = [
     "local_part",
     "local_shape",
     "tensor_parallel_params",
+    "transformers_style",
+    "whole_on_every_rank",
 ]

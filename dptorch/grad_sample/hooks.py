@@ -33,7 +33,14 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from dptorch.data import drawn
 from dptorch.distributed.ddp import keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import is_fully_sharded_module
-from dptorch.distributed.tensor_parallel import check_same_batch, check_sharding, context_parallel_active, local_part, local_shape
+from dptorch.distributed.tensor_parallel import (
+    check_same_batch,
+    check_sharding,
+    context_parallel_active,
+    local_part,
+    local_shape,
+    whole_on_every_rank,
+)
 from dptorch.grad_sample import expanded_weights
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -193,6 +200,7 @@ class GradSampleHooks:
     def _check_compatible(self, strict: bool) -> None:
         # tensor parallelism splits one sample's gradient across ranks: only the splits it can add up
         self.tensor_parallel = check_sharding(self.module)
+        self._tensor_parallel_whole = {}
         self._tensor_parallel_modules = [m for m in self.module.modules()
                                          if any(p in self.tensor_parallel for p in m.parameters(recurse=False))]
         if self.grad_sample_mode == "ew":
@@ -323,7 +331,16 @@ class GradSampleHooks:
     def clipped_sums(self, clip_factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
         """``sum_i c_i * g_i`` (float32) for each parameter that ``clip_factors`` names; the units in the bool
         mask ``dropped`` (non-finite gradients) contribute exactly 0, whatever their rows hold."""
-        return self._strategy.clipped_sums(clip_factors, dropped)
+        sums = self._strategy.clipped_sums(clip_factors, dropped)
+        for p, whole in self._tensor_parallel_whole.items():  # formed whole on every rank: keep this rank's slice
+            if whole and p in sums:
+                sums[p] = self.tensor_parallel[p].local_of(sums[p].reshape(self.tensor_parallel[p].shape))
+        return sums
+
+    @property
+    def tensor_parallel_whole(self) -> set:
+        """The split parameters whose per-sample gradients this round formed whole on every rank."""
+        return {p for p, whole in self._tensor_parallel_whole.items() if whole}
 
     @property
     def batch_size(self) -> int:
@@ -398,6 +415,7 @@ class GradSampleHooks:
         self._round_done = False
         self._round_consumed = False
         self._round_units = None
+        self._tensor_parallel_whole: Dict[nn.Parameter, bool] = {}  # split layers computed whole this round
 
     def _drop_kept_grad_samples(self) -> None:
         for param in self._kept_grad_samples:
@@ -1007,6 +1025,7 @@ class GradSampleHooks:
             activations = tuple(local_part(a, None if d is None else d % INNER) for a, d in zip(activations, dims))
             out_dim = call.output_dims[0] if call.kind == "batched" else None
             grad_outputs = tuple(local_part(g, None if out_dim is None else out_dim % INNER) for g in grad_outputs)
+            self._note_tensor_parallel_call(layer, params, activations, grad_outputs[0])
         if units is not None and self._packed_affine(layer, activations, grad_outputs[0], units):
             backprops, group, packed = grad_outputs[0], None, units  # kept packed (packed_affine: no (U, L) layout)
             scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
@@ -1029,6 +1048,20 @@ class GradSampleHooks:
                 )
         call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale, units=packed)
         self._strategy.on_call(call)
+
+    def _note_tensor_parallel_call(self, layer: _Layer, params, activations, backprops) -> None:
+        """Whether this call of a split layer gives each sample's whole gradient on every rank, or this
+        rank's slice (``tensor_parallel.whole_on_every_rank``); one answer per parameter and round."""
+        for p in params.values():
+            layout = self.tensor_parallel.get(p)
+            if layout is None or not layout.sharded:
+                continue
+            whole = whole_on_every_rank(layer.module, layout, activations, backprops)
+            if self._tensor_parallel_whole.setdefault(p, whole) != whole:
+                raise PerSampleGradientError(
+                    f"{layer.name}: one backward pass reached calls of this split layer with whole and with sliced "
+                    "inputs; per-sample gradients of a split weight need one layout per pass"
+                )
 
     def _packed_affine(self, layer: _Layer, activations, backprops: Optional[torch.Tensor], units: TokenUnits) -> bool:
         """A built-in Linear / Conv1D call of a packed forward in bk / ghost mode, on ``(B, T, ...)`` tensors:

@@ -294,7 +294,7 @@ class DPOptimizer(torch.optim.Optimizer):
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if self._tensor_parallel:  # a split parameter's norm is the sum of the ranks' parts
-            norms = complete_norms(norms, self._tensor_parallel)
+            norms = complete_norms(norms, self._tensor_parallel, hooks.tensor_parallel_whole)
         if not norms:
             if self._sharded:  # FSDP2: every rank takes part in the reductions of every backward pass
                 accumulate_sharded(self, hooks, {})

@@ -68,6 +68,7 @@ def different_data(rank: int) -> str:
 def refusal(kind: str, split=None) -> str:
     """The error make_private (or attaching) raises for a tensor-parallel set-up it cannot keep exact."""
     split = split or Split()
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     torch.manual_seed(0)
@@ -81,9 +82,9 @@ def refusal(kind: str, split=None) -> str:
             model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
             parallelize_module(model, split.mesh(), {"1": SequenceParallel()})
             GradSampleHooks(model).cleanup()
-        elif kind == "embedding":
-            model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2))
-            parallelize_module(model, split.mesh(), {"0": RowwiseParallel()})
+        elif kind == "embedding":  # scale_grad_by_freq counts ids over the whole vocabulary
+            model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
+            parallelize_module(model, split.mesh(), {"0": RowwiseParallel(input_layouts=Replicate())})
             GradSampleHooks(model).cleanup()
         elif kind == "shuffled":
             model = split(tp_model())
@@ -140,31 +141,88 @@ LLAMA_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v
               "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"}
 
 
-def llama_step(mode: str, tensor_parallel: bool) -> dict:
-    """One noiseless DP step on a tiny Llama (heads and MLP split as the usual TP plan splits them):
-    per-sample norms and the updated parameters."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_causal_lm(arch: str = "llama"):
+    """A tiny Llama or Qwen3 (which has per-head q/k norms) from a config, seeded."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                         attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).train()
-    if tensor_parallel:
+    shape = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32, head_dim=4)
+    config, model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    return model(config(**shape, attn_implementation="sdpa")).train()
+
+
+def llama_step(mode: str, how: str = "") -> dict:
+    """One noiseless DP step on a tiny Llama: per-sample norms and the updated parameters. ``how``:
+    ``"torch"``, heads and MLP split by torch's ``parallelize_module`` (the usual plan); ``"transformers"``,
+    loaded with ``from_pretrained(tp_plan="auto")`` (transformers' plan: the embedding split by rows and
+    the LM head by columns too); ``""``: one process."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = tiny_causal_lm()
+    if how == "torch":
         styles = {"col": ColwiseParallel, "row": RowwiseParallel}
         for layer in model.model.layers:
             parallelize_module(layer, Split().mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
+    elif how == "transformers":
+        model = from_pretrained_split(model)
     hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
                             max_grad_norm=0.3, expected_batch_size=3.0)
     start = workers.flat_params(model)
     ids = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(1))
     logits = model(input_ids=ids).logits
-    nn.functional.cross_entropy(logits.reshape(-1, 50), ids.reshape(-1), reduction="sum").backward()
+    nn.functional.cross_entropy(logits.reshape(-1, 50).float(), ids.reshape(-1), reduction="sum").backward()
     optimizer.step()
     hooks.cleanup()
     return {"params": workers.flat_params(model), "start": start, "clipped": optimizer.last_clipped_fraction}
+
+
+def from_pretrained_split(model: nn.Module) -> nn.Module:
+    """``model`` saved by rank 0 and loaded on every rank with transformers' ``tp_plan="auto"`` (which reads
+    the launcher's RANK / LOCAL_RANK / WORLD_SIZE: set here as torchrun would, the workers being spawned)."""
+    import os
+    import tempfile
+
+    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+
+    box = [tempfile.mkdtemp(prefix="dptorch-tp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    if dist.get_rank() == 0:
+        model.save_pretrained(box[0])
+    dist.barrier()
+    return type(model).from_pretrained(box[0], tp_plan="auto", attn_implementation="sdpa").train()
+
+
+def qwen3_refusal() -> str:
+    """Qwen3 under transformers' plan: its q/k norms are ReplicatedWithGradAllReduce (partial per rank)."""
+    model = from_pretrained_split(tiny_causal_lm("qwen3"))
+    try:
+        GradSampleHooks(model).cleanup()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def embedding_step(mode: str, split: bool) -> dict:
+    """One noiseless DP step on an embedding split by rows (torch's RowwiseParallel, ids replicated),
+    then a column- and a row-wise Linear."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, padding_idx=7), nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    if split:
+        parallelize_module(model, Split().mesh(), {"0": RowwiseParallel(input_layouts=Replicate()),
+                                                   "1": ColwiseParallel(), "3": RowwiseParallel()})
+    hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=0.2, expected_batch_size=4.0)
+    ids = torch.tensor([[1, 7, 9], [2, 2, 6], [0, 5, 7], [8, 3, 4]])  # every id, both halves of the vocabulary
+    model(ids).pow(2).sum().backward()
+    optimizer.step()
+    hooks.cleanup()
+    return {"params": workers.flat_params(model), "clipped": optimizer.last_clipped_fraction}
 
 
 class Split:
@@ -212,7 +270,10 @@ def scenarios(rank: int):
     yield "tp-noise-secure", lambda: noise_only(SecureNoiseGenerator(), Split(names=("0", "1")))
     yield "tp-secure", secure_run
     for mode in ("hooks", "bk"):
-        yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, True)
+        yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, "torch")
+        yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
+        yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
+    yield "tp-hf-qwen3-refused", qwen3_refusal
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
@@ -282,15 +343,32 @@ def test_tensor_parallel_run_ends_where_one_process_ends(tp, mode):
 
 
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
-def test_a_tensor_parallel_llama_step_is_the_one_process_step(tp, mode):
-    """Attention heads and MLP split over the ranks: the clipped update equals the unsplit model's."""
-    reference = llama_step(mode, False)  # here, without a process group
+@pytest.mark.parametrize("how", ["torch", "hf"])
+def test_a_tensor_parallel_llama_step_is_the_one_process_step(tp, mode, how):
+    """Attention heads and MLP split over the ranks (torch's plan), or transformers' whole plan (embedding
+    split by rows, LM head by columns, its output gathered): the clipped update equals the unsplit model's."""
+    reference = llama_step(mode)  # here, without a process group
     assert reference["clipped"] == 1.0  # every sample clipped: the norms matter
     assert (reference["params"] - reference["start"]).abs().max() > 1e-3  # the step moved the weights
     for rank in range(WORLD):
-        run = tp(f"tp-llama-{mode}", rank)
+        run = tp(f"tp-{'llama' if how == 'torch' else 'hf-llama'}-{mode}", rank)
         torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
         assert run["clipped"] == reference["clipped"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_row_split_embedding_step_is_the_one_process_step(tp, mode):
+    reference = embedding_step(mode, False)
+    assert reference["clipped"] == 1.0
+    for rank in range(WORLD):
+        run = tp(f"tp-embedding-{mode}", rank)
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+
+
+def test_transformers_styles_without_a_rule_are_refused(tp):
+    for rank in range(WORLD):
+        message = tp("tp-hf-qwen3-refused", rank)
+        assert "q_norm (Qwen3RMSNorm) runs under transformers' tensor-parallel style ReplicatedWithGradAllReduce" in message
 
 
 def test_tensor_parallel_noise_is_the_one_process_stream_drawn_once_per_element(tp):
@@ -341,7 +419,7 @@ def test_ranks_running_different_data_are_refused_on_every_rank(tp):
 @pytest.mark.parametrize("kind, words", [
     ("distributed-loader", "every rank of a tensor-parallel group trains on the same batch"),
     ("sequence-parallel", "SequenceParallel splits the tokens"),
-    ("embedding", "Embedding"),
+    ("embedding", "has no rule for its slices"),
     ("shuffled", "tensor parallelism is supported with Poisson sampling"),
 ])
 def test_tensor_parallel_set_ups_it_cannot_keep_exact_are_refused(tp, kind, words):
