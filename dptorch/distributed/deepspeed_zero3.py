@@ -68,8 +68,8 @@ def engine_problems(zero: Any, world: int) -> List[str]:
     groups = {torch.distributed.get_world_size(zero._get_param_partition_group(p))
               for p in trainable_params(zero)} if torch.distributed.is_initialized() else {1}
     if groups - {world}:
-        problems.append(f"parameters partitioned over {sorted(groups - {world})} of {world} ranks (MiCS, "
-                        '"mics_shard_size"): dptorch hands ZeRO-3 partitions over all ranks; remove mics_shard_size')
+        problems.append(f"parameters partitioned over groups of {sorted(groups - {world})} of the {world} ranks: "
+                        "dptorch hands ZeRO-3 partitions over all ranks (data parallelism only)")
     return problems
 
 

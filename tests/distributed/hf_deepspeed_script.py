@@ -1,4 +1,4 @@
-"""DPTrainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``), run by ``torchrun``
+"""DPTrainer under DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=config)``), run by ``torchrun``
 from ``test_hf_deepspeed.py`` on CPU (``DS_ACCELERATOR=cpu``, gloo).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed/hf_deepspeed_script.py OUT
@@ -6,10 +6,12 @@ from ``test_hf_deepspeed.py`` on CPU (``DS_ACCELERATOR=cpu``, gloo).
 The runs are ``hf_script.py``'s DDP ``full`` run (same model, data, seeds, noise stream ``ShardedNoise``,
 Trainer settings, gradient accumulation 2 with empty micro-batches) with a DeepSpeed config whose values
 are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint at step 2 and ``resumed``
-from it; ``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
+from it; ``zero3`` (every parameter released outside its module's calls) and ``resumed-zero3`` likewise;
+``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
 and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
 DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
-Then the set-ups the private Trainer refuses at construction, and a second ``train()`` of ``zero1``.
+Then the set-ups the private Trainer refuses at construction (or, for a model ZeRO-3 cannot train privately,
+in ``train()`` before any step), and a second ``train()`` of ``zero1``.
 Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
 """
 
@@ -25,6 +27,7 @@ from typing import Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+import deepspeed  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +57,10 @@ importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def config(stage: int, **extra) -> dict:
-    """A DeepSpeed config that leaves to the Trainer what it fills (``"auto"``)."""
-    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    """A DeepSpeed config that leaves to the Trainer what it fills (``"auto"``); ZeRO-3 releases every parameter
+    outside its module's calls (none kept whole as "persistent")."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0} if stage == 3 else {"stage": stage}
+    return {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
             "train_batch_size": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
             "bf16": {"enabled": "auto"}, "steps_per_print": 10**9, **extra}
 
@@ -72,14 +77,16 @@ class ObservedDeepSpeed(hf_script.ObservedDPTrainer):
         return optimizer
 
 
-def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bool = False,
+def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bool = False, full: bool = False,
                **training) -> ObservedDeepSpeed:
     """``hf_script.dp_trainer``'s DDP trainer, with ``deepspeed`` (None: DDP, or Accelerate's plugin from the
-    environment) and ``training`` in its TrainingArguments; ``units``: two rows per privacy unit (a "user")."""
+    environment) and ``training`` in its TrainingArguments; ``units``: two rows per privacy unit (a "user");
+    ``full``: every parameter trains (no LoRA)."""
     AcceleratorState._reset_state()  # each trainer's Accelerator takes its own DeepSpeed plugin
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
-    model = get_peft_model(without_dropout(tiny_llama(tokenizer)), lora)
+    model = without_dropout(tiny_llama(tokenizer))
+    model = model if full else get_peft_model(model, lora)
     settings = dict(hf_script.TRAINING, save_strategy="steps", save_steps=2, include_num_input_tokens_seen="all",
                     ddp_backend="gloo")
     settings.update(training)
@@ -96,7 +103,8 @@ def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bo
 def trained(trainer, **train) -> dict:
     trainer.train(**train)
     engine = trainer.model_wrapped
-    report = hf_script.summary(trainer)
+    with deepspeed.zero.GatheredParameters(list(trainer.model.parameters())):  # ZeRO-3: from the partitions
+        report = hf_script.summary(trainer)
     report["dtype"] = str(next(trainer.model.parameters()).dtype)
     if trainer.is_deepspeed_enabled:
         report.update(global_steps=engine.global_steps, ds_accumulation=engine.gradient_accumulation_steps(),
@@ -135,6 +143,11 @@ def main(out: Path) -> None:
     report["checkpoint"] = sorted(os.listdir(out / "zero2" / "checkpoint-2"))
     report["resumed"] = trained(ds_trainer(out / "resumed", tokenizer, config(2)),
                                 resume_from_checkpoint=str(out / "zero2" / "checkpoint-2"))
+    zero3 = ds_trainer(out / "zero3", tokenizer, config(3))
+    report["zero3"] = trained(zero3)
+    report["checkpoint-zero3"] = sorted(os.listdir(out / "zero3" / "checkpoint-2"))
+    report["resumed-zero3"] = trained(ds_trainer(out / "resumed3", tokenizer, config(3)),
+                                      resume_from_checkpoint=str(out / "zero3" / "checkpoint-2"))
     report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
     report["units-zero1"] = trained(ds_trainer(out / "units", tokenizer, config(1), units=True, save_strategy="no"))
     report["units-ddp"] = trained(ds_trainer(out / "units-ddp", tokenizer, None, units=True, save_strategy="no"))
@@ -145,7 +158,10 @@ def main(out: Path) -> None:
         "steps_per_epoch": zero2.privacy_plan.steps_per_epoch, "micro_batches": zero2.sampling_plan.micro_batches,
         "noise_multiplier": zero2.noise_multiplier,
         "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
-        "refused-stage3": refusal(ds_trainer, out / "r3", tokenizer, config(3)),
+        "refused-zero3-granularity": refusal(ds_trainer, out / "r3", tokenizer, config(
+            3, zero_optimization={"stage": 3, "stage3_module_granularity_threshold": 1000})),
+        "refused-zero3-full": refusal(lambda: ds_trainer(out / "r3f", tokenizer, config(3), full=True,
+                                                         save_strategy="no").train()),
         "refused-stage0": refusal(ds_trainer, out / "r0", tokenizer, config(0)),
         "refused-clipping": refusal(ds_trainer, out / "rc", tokenizer, config(2), max_grad_norm=1.0),
         "refused-offload": refusal(ds_trainer, out / "ro", tokenizer, config(

@@ -1,10 +1,10 @@
-"""DPTrainer with DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``) under ``torchrun
+"""DPTrainer with DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=config)``) under ``torchrun
 --nproc-per-node 2`` (CPU, gloo), against the same private run under DDP.
 
 ``hf_deepspeed_script.py`` trains the DDP test's run (``hf_script.py ddp``: same seeds, Poisson draws, noise
 stream, gradient accumulation 2 with empty micro-batches) through Accelerate's DeepSpeed engine, with a
-DeepSpeed config of the Trainer's ``"auto"`` values; ZeRO-2 checkpoints at step 2 and a second trainer
-resumes from it. One launch for every assertion here; the DDP reference is the ``hf_ddp`` launch.
+DeepSpeed config of the Trainer's ``"auto"`` values; ZeRO-2 and ZeRO-3 checkpoint at step 2 and a second
+trainer resumes from each. One launch for every assertion here; the DDP reference is the ``hf_ddp`` launch.
 """
 
 import importlib.util
@@ -18,7 +18,7 @@ from tests.distributed.test_hf_ddp import assert_close_params, expected_micro_ba
 if importlib.util.find_spec("deepspeed") is None:  # the optional extra: pip install dptorch[deepspeed]
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-RUNS = ("zero1", "zero2", "plugin-zero2")  # plugin: Accelerate's DeepSpeed plugin from the environment, no config
+RUNS = ("zero1", "zero2", "zero3", "plugin-zero2")  # plugin: Accelerate's DeepSpeed plugin from the environment, no config
 
 
 @pytest.fixture(scope="module")
@@ -82,12 +82,14 @@ def test_privacy_units_under_zero1_as_under_ddp(hf_deepspeed):
         assert zero["params"] != report["zero1"]["params"]  # the units changed the run
 
 
-def test_resume_from_a_deepspeed_checkpoint(hf_deepspeed):
+@pytest.mark.parametrize("run, resumed_run, checkpoint", [("zero2", "resumed", "checkpoint"),
+                                                          ("zero3", "resumed-zero3", "checkpoint-zero3")])
+def test_resume_from_a_deepspeed_checkpoint(hf_deepspeed, run, resumed_run, checkpoint):
     """DeepSpeed saves and loads its partitioned state; the privacy state and the noise generator travel in
     dp_privacy_state.pt: the resumed run ends where the uninterrupted one ends."""
     for report in hf_deepspeed:
-        assert {"global_step2", "dp_privacy_state.pt"} <= set(report["checkpoint"])
-        full, resumed = report["zero2"], report["resumed"]
+        assert {"global_step2", "dp_privacy_state.pt"} <= set(report[checkpoint])
+        full, resumed = report[run], report[resumed_run]
         assert resumed["steps"] == 4 and resumed["epsilon"] == full["epsilon"] and resumed["global_steps"] == 4
         assert resumed["logged"][:2] == full["logged"][:2]
         assert_close_params(resumed["params"], full["params"], rtol=0, atol=1e-7)
@@ -104,7 +106,7 @@ def test_bf16_zero2_ends_where_fp32_ddp_ends_to_bf16_rounding(hf_deepspeed, hf_d
 
 
 @pytest.mark.parametrize("name, words", [
-    ("refused-stage3", ["ZeRO stage 3", '"stage": 1} or 2', "FSDP2"]),
+    ("refused-zero3-granularity", ["stage3_module_granularity_threshold", "leaf modules", "remove it"]),
     ("refused-stage0", ["ZeRO stage 0", "DDP"]),
     ("refused-clipping", ['"gradient_clipping" is 1.0', "max_grad_norm=0", "noised gradient"]),
     ("refused-offload", ["offload_optimizer", "remove the offload"]),
@@ -114,6 +116,15 @@ def test_unsupported_set_ups_are_refused_at_construction_on_every_rank(hf_deepsp
     for report in hf_deepspeed:
         assert report[name].startswith("cannot train privately"), report[name]
         assert all(word in report[name] for word in words), report[name]
+
+
+def test_a_model_zero3_cannot_train_privately_is_refused_before_any_step_on_every_rank(hf_deepspeed):
+    """Full fine-tuning: the embedding's and the RMSNorms' samplers read their parameters, which ZeRO-3 has released
+    at the end of backward; train() refuses before the first step, naming the layers."""
+    for report in hf_deepspeed:
+        message = report["refused-zero3-full"]
+        assert "ZeRO-3 refuses this model" in message and "(Embedding)" in message and "released" in message, message
+        assert "ZeRO stage 1 or 2" in message
 
 
 def test_a_second_train_of_a_deepspeed_trainer_is_refused(hf_deepspeed):

@@ -53,8 +53,10 @@ def test_trainer_refusals_say_why():
 
     privacy = PrivacyArguments(noise_multiplier=1.0)
     assert setup_problems(fake_trainer(world_size=2), privacy) == []  # DDP is supported
-    for zero, refused in (({"stage": 2}, ""), ({"stage": 3}, "ZeRO stage 3"), ({"stage": 1, "offload_param": {
-            "device": "cpu"}}, "offload_param")):  # ZeRO-1/2 are supported (test_hf_deepspeed.py trains them)
+    for zero, refused in (({"stage": 2}, ""), ({"stage": 3}, ""), ({"stage": 0}, "ZeRO stage 0"),
+                          ({"stage": 3, "stage3_module_granularity_threshold": 100}, "leaf modules"),
+                          ({"stage": 1, "offload_param": {"device": "cpu"}}, "offload_param")):
+        # ZeRO-1/2/3 are supported (test_hf_deepspeed.py trains them)
         deepspeed = fake_trainer()
         deepspeed.is_deepspeed_enabled = True
         config = {"zero_optimization": zero, "gradient_clipping": 0.0}

@@ -76,7 +76,7 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "noise it already used; drop one of them"),
     ]
     deepspeed = deepspeed_config(trainer)
-    if deepspeed is not None:  # ZeRO-1 and ZeRO-2 train privately (.deepspeed); the rest is refused
+    if deepspeed is not None:  # ZeRO-1, 2 and 3 train privately (.deepspeed); the rest is refused
         refusals += [(True, f"DeepSpeed: {problem}") for problem in config_problems(deepspeed)]
     return [message for refused, message in refusals if refused]
 

@@ -1,11 +1,18 @@
-"""The private Trainer under DeepSpeed ZeRO-1 and ZeRO-2 (``TrainingArguments(deepspeed=config)``, or Accelerate's
-DeepSpeed plugin that ``accelerate launch --use_deepspeed`` sets up).
+"""The private Trainer under DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3 (``TrainingArguments(deepspeed=config)``, or
+Accelerate's DeepSpeed plugin that ``accelerate launch --use_deepspeed`` sets up).
 
 The Trainer builds DeepSpeed's engine through Accelerate in ``train()`` and runs every micro-batch as
 ``engine.backward(loss)``, calling ``engine.step()`` after the last micro-batch of a logical step
 (Accelerate's ``DeepSpeedEngineWrapper``). The private Trainer makes that engine private as
 :mod:`dptorch.distributed.deepspeed` does for the engine API (``engine.step()`` becomes the DP
 optimizer's step, which hands the noised gradient to ZeRO), so the Trainer's loop stays as it is.
+
+Under ZeRO-3 the controller attaches at construction, to the whole parameters, and DeepSpeed partitions
+them in place when ``train()`` builds the engine (the same ``nn.Parameter`` objects); a model whose
+trainable layers ZeRO-3 cannot train privately (samplers that read released parameters, e.g. a full
+fine-tune's embedding: :mod:`dptorch.distributed.deepspeed_zero3`) is refused then, before any step.
+The model should be built before the ``TrainingArguments`` (``from_pretrained`` under an active
+ZeRO-3 config builds it already partitioned, with ``deepspeed.zero.Init``; untested here).
 
 The configuration, after the Trainer filled its ``"auto"`` values, is checked at construction
 (:func:`config_problems`) and once more on the engine before its first step (``check_engine``), and
@@ -39,12 +46,12 @@ def config_problems(config: Dict[str, Any]) -> List[str]:
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     problems: List[str] = []
-    if stage == 3:
-        problems.append("ZeRO stage 3 partitions the parameters themselves (gathered per layer by DeepSpeed's hooks), "
-                        'which dptorch does not follow yet: use "zero_optimization": {"stage": 1} or 2, or FSDP2')
-    elif stage not in (1, 2):
-        problems.append(f'ZeRO stage {stage}: use "zero_optimization": {{"stage": 1}} or 2 (stage 0 is plain data '
+    if stage not in (1, 2, 3):
+        problems.append(f'ZeRO stage {stage}: use "zero_optimization": {{"stage": 1}}, 2 or 3 (stage 0 is plain data '
                         "parallelism: launch without a DeepSpeed config for DDP)")
+    if stage == 3 and int(zero.get("stage3_module_granularity_threshold", 0) or 0) > 0:
+        problems.append('"stage3_module_granularity_threshold" makes small modules ZeRO-3 leaf modules, which reduce '
+                        "their parameters' gradients in a module backward hook of their own: remove it")
     if _enabled(config.get("fp16")):
         problems.append("fp16 with DeepSpeed's loss scaling skips a step when a scaled gradient overflows, a data-"
                         'dependent event the accountant does not cover: use bf16=True ("bf16": {"enabled": "auto"}) '
