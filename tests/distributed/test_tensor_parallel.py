@@ -179,19 +179,29 @@ def llama_step(mode: str, how: str = "") -> dict:
 
 
 def from_pretrained_split(model: nn.Module) -> nn.Module:
-    """``model`` saved by rank 0 and loaded on every rank with transformers' ``tp_plan="auto"`` (which reads
-    the launcher's RANK / LOCAL_RANK / WORLD_SIZE: set here as torchrun would, the workers being spawned)."""
-    import os
+    """``model`` saved by rank 0 and loaded on every rank with transformers' ``tp_plan="auto"``."""
     import tempfile
 
-    os.environ.update(RANK=str(dist.get_rank()), LOCAL_RANK=str(dist.get_rank()), WORLD_SIZE=str(dist.get_world_size()))
+    from transformers import DistributedConfig
+
+    launcher_environment()
 
     box = [tempfile.mkdtemp(prefix="dptorch-tp-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     if dist.get_rank() == 0:
         model.save_pretrained(box[0])
     dist.barrier()
-    return type(model).from_pretrained(box[0], tp_plan="auto", attn_implementation="sdpa").train()
+    return type(model).from_pretrained(box[0], distributed_config=DistributedConfig(tp_plan="auto"),
+                                       attn_implementation="sdpa").train()
+
+
+def launcher_environment() -> None:
+    """What torchrun would set (transformers and Accelerate read it; the workers here are spawned)."""
+    import os
+
+    rank, world = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world,
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
 
 
 def qwen3_refusal() -> str:
@@ -199,6 +209,31 @@ def qwen3_refusal() -> str:
     model = from_pretrained_split(tiny_causal_lm("qwen3"))
     try:
         GradSampleHooks(model).cleanup()
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+def trainer_refusal() -> str:
+    """DPTrainer on a model split by parallelize_module: refused at construction."""
+    import tempfile
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments
+    from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_llama, word_tokenizer
+
+    launcher_environment()
+    tokenizer = word_tokenizer()
+    torch.manual_seed(0)
+    model = tiny_llama(tokenizer)
+    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    for layer in model.model.layers:
+        parallelize_module(layer, Split().mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
+    try:
+        DPTrainer(model=model, args=cpu_training_args(tempfile.mkdtemp(), max_steps=1, ddp_backend="gloo"),
+                  train_dataset=lm_dataset(tokenizer, 8), data_collator=DataCollatorForPrivateCausalLanguageModeling(tokenizer),
+                  privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, per_sample_max_grad_norm=1.0))
     except ValueError as error:
         return str(error)
     return "accepted"
@@ -274,6 +309,7 @@ def scenarios(rank: int):
         yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
         yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
     yield "tp-hf-qwen3-refused", qwen3_refusal
+    yield "tp-trainer-refused", trainer_refusal
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
@@ -363,6 +399,12 @@ def test_a_row_split_embedding_step_is_the_one_process_step(tp, mode):
     for rank in range(WORLD):
         run = tp(f"tp-embedding-{mode}", rank)
         torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+
+
+def test_the_private_trainer_refuses_a_tensor_parallel_model(tp):
+    for rank in range(WORLD):
+        assert "a tensor-parallel model (from_pretrained(tp_plan=...), parallelize_module) is not supported in the " \
+               "private Trainer yet" in tp("tp-trainer-refused", rank)
 
 
 def test_transformers_styles_without_a_rule_are_refused(tp):

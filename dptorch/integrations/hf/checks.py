@@ -11,8 +11,21 @@ from typing import Any, List
 
 from torch.utils.data import IterableDataset
 
+from dptorch.distributed.fsdp import fully_shard_params, is_sharded
+from dptorch.distributed.tensor_parallel import transformers_style
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.deepspeed import config_problems, deepspeed_config
+
+
+def _tensor_parallel(model: Any) -> bool:
+    """Whether ``model`` holds tensor-parallel slices (DTensors FSDP2 does not gather, or transformers'
+    tensor-parallel styles); False for a model without any."""
+    if model is None:
+        return False
+    if any(transformers_style(sub) is not None for sub in model.modules()):
+        return True
+    sharded = [p for p in model.parameters() if is_sharded(p)]
+    return bool(sharded) and not set(sharded) <= set(fully_shard_params(model))
 
 
 def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
@@ -43,6 +56,11 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (getattr(args, "parallelism_config", None) is not None,
          "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
          "activations or gradient across ranks, and the per-sample norms would then be partial"),
+        (_tensor_parallel(trainer.model),
+         "a tensor-parallel model (from_pretrained(tp_plan=...), parallelize_module) is not supported in the private "
+         "Trainer yet: its sampler deals each rank other samples, while tensor parallelism needs one batch on every "
+         "rank of a group (Accelerate's tensor parallelism needs a GPU and is untested here). The engine supports it "
+         "(PrivacyEngine.make_private on the split model: docs/distributed.md, Tensor parallelism)"),
         (args.fp16 and args.world_size > 1,
          "fp16 on several processes is not supported yet (one process is: its GradScaler is replaced by a "
          "DPGradScaler, with a fixed scale and no skipped step); the fixed-scale path across DDP or FSDP2 ranks is "
