@@ -203,7 +203,7 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
 
     zero = engine.optimizer
     if hand_over.partitioned:
-        problems = zero3.layer_problems(dp_optimizer.hooks)
+        problems = zero3.layer_problems(dp_optimizer.hooks) + zero3.noise_problems(dp_optimizer)
         if problems:  # before anything on the engine changes; the controller leaves the model as it was
             dp_optimizer.detach()
             dp_optimizer.hooks.cleanup()

@@ -94,6 +94,14 @@ def layer_problems(hooks: Any) -> List[str]:
     return problems
 
 
+def noise_problems(optimizer: Any) -> List[str]:
+    """What of the DP optimizer's noise the partition hand-over does not draw (empty: none)."""
+    if getattr(optimizer.plan, "strategy", None) is not None:
+        return ["noise_mechanism='bandmf' keeps its correlated noise state for whole parameters, while under ZeRO-3 "
+                "each rank draws only its partition's noise: use noise_mechanism='independent'"]
+    return []
+
+
 #: DeepSpeed's autograd Functions that mark where a module's backward starts (on its outputs) and ends (on its
 #: inputs): ``forward`` returns ``x.detach()``, ``backward`` returns the gradients unchanged.
 _MARKERS = {"pre_bwd_fn": "PreBackwardFunctionForModule", "post_bwd_fn": "PostBackwardFunctionModule"}
@@ -185,5 +193,5 @@ def write_noised_partitions(optimizer: Any, zero: Any) -> None:
         zero.set_local_grad_for_param(part, param)
 
 
-__all__ = ["ZERO3_PARTS", "carry_batch_tags", "engine_problems", "layer_problems", "reads_no_parameter_data",
+__all__ = ["ZERO3_PARTS", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems", "reads_no_parameter_data",
            "restore_markers", "trainable_params", "write_noised_partitions"]

@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -146,20 +147,23 @@ class Scale(nn.Module):
 
 
 def refusal(stage: int, client_optimizer: bool = False, model=workers.model_like, mode: str = "auto",
-            leaf: bool = False, **extra) -> str:
+            leaf: bool = False, private: Optional[dict] = None, **extra) -> str:
     """The error make_private raises for a DeepSpeed set-up (``"accepted"`` if none); ``client_optimizer``: pass
     the torch optimizer DeepSpeed wrapped instead of the one it returned; ``leaf``: its Linear layers are ZeRO-3
-    leaf modules."""
+    leaf modules; ``private``: more of make_private's arguments."""
     model = model()
     if leaf:
         deepspeed.utils.set_z3_leaf_modules(model, [nn.Linear])
     client = torch.optim.SGD(model.parameters(), lr=0.5)
     engine, _optimizer, _, _ = deepspeed.initialize(model=model, optimizer=client, config=config(stage, **extra))
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=0, distributed=True)
+    if private and private.get("noise_mechanism") == "bandmf":
+        loader = torch.utils.data.DataLoader(workers.dataset(), batch_size=6)  # make_private samples it cyclically
     privacy = PrivacyEngine()
     try:
         privacy.make_private(module=engine, optimizer=client if client_optimizer else engine.optimizer,
-                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode)
+                             data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+                             **(private or {}))
     except ValueError as error:
         return str(error)
     privacy.detach()
@@ -211,6 +215,7 @@ def main(out: Path) -> None:
         "refused-zero3-embedding": refusal(3, model=lambda: nn.Sequential(nn.Embedding(4, 2))),
         "refused-zero3-functorch": refusal(3, mode="functorch"),
         "refused-zero3-leaf": refusal(3, leaf=True),
+        "refused-zero3-bandmf": refusal(3, private={"noise_mechanism": "bandmf", "bands": 2}),
         "refused-stage0": refusal(0),
         "refused-offload": refusal(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
                                    zero_force_ds_cpu_optimizer=False),

@@ -109,6 +109,7 @@ def test_secure_noise_under_zero3_is_each_ranks_own_partition_draw(ranks):
     ("refused-zero3-embedding", ["ZeRO-3", "0 (Embedding)", "released", "nn.Linear"]),
     ("refused-zero3-functorch", ['grad_sample_mode="functorch"', "released", '"hooks" or "bk"']),
     ("refused-zero3-leaf", ["leaf modules", "set_z3_leaf_modules"]),
+    ("refused-zero3-bandmf", ["bandmf", "partition", "noise_mechanism='independent'"]),
     ("refused-stage0", ["ZeRO stage 0", "DistributedDataParallel"]),
     ("refused-offload", ["offload_optimizer", "remove the offload"]),
     ("refused-client-optimizer", ["engine.optimizer", "got SGD"]),
