@@ -51,7 +51,6 @@ import types
 from typing import Any, Dict, List, Optional
 
 import torch
-from torch import nn
 
 from dptorch.distributed import deepspeed_zero3 as zero3
 
@@ -140,7 +139,8 @@ def check_engine(engine: Any, optimizer: Any = None) -> None:
 class DeepSpeedHandOver(torch.optim.Optimizer):
     """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's that ZeRO updates, and its
     ``step()`` hands their ``p.grad`` (the privatised gradient, the same on every rank) to ZeRO's
-    reduction and runs DeepSpeed's own ``engine.step()``.
+    reduction and runs DeepSpeed's own ``engine.step()``. Under ZeRO-3 (``partitioned``) the DP optimizer has
+    written each rank's partition already, and ``step()`` only runs ZeRO-3's epilogue and DeepSpeed's step.
 
     Learning rates and schedules are DeepSpeed's (its optimizer and scheduler); this optimizer has none.
     """
@@ -202,15 +202,8 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
             hand_over._lr_kwargs = None
 
     zero = engine.optimizer
-    if hand_over.partitioned:
-        problems = zero3.layer_problems(dp_optimizer.hooks) + zero3.noise_problems(dp_optimizer)
-        if problems:  # before anything on the engine changes; the controller leaves the model as it was
-            dp_optimizer.detach()
-            dp_optimizer.hooks.cleanup()
-            raise ValueError("private training under DeepSpeed ZeRO-3 refuses this model: " + "; ".join(problems)
-                             + ". Or use ZeRO stage 1 or 2, which keep whole parameters on every rank")
-        engine.__dict__["_dptorch_markers"] = zero3.carry_batch_tags(engine.module, dp_optimizer.hooks)
-        dp_optimizer.add_noise = types.MethodType(lambda self: zero3.write_noised_partitions(self, zero), dp_optimizer)
+    if hand_over.partitioned:  # before anything else on the engine changes
+        engine.__dict__["_dptorch_markers"] = zero3.attach(engine, dp_optimizer)
     engine.__dict__["_dptorch_saved"] = (engine.enable_backward_allreduce, bool(zero._grad_acc_hooks))
     # ZeRO's gradient hooks would put any gradient autograd still gives a parameter (a path the controller does not
     # see, which it refuses at the end of that backward) into ZeRO's buckets, where a later step would add it raw

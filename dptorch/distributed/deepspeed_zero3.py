@@ -34,6 +34,7 @@ input's batch tag (:func:`carry_batch_tags`).
 
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, List
 
 import torch
@@ -148,6 +149,23 @@ def restore_markers(saved: Dict[nn.Module, Dict[str, Any]]) -> None:
             setattr(module, attribute, function)
 
 
+def attach(engine: Any, dp_optimizer: Any) -> Dict[nn.Module, Dict[str, Any]]:
+    """Make a ZeRO-3 engine's DP optimizer write the noised partitions, and the marker Functions carry the batch
+    tags; returns the markers to restore. A model or noise the hand-over cannot keep exact is refused first, the
+    controller and the optimizer's listener removed (the model is as it was)."""
+    problems = layer_problems(dp_optimizer.hooks) + noise_problems(dp_optimizer)
+    if problems:
+        dp_optimizer.detach()
+        dp_optimizer.hooks.cleanup()
+        raise ValueError("private training under DeepSpeed ZeRO-3 refuses this model: " + "; ".join(problems)
+                         + ". Or use ZeRO stage 1 or 2, which keep whole parameters on every rank")
+    markers = carry_batch_tags(engine.module, dp_optimizer.hooks)
+    zero = engine.optimizer
+    # the DP optimizer's add_noise, for this instance: its own reads p.shape, which ZeRO-3 has emptied
+    dp_optimizer.add_noise = types.MethodType(lambda self: write_noised_partitions(self, zero), dp_optimizer)
+    return markers
+
+
 def trainable_params(zero: Any) -> List[nn.Parameter]:
     """The parameters ZeRO-3 steps, in its order (the noise stream's parameter index; the client optimizer's
     order, as in one process)."""
@@ -193,5 +211,5 @@ def write_noised_partitions(optimizer: Any, zero: Any) -> None:
         zero.set_local_grad_for_param(part, param)
 
 
-__all__ = ["ZERO3_PARTS", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems", "reads_no_parameter_data",
-           "restore_markers", "trainable_params", "write_noised_partitions"]
+__all__ = ["ZERO3_PARTS", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
+           "reads_no_parameter_data", "restore_markers", "trainable_params", "write_noised_partitions"]

@@ -18,7 +18,8 @@ from tests.distributed.test_hf_ddp import assert_close_params, expected_micro_ba
 if importlib.util.find_spec("deepspeed") is None:  # the optional extra: pip install dptorch[deepspeed]
     pytest.skip("deepspeed is not installed", allow_module_level=True)
 
-RUNS = ("zero1", "zero2", "zero3", "plugin-zero2")  # plugin: Accelerate's DeepSpeed plugin from the environment, no config
+# plugin: Accelerate's DeepSpeed plugin from the environment, no config
+RUNS = ("zero1", "zero2", "zero3", "plugin-zero2")
 
 
 @pytest.fixture(scope="module")
