@@ -42,7 +42,7 @@ def fake_trainer(**args):
                     neftune_noise_alpha=None, use_liger_kernel=False, torch_compile=False, ignore_data_skip=False,
                     train_sampling_strategy="random", save_only_model=False, parallelism_config=None)
     defaults.update(args)
-    return SimpleNamespace(args=SimpleNamespace(**defaults), train_dataset=[1, 2, 3], model_init=None,
+    return SimpleNamespace(args=SimpleNamespace(**defaults), train_dataset=[1, 2, 3], model_init=None, model=None,
                            is_deepspeed_enabled=False, is_fsdp_enabled=False)
 
 
