@@ -216,8 +216,9 @@ def transformers_style(module: nn.Module) -> Optional[Any]:
     else the name of the class whose ``install_forward`` made the wrapper; None for a layer it did not
     touch."""
     forward = vars(module).get("forward")
-    made_by_transformers = str(getattr(forward, "__module__", "")).startswith("transformers.")
-    if not (vars(module).get("_is_hooked") or made_by_transformers):
+    qualname = str(getattr(forward, "__qualname__", ""))
+    made_by_a_style = ".install_forward." in qualname and str(getattr(forward, "__module__", "")).startswith("transformers.")
+    if not (vars(module).get("_is_hooked") is True or made_by_a_style):
         return None
     for cell in getattr(forward, "__closure__", None) or ():
         try:
@@ -226,7 +227,6 @@ def transformers_style(module: nn.Module) -> Optional[Any]:
             continue
         if any(klass.__name__ == "TensorParallelLayer" for klass in type(value).__mro__):
             return value
-    qualname = str(getattr(forward, "__qualname__", ""))
     return qualname.split(".", 1)[0] if ".install_forward." in qualname else "an unknown style"
 
 
