@@ -170,6 +170,26 @@ def refusal(stage: int, client_optimizer: bool = False, model=workers.model_like
     return "accepted"
 
 
+def after_detach(stage: int) -> dict:
+    """One private step, ``detach``, then one plain DeepSpeed step: ZeRO's own gradient hooks and reduction are
+    back (the plain step moves the weights by the ranks' average gradient)."""
+    engine = initialize(workers.model_like(), stage)
+    x, y = workers.dataset().tensors
+    loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=0, distributed=True)
+    privacy = PrivacyEngine()
+    _, _, loader = privacy.make_private(module=engine, optimizer=engine.optimizer, data_loader=loader,
+                                        noise_multiplier=1.0, max_grad_norm=1.0, loss_reduction="sum")
+    batch, target = next(iter(loader))
+    engine.backward(((engine(batch) - target) ** 2).sum())
+    engine.step()
+    privacy.detach()
+    before = full_params(engine)
+    rank = torch.distributed.get_rank()
+    engine.backward(((engine(x[rank::2]) - y[rank::2]) ** 2).sum())  # each rank its half: DeepSpeed averages
+    engine.step()
+    return {"before": before.tolist(), "after": full_params(engine).tolist()}
+
+
 def unseen_path(stage: int) -> dict:
     """A weight read outside its layer's call (``workers.ReadsWeight``): the error of the backward, on every rank,
     and whether DeepSpeed took the raw gradient that reached the weight into its reduction before the refusal."""
@@ -211,6 +231,7 @@ def main(out: Path) -> None:
         "noise-zero3": noise_only(3),
         "noise-zero3-secure": noise_only(3, secure=True),
         "unseen-zero3": unseen_path(3),
+        "after-detach-zero3": after_detach(3),
         "refused-zero3-no-sampler": refusal(3, model=lambda: nn.Sequential(nn.Linear(5, 2), Scale())),
         "refused-zero3-embedding": refusal(3, model=lambda: nn.Sequential(nn.Embedding(4, 2))),
         "refused-zero3-functorch": refusal(3, mode="functorch"),

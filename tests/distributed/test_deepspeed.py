@@ -127,3 +127,18 @@ def test_a_path_the_controller_does_not_see_is_refused_and_never_reaches_zero(ra
         seen = rank[name]
         assert "lin.weight" in seen["error"] and "path outside" in seen["error"]
         assert seen["reduced_by_deepspeed"] == 0
+
+
+def test_detach_gives_zero3_its_own_gradient_handling_back(ranks):
+    """After a private step and detach, a plain DeepSpeed step is ZeRO-3's: the ranks' average gradient of the
+    whole dataset's sum loss (each rank its half), stepped at lr 0.5 from the same weights on every rank."""
+    before = torch.tensor(ranks[0]["after-detach-zero3"]["before"])
+    model = workers.model_like()
+    with torch.no_grad():
+        torch.nn.utils.vector_to_parameters(before, model.parameters())
+    x, y = workers.dataset().tensors
+    ((model(x) - y) ** 2).sum().backward()
+    expected = before - 0.5 * torch.cat([p.grad.flatten() for p in model.parameters()]) / WORLD
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank["after-detach-zero3"]["before"]), before, rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(rank["after-detach-zero3"]["after"]), expected, rtol=1e-5, atol=1e-6)
