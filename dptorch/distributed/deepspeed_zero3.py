@@ -172,6 +172,10 @@ def trainable_params(zero: Any) -> List[nn.Parameter]:
     return [p for group in zero.fp16_groups for p in group if p.requires_grad]
 
 
+#: Elements (of the ranks' padded clipped sums, fp32) reduce-scattered in one collective: 64 MiB at the most.
+BUCKET = 1 << 24
+
+
 @torch.no_grad()
 def write_noised_partitions(optimizer: Any, zero: Any) -> None:
     """The DP optimizer's ``add_noise`` under ZeRO-3: each rank's partition of ``(sum of the ranks' clipped sums +
@@ -186,30 +190,57 @@ def write_noised_partitions(optimizer: Any, zero: Any) -> None:
         box = [key]
         torch.distributed.broadcast_object_list(box, src=0)
         key = int(box[0])
-    for index, param in enumerate(params):
-        numel, size = int(param.ds_numel), int(param.partition_numel())
-        device = param.ds_tensor.device
-        held = optimizer._summed.get(param)
-        if held is not None and held.numel() != numel:
-            raise RuntimeError(f"the clipped sum of {optimizer.hooks.parameter_name(param)} has {held.numel()} "
-                               f"elements, the parameter {numel} (shape {tuple(param.ds_shape)}): refused")
-        full = torch.zeros(size * world, dtype=torch.float32, device=device)
-        if held is not None:
-            full[:numel] = held.reshape(-1).to(device=device, dtype=torch.float32)
-        part = full.new_empty(size)
-        if world > 1:
-            dist = torch.distributed
-            (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(part, full)  # torch 2.13
-        else:
-            part.copy_(full)
+    for index, (param, part) in enumerate(zip(params, summed_partitions(optimizer, params, world))):
+        numel, size = int(param.ds_numel), part.numel()
         start = size * int(zero._get_param_partition_rank(param))
         end = min(start + size, numel)
         if std > 0 and end > start:
-            part[: end - start] += noise.slice(key, index, numel, start, end, std, dtype=part.dtype, device=device)
+            part[: end - start] += noise.slice(key, index, numel, start, end, std, dtype=part.dtype,
+                                               device=part.device)
         if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
             part /= optimizer.plan.divisor
         zero.set_local_grad_for_param(part, param)
 
 
-__all__ = ["ZERO3_PARTS", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
-           "reads_no_parameter_data", "restore_markers", "trainable_params", "write_noised_partitions"]
+def summed_partitions(optimizer: Any, params: List[nn.Parameter], world: int) -> List[torch.Tensor]:
+    """This rank's partition of each parameter's clipped sum summed over the ranks (zeros where none is held),
+    reduce-scattered in buckets of at most :data:`BUCKET` elements: row ``r`` of a bucket is rank ``r``'s
+    partitions side by side (ZeRO-3's layout: ``partition_numel()`` elements each, the last rank's padded)."""
+    parts: List[torch.Tensor] = []
+    bucket: List[nn.Parameter] = []
+    for param in params:
+        held = optimizer._summed.get(param)
+        if held is not None and held.numel() != param.ds_numel:
+            raise RuntimeError(f"the clipped sum of {optimizer.hooks.parameter_name(param)} has {held.numel()} "
+                               f"elements, the parameter {param.ds_numel} (shape {tuple(param.ds_shape)}): refused")
+        if bucket and world * (sum(int(p.partition_numel()) for p in bucket) + int(param.partition_numel())) > BUCKET:
+            parts += _reduce_scatter(optimizer, bucket, world)
+            bucket = []
+        bucket.append(param)
+    return parts + _reduce_scatter(optimizer, bucket, world)
+
+
+def _reduce_scatter(optimizer: Any, bucket: List[nn.Parameter], world: int) -> List[torch.Tensor]:
+    sizes = [int(p.partition_numel()) for p in bucket]
+    device = bucket[0].ds_tensor.device
+    rows = torch.zeros(world, sum(sizes), dtype=torch.float32, device=device)
+    offset = 0
+    for param, size in zip(bucket, sizes):
+        held = optimizer._summed.get(param)
+        if held is not None:
+            flat = held.reshape(-1).to(device=device, dtype=torch.float32)
+            for rank in range(world):  # rank r's partition: elements r * size onwards
+                piece = flat[rank * size: (rank + 1) * size]
+                rows[rank, offset: offset + piece.numel()] = piece
+        offset += size
+    if world == 1:
+        return list(rows[0].split(sizes))
+    mine = rows.new_empty(sum(sizes))
+    dist = torch.distributed
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, rows.reshape(-1))  # 2.13
+    return list(mine.split(sizes))
+
+
+__all__ = ["BUCKET", "ZERO3_PARTS", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
+           "reads_no_parameter_data", "restore_markers", "summed_partitions", "trainable_params",
+           "write_noised_partitions"]

@@ -28,6 +28,7 @@ from torch import nn  # noqa: E402
 from dptorch import BatchMemoryManager, PrivacyEngine  # noqa: E402
 from dptorch.data import DPDataLoader  # noqa: E402
 from dptorch.distributed import ShardedNoise  # noqa: E402
+from dptorch.distributed import deepspeed_zero3 as zero3  # noqa: E402
 from tests.distributed import workers  # noqa: E402
 
 # DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it.
@@ -58,9 +59,16 @@ def full_params(engine) -> torch.Tensor:
         return workers.flat_params(engine.module)
 
 
-def train(stage: int, mode: str, physical: int = 1, **extra) -> dict:
+def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None, **extra) -> dict:
     """The distributed tests' epoch (``workers.train``: sum loss, physical batches of at most ``physical``) through
-    the DeepSpeed engine; ``extra``: more of DeepSpeed's config."""
+    the DeepSpeed engine; ``extra``: more of DeepSpeed's config; ``bucket``: ZeRO-3's reduce-scatter bucket (in
+    elements of all ranks' partitions; default ``deepspeed_zero3.BUCKET``)."""
+    if bucket is not None:
+        zero3.BUCKET, default = bucket, zero3.BUCKET
+        try:
+            return train(stage, mode, physical, **extra)
+        finally:
+            zero3.BUCKET = default
     engine = initialize(workers.model_like(), stage, **extra)
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
                           distributed=True)
@@ -225,7 +233,7 @@ def main(out: Path) -> None:
         "refused-clipping": refusal(2, gradient_clipping=1.0),
         "refused-accumulation": refusal(1, gradient_accumulation_steps=2),
         "unseen-zero2": unseen_path(2),
-        "zero3-hooks": train(3, "hooks"),
+        "zero3-hooks": train(3, "hooks", bucket=8),  # several reduce-scatters: buckets of 1 to 2 parameters
         "zero3-bk": train(3, "bk", physical=3),
         "zero3-bf16-bk": train(3, "bk", physical=3, bf16={"enabled": True}),
         "noise-zero3": noise_only(3),

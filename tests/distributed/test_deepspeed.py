@@ -53,7 +53,8 @@ def test_bf16_zero_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks, name
 def test_zero3_runs_with_released_parameters_and_empty_micro_batches(ranks):
     """Outside its module's calls every ZeRO-3 parameter is released to its partitions (the samplers ran on
     released parameters), and the ranks ran their empty physical batches' forwards and backwards (ZeRO-3 gathers
-    in both, so every rank must): the runs above still end where one process ends."""
+    in both, so every rank must): the runs above still end where one process ends (zero3-hooks reduce-scatters
+    its clipped sums in buckets of one or two parameters, the others in one)."""
     for name in ("zero3-hooks", "zero3-bk", "zero3-bf16-bk"):
         assert [rank[name]["whole"] for rank in ranks] == [0] * WORLD
     assert sum(rank["zero3-hooks"]["empty"] for rank in ranks) > 0
