@@ -7,7 +7,7 @@ The runs are ``hf_script.py``'s DDP ``full`` run (same model, data, seeds, noise
 Trainer settings, gradient accumulation 2 with empty micro-batches) with a DeepSpeed config whose values
 are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint at step 2 and ``resumed``
 from it; ``zero3`` (every parameter released outside its module's calls) and ``resumed-zero3`` likewise;
-``zero2-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
+``zero2-bf16`` and ``zero3-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
 and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
 DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
 Then the set-ups the private Trainer refuses at construction (or, for a model ZeRO-3 cannot train privately,
@@ -149,6 +149,7 @@ def main(out: Path) -> None:
     report["resumed-zero3"] = trained(ds_trainer(out / "resumed3", tokenizer, config(3)),
                                       resume_from_checkpoint=str(out / "zero3" / "checkpoint-2"))
     report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
+    report["zero3-bf16"] = trained(ds_trainer(out / "bf16-3", tokenizer, config(3), bf16=True, save_strategy="no"))
     report["units-zero1"] = trained(ds_trainer(out / "units", tokenizer, config(1), units=True, save_strategy="no"))
     report["units-ddp"] = trained(ds_trainer(out / "units-ddp", tokenizer, None, units=True, save_strategy="no"))
     with accelerate_deepspeed_plugin(2):

@@ -46,7 +46,7 @@ def test_zero_ends_where_ddp_ends(hf_deepspeed, hf_ddp, run):
     assert moved > 0.1  # the noise and the updates moved the LoRA weights: the comparison means something
 
 
-@pytest.mark.parametrize("run", RUNS + ("zero2-bf16",))
+@pytest.mark.parametrize("run", RUNS + ("zero2-bf16", "zero3-bf16"))
 def test_one_epsilon_the_accountants_and_one_deepspeed_step_per_logical_batch(hf_deepspeed, run):
     report = hf_deepspeed[0]
     plan = PrivacyPlan(noise_multiplier=report["noise_multiplier"], sample_rate=report["sample_rate"],
@@ -96,14 +96,15 @@ def test_resume_from_a_deepspeed_checkpoint(hf_deepspeed, run, resumed_run, chec
         assert_close_params(resumed["params"], full["params"], rtol=0, atol=1e-7)
 
 
-def test_bf16_zero2_ends_where_fp32_ddp_ends_to_bf16_rounding(hf_deepspeed, hf_ddp):
+@pytest.mark.parametrize("run", ["zero2-bf16", "zero3-bf16"])
+def test_bf16_zero_ends_where_fp32_ddp_ends_to_bf16_rounding(hf_deepspeed, hf_ddp, run):
     """bf16=True: DeepSpeed casts the model to bf16 and keeps fp32 master weights; the same run to bf16 rounding."""
     for rank in range(WORLD):
-        got, expected = hf_deepspeed[rank]["zero2-bf16"], hf_ddp[0][rank]["full"]
+        got, expected = hf_deepspeed[rank][run], hf_ddp[0][rank]["full"]
         assert got["dtype"] == "torch.bfloat16"
         largest = max(abs(v) for values in expected["params"].values() for v in values)
         assert_close_params(got["params"], expected["params"], rtol=0, atol=4 * 2**-8 * largest)
-    assert hf_deepspeed[0]["zero2-bf16"]["params"] == hf_deepspeed[1]["zero2-bf16"]["params"]
+    assert hf_deepspeed[0][run]["params"] == hf_deepspeed[1][run]["params"]
 
 
 @pytest.mark.parametrize("name, words", [
