@@ -7,6 +7,7 @@ The runs are ``hf_script.py``'s DDP ``full`` run (same model, data, seeds, noise
 Trainer settings, gradient accumulation 2 with empty micro-batches) with a DeepSpeed config whose values
 are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint at step 2 and ``resumed``
 from it; ``zero3`` (every parameter released outside its module's calls) and ``resumed-zero3`` likewise;
+``zero3-init``, the ``zero3`` run with the model built after the TrainingArguments (``deepspeed.zero.Init``);
 ``zero2-bf16`` and ``zero3-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
 and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
 DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
@@ -77,11 +78,26 @@ class ObservedDeepSpeed(hf_script.ObservedDPTrainer):
         return optimizer
 
 
+def built_partitioned(reference, lora: LoraConfig):
+    """``reference``'s LoRA Llama built again while a ZeRO-3 config is active (``from_config`` under
+    ``deepspeed.zero.Init``: every base parameter partitioned as it is made), with ``reference``'s weights."""
+    from transformers import LlamaForCausalLM
+
+    model = get_peft_model(without_dropout(LlamaForCausalLM._from_config(reference.base_model.model.config)), lora)
+    weights = dict(reference.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for p in model.parameters() if hasattr(p, "ds_id")], modifier_rank=0):
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(weights[name])
+    return model
+
+
 def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bool = False, full: bool = False,
-               **training) -> ObservedDeepSpeed:
+               init: bool = False, **training) -> ObservedDeepSpeed:
     """``hf_script.dp_trainer``'s DDP trainer, with ``deepspeed`` (None: DDP, or Accelerate's plugin from the
     environment) and ``training`` in its TrainingArguments; ``units``: two rows per privacy unit (a "user");
-    ``full``: every parameter trains (no LoRA)."""
+    ``full``: every parameter trains (no LoRA); ``init``: the model is built after the TrainingArguments, so under
+    ZeRO-3 it comes partitioned (:func:`built_partitioned`)."""
     AcceleratorState._reset_state()  # each trainer's Accelerator takes its own DeepSpeed plugin
     torch.manual_seed(0)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
@@ -91,6 +107,8 @@ def ds_trainer(output_dir: Path, tokenizer, deepspeed: Optional[dict], units: bo
                     ddp_backend="gloo")
     settings.update(training)
     args = cpu_training_args(str(output_dir), deepspeed=deepspeed, **settings)
+    if init:
+        model = built_partitioned(model, lora)
     data, privacy = lm_dataset(tokenizer, hf_script.ROWS), dict(hf_script.PRIVACY)
     if units:
         data = data.add_column("user", [f"user{i % (hf_script.ROWS // 2)}" for i in range(hf_script.ROWS)])
@@ -148,6 +166,10 @@ def main(out: Path) -> None:
     report["checkpoint-zero3"] = sorted(os.listdir(out / "zero3" / "checkpoint-2"))
     report["resumed-zero3"] = trained(ds_trainer(out / "resumed3", tokenizer, config(3)),
                                       resume_from_checkpoint=str(out / "zero3" / "checkpoint-2"))
+    init = ds_trainer(out / "init", tokenizer, config(3), init=True, save_strategy="no")
+    frozen = [p for p in init.model.parameters() if not p.requires_grad]  # partitioned before train() built the engine
+    partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in frozen)
+    report["zero3-init"] = dict(trained(init), partitioned=partitioned)
     report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
     report["zero3-bf16"] = trained(ds_trainer(out / "bf16-3", tokenizer, config(3), bf16=True, save_strategy="no"))
     report["units-zero1"] = trained(ds_trainer(out / "units", tokenizer, config(1), units=True, save_strategy="no"))

@@ -68,6 +68,16 @@ def test_empty_micro_batches_run_as_phantoms(hf_deepspeed, run):
     assert hf_deepspeed[1][run]["seen"][4] == hf_deepspeed[1][run]["seen"][5] == []  # a whole step empty on rank 1
 
 
+def test_a_model_built_partitioned_under_zero3_trains_as_one_built_whole(hf_deepspeed):
+    """Built after the TrainingArguments, the model comes partitioned (deepspeed.zero.Init: its base parameters
+    empty when the trainer and its controller are built): the run is the zero3 run, bit for bit."""
+    for report in hf_deepspeed:
+        init, whole = report["zero3-init"], report["zero3"]
+        assert init["partitioned"] and init["zero_stage"] == 3
+        assert init["params"] == whole["params"] and init["logged"] == whole["logged"]
+        assert init["epsilon"] == whole["epsilon"] and init["global_steps"] == whole["global_steps"] == 4
+
+
 def test_accelerates_plugin_is_zero2(hf_deepspeed):
     assert [report["plugin-zero2"]["zero_stage"] for report in hf_deepspeed] == [2] * WORLD
 
