@@ -7,12 +7,12 @@ The Trainer builds DeepSpeed's engine through Accelerate in ``train()`` and runs
 :mod:`dptorch.distributed.deepspeed` does for the engine API (``engine.step()`` becomes the DP
 optimizer's step, which hands the noised gradient to ZeRO), so the Trainer's loop stays as it is.
 
-Under ZeRO-3 the controller attaches at construction, to the whole parameters, and DeepSpeed partitions
-them in place when ``train()`` builds the engine (the same ``nn.Parameter`` objects); a model whose
-trainable layers ZeRO-3 cannot train privately (samplers that read released parameters, e.g. a full
-fine-tune's embedding: :mod:`dptorch.distributed.deepspeed_zero3`) is refused then, before any step.
-The model should be built before the ``TrainingArguments`` (``from_pretrained`` under an active
-ZeRO-3 config builds it already partitioned, with ``deepspeed.zero.Init``; untested here).
+Under ZeRO-3 the controller attaches at construction, to the model's parameters as they are (whole, or
+already partitioned when the model was built after the ``TrainingArguments``, under
+``deepspeed.zero.Init``), and DeepSpeed partitions the rest in place when ``train()`` builds the engine
+(the same ``nn.Parameter`` objects); a model whose trainable layers ZeRO-3 cannot train privately
+(samplers that read released parameters, e.g. a full fine-tune's embedding:
+:mod:`dptorch.distributed.deepspeed_zero3`) is refused then, before any step.
 
 The configuration, after the Trainer filled its ``"auto"`` values, is checked at construction
 (:func:`config_problems`) and once more on the engine before its first step (``check_engine``), and
