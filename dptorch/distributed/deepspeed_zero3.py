@@ -79,7 +79,7 @@ def layer_problems(hooks: Any) -> List[str]:
     if hooks.grad_sample_mode in ("functorch", "ew"):
         return [f'grad_sample_mode="{hooks.grad_sample_mode}" needs the parameters themselves in backward (the '
                 "torch.func replay, expanded weights), which ZeRO-3 has released: use grad_sample_mode "
-                '"hooks" or "bk"']
+                '"hooks", "bk" or "ghost"']
     problems = []
     for layer in hooks._layers.values():
         if not any(p.requires_grad for p in layer.params.values()):

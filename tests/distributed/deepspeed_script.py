@@ -235,6 +235,7 @@ def main(out: Path) -> None:
         "unseen-zero2": unseen_path(2),
         "zero3-hooks": train(3, "hooks", bucket=8),  # several reduce-scatters: buckets of 1 to 2 parameters
         "zero3-bk": train(3, "bk", physical=3),
+        "zero3-ghost": train(3, "ghost", physical=3),
         "zero3-bf16-bk": train(3, "bk", physical=3, bf16={"enabled": True}),
         "noise-zero3": noise_only(3),
         "noise-zero3-secure": noise_only(3, secure=True),

@@ -28,7 +28,7 @@ def ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero3-hooks", "hooks"),
-                                        ("zero3-bk", "bk")])
+                                        ("zero3-bk", "bk"), ("zero3-ghost", "ghost")])
 def test_zero_ends_where_one_process_ends(ranks, name, mode):
     """Same logical batches, same noise: every rank's weights equal the one-process run's to fp32 rounding."""
     reference = workers.reference(mode)
@@ -108,7 +108,7 @@ def test_secure_noise_under_zero3_is_each_ranks_own_partition_draw(ranks):
     ("refused-accumulation", ['"gradient_accumulation_steps": 2', "BatchMemoryManager"]),
     ("refused-zero3-no-sampler", ["ZeRO-3", "1 (Scale) has no grad sampler", "released", "ZeRO stage 1 or 2"]),
     ("refused-zero3-embedding", ["ZeRO-3", "0 (Embedding)", "released", "nn.Linear"]),
-    ("refused-zero3-functorch", ['grad_sample_mode="functorch"', "released", '"hooks" or "bk"']),
+    ("refused-zero3-functorch", ['grad_sample_mode="functorch"', "released", '"hooks", "bk" or "ghost"']),
     ("refused-zero3-leaf", ["leaf modules", "set_z3_leaf_modules"]),
     ("refused-zero3-bandmf", ["bandmf", "partition", "noise_mechanism='independent'"]),
     ("refused-stage0", ["ZeRO stage 0", "DistributedDataParallel"]),
