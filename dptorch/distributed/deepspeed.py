@@ -35,7 +35,9 @@ would clip the averaged, noised gradient, not each sample), ``gradient_accumulat
 than 1 (DeepSpeed divides the loss by it and steps on a fixed count; a Poisson logical batch has no
 fixed count), CPU/NVMe offloading, pipeline parallelism, ZenFlow, unmanaged gradient accumulation,
 a data-parallel group smaller than the world (model or sequence parallelism), the client torch
-optimizer passed instead of ``engine.optimizer``, and at stage 3 leaf modules and MiCS. Checkpoints
+optimizer passed instead of ``engine.optimizer``, and at stage 3 leaf modules and parameters
+partitioned over fewer ranks than the world (and, when the private engine is made, the layers
+and modes of :mod:`~dptorch.distributed.deepspeed_zero3`, and bandmf noise). Checkpoints
 of the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
 
 Memory: the clipped sums are held at full size on every rank (as under DDP), so a private ZeRO-2
