@@ -451,6 +451,13 @@ class PrivacyEngine:
         """
         if path is None:
             raise TypeError("save_checkpoint needs path=")
+        if ds_zero.is_deepspeed_engine(module) or any(hasattr(p, "ds_id") for p in _unwrap(module).parameters()):
+            raise NotImplementedError(
+                "save_checkpoint of a DeepSpeed engine (or of a model ZeRO-3 partitions, whose parameters hold no "
+                "elements outside their layer's call) is refused: DeepSpeed owns the partitioned weights and optimizer "
+                "state. Save with DeepSpeed's engine.save_checkpoint, or train through DPTrainer, whose checkpoints "
+                "keep DeepSpeed's state and the privacy state together and resume exactly"
+            )
         user = _user_entries(checkpoint_dict, extra)
         state: Dict[str, Any] = dict(user)
         target = _unwrap(module)

@@ -1,4 +1,4 @@
-"""Private training on torch.distributed: DDP, FSDP2 (``fully_shard``, HSDP included) and DeepSpeed ZeRO-1/2.
+"""Private training on torch.distributed: DDP, FSDP2 (``fully_shard``, HSDP included), tensor parallelism and DeepSpeed ZeRO.
 
 dptorch builds no transport of its own; it uses the process group torch.distributed (or
 ``torchrun`` / ``accelerate launch``) set up. What this package owns:
@@ -17,8 +17,13 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
 * ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
   element), whatever the sharding or the number of processes.
 * ``checkpoint``: engine checkpoints of sharded runs (a directory: DCP shards and rank 0's state).
-* ``deepspeed``: ZeRO-1 and ZeRO-2, the DP optimizer's noised gradient handed to ZeRO's reduction
-  and DeepSpeed's step (``engine.step()`` is the DP step).
+* ``tensor_parallel``: ``parallelize_module`` (ColwiseParallel / RowwiseParallel, row-split embeddings)
+  and transformers' ``tp_plan``, alone or with FSDP2 on a (dp, tp) mesh: every rank of a
+  tensor-parallel group runs the same batch, the ranks' partial per-sample norms are added up before
+  clipping, each rank keeps its slice of the clipped sum and of the one noise stream.
+* ``deepspeed`` (and ``deepspeed_zero3``): ZeRO-1 and ZeRO-2, the DP optimizer's noised gradient
+  handed to ZeRO's reduction and DeepSpeed's step (``engine.step()`` is the DP step); ZeRO-3, the
+  clipped sums reduce-scattered into each rank's partition and noised there.
 
 The HF Trainer on several processes (DDP, Accelerate's FSDP2) builds on these; what it adds (phantom
 micro-batches, metric gathers of any size) lives in ``dptorch.integrations.hf``.

@@ -273,6 +273,20 @@ class DPOptimizer(torch.optim.Optimizer):
         """The trainable parameters this optimizer updates."""
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    @property
+    def grad_samples(self) -> List[torch.Tensor]:
+        """Opacus' name: every trainable parameter's per-sample gradient (``p.grad_sample``) of the last
+        backward pass, in the optimizer's order. dptorch clips after each backward pass and keeps no
+        per-sample gradient of earlier ones; ``bk`` and ghost clipping form none at all."""
+        missing = [self.hooks.parameter_name(p) for p in self.params if "grad_sample" not in p.__dict__]
+        if missing:
+            raise AttributeError(
+                f"no per-sample gradient is held for {_name_list(missing)}: there is none before a backward pass or "
+                "after zero_grad(), and grad_sample_mode='bk' or 'ghost' never forms one (it clips from per-sample "
+                "norms). Use grad_sample_mode='hooks' to read them"
+            )
+        return [p.__dict__["grad_sample"] for p in self.params]
+
     # ------------------------------------------------------------------ privatisation
 
     @property

@@ -38,10 +38,10 @@ clipped sums reduce-scattered, each rank noises its shard); Accelerate saves and
 optimizer with ``torch.distributed.checkpoint``, which is handed the inner optimizer. In
 ``compute_loss`` the metric gathers accept micro-batches of different sizes (:mod:`.metrics`).
 Every rank accounts the same steps, so epsilon is the same everywhere; the Trainer's loggers print
-it from rank 0. DeepSpeed ZeRO-1/2 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
+it from rank 0. DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
 until Accelerate built the engine, which is then made private (``engine.step()``, called by Accelerate
-after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, ZeRO-3 and fp16 on several
-processes are refused (:mod:`.checks` says why);
+after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 on several processes and
+tensor-parallel models are refused (:mod:`.checks` says why);
 ``fp16=True`` on one process trains with a :class:`~dptorch.optim.DPGradScaler` in place of Accelerate's GradScaler.
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
