@@ -101,6 +101,23 @@ def refusal(kind: str, split=None) -> str:
     return "accepted"
 
 
+def unseen_path_refusal() -> str:
+    """A penalty on a split weight in the loss (its gradient reaches the weight outside the layer's call)."""
+    model = Split()(tp_model())
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=1.0, expected_batch_size=3.0)
+    try:
+        loss = model(torch.ones(3, 5)).sum() + model[0].weight.full_tensor().pow(2).sum()
+        loss.backward()
+        optimizer.step()
+    except Exception as error:  # noqa: BLE001 - the message says which
+        return f"{type(error).__name__}: {error}"
+    finally:
+        hooks.cleanup()
+    return "accepted"
+
+
 def context_parallel_refusal() -> str:
     """A forward under torch's context_parallel (each rank a slice of every sequence): refused."""
     from torch.distributed.tensor.experimental import context_parallel
@@ -312,6 +329,7 @@ def scenarios(rank: int):
     yield "tp-trainer-refused", trainer_refusal
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
+    yield "tp-unseen-refused", unseen_path_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
     for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
         yield f"tp-refused-{kind}", lambda kind=kind: refusal(kind)
@@ -467,6 +485,12 @@ def test_ranks_running_different_data_are_refused_on_every_rank(tp):
 def test_tensor_parallel_set_ups_it_cannot_keep_exact_are_refused(tp, kind, words):
     for rank in range(WORLD):
         assert words in tp(f"tp-refused-{kind}", rank)
+
+
+def test_a_gradient_by_a_path_the_controller_does_not_see_is_refused_on_every_rank(tp):
+    for rank in range(WORLD):
+        message = tp("tp-unseen-refused", rank)
+        assert message.startswith("PerSampleGradientError") and "0.weight" in message, message
 
 
 def test_context_parallelism_is_refused_on_every_rank(tp):
