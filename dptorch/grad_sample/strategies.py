@@ -48,7 +48,7 @@ from dptorch.grad_sample.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_clipped_sum, hf_conv1d_grad_sampler, hf_conv1d_norm_sampler
-from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler
+from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler, param_shape
 from dptorch.grad_sample.linear_forms import at_least_float32, flatten_per_sample, shared_form_norms, weighted_sum
 from dptorch.grad_sample.packed_affine import (
     layout_of,
@@ -153,14 +153,15 @@ class Instantiate:
                 )
             dtype = weight.dtype if held is None else held.dtype
             values = torch.cat([u[1].to(dtype) for u in uses]) if len(uses) > 1 else uses[0][1].to(dtype)
-            flat_shape = (batch * weight.shape[0], weight.shape[1])
+            shape = param_shape(weight)  # ZeRO-3: the weight is released here
+            flat_shape = (batch * shape[0], shape[1])
             if held is None:
                 summed = self.buffers.empty(flat_shape, dtype, values.device).zero_().index_add_(0, ids, values)
             elif weight in self._owned and held.is_contiguous():  # in place: no copy of a (B, V, d) tensor
                 summed = held.view(flat_shape).index_add_(0, ids, values)
             else:  # out of place: the held tensor may be referenced elsewhere
                 summed = held.reshape(flat_shape).index_add(0, ids, values)
-            self.grads[weight] = summed.view(batch, *weight.shape)
+            self.grads[weight] = summed.view(batch, *shape)
             self._owned.add(weight)
         self._rows = {}
 
@@ -420,7 +421,7 @@ def sampled_grads(call: LayerCall, empty: Callable[..., torch.Tensor]) -> Tuple[
         return call.sampler(call.module, call.activations, call.backprops, empty=empty, scale=call.scale), True
     fresh = call.sampler in FRESH_RESULT_SAMPLERS
     batch = call.backprops.shape[0] if call.backprops.dim() else 1
-    after = call.scale != 1.0 and call.backprops.numel() > batch * sum(p.numel() for p in call.params.values())
+    after = call.scale != 1.0 and call.backprops.numel() > batch * sum(math.prod(param_shape(p)) for p in call.params.values())
     grads = call.sampler(call.module, call.activations, call.backprops if after else call.scaled_backprops())
     if after and isinstance(grads, Mapping):
         grads = {p: g if g is None else g.mul_(call.scale) if fresh else g * call.scale for p, g in grads.items()}
@@ -458,7 +459,7 @@ def _plain_embedding(call: LayerCall) -> bool:
         and len(call.activations) == 1
         and not call.activations[0].is_floating_point()
         and getattr(module, "weight", None) is not None
-        and module.weight.dim() == 2
+        and len(param_shape(module.weight)) == 2
         and len(call.params) == 1
         and all(p is module.weight for p in call.params.values())
     )

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptorch.grad_sample.layers.linear import common_dtype, non_centred
+from dptorch.grad_sample.layers.linear import common_dtype, non_centred, param_shape
 from dptorch.grad_sample.registry import register_grad_sampler
 
 
@@ -89,7 +89,7 @@ def conv_grad_sampler(
         grouped_backprops = flat_backprops.reshape(batch, groups, out_channels // groups, positions)
         patches, grouped_backprops = common_dtype(patches, grouped_backprops)
         per_group = torch.einsum("bgil,bgol->bgoi", patches, grouped_backprops)
-        grads[weight] = per_group.reshape(batch, *weight.shape).to(weight.dtype)
+        grads[weight] = per_group.reshape(batch, *param_shape(weight)).to(weight.dtype)
     if bias is not None and bias.requires_grad:
         grads[bias] = flat_backprops.sum(dim=-1).to(bias.dtype)
     return grads

@@ -22,6 +22,7 @@ from torch import nn
 
 from dptorch.grad_sample.certified import certified_norms_sq, gamma, wide_dtype
 from dptorch.grad_sample.linear_forms import CLIP_ROUNDINGS, LinearForm, at_least_float32, at_least_float32_dtype
+from dptorch.grad_sample.layers.linear import param_shape
 from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -248,7 +249,7 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
         return {}
     ids = activations[0].reshape(-1)
     values = at_least_float32(scaled_backprops.reshape(ids.shape[0], scaled_backprops.shape[-1]))
-    summed = values.new_zeros(weight.shape).index_add_(0, ids, values)
+    summed = values.new_zeros(param_shape(weight)).index_add_(0, ids, values)
     if module.padding_idx is not None:
         summed[module.padding_idx] = 0
     return {weight: summed.float()}

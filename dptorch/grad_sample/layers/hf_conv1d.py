@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.layers.linear import affine_forms, linear_map_grad_samples, linear_norms, linear_sums
+from dptorch.grad_sample.layers.linear import affine_forms, linear_map_grad_samples, linear_norms, linear_sums, param_shape
 from dptorch.grad_sample.layers.norms import register_verified_duck_sampler
 from dptorch.grad_sample.linear_forms import LinearForm
 from dptorch.grad_sample.registry import register_norm_sampler
@@ -27,14 +27,15 @@ def looks_like_hf_conv1d(module: nn.Module) -> bool:
     out_features = getattr(module, "nf", None)
     weight = module._parameters.get("weight")
     bias = module._parameters.get("bias")
-    if not isinstance(out_features, int) or weight is None or weight.dim() != 2:
+    shape = None if weight is None else param_shape(weight)
+    if not isinstance(out_features, int) or shape is None or len(shape) != 2:
         return False
-    if weight.shape[1] != out_features:
+    if shape[1] != out_features:
         return False
-    in_features = getattr(module, "nx", weight.shape[0])
-    if weight.shape[0] != in_features:
+    in_features = getattr(module, "nx", shape[0])
+    if shape[0] != in_features:
         return False
-    if bias is not None and tuple(bias.shape) != (out_features,):
+    if bias is not None and tuple(param_shape(bias)) != (out_features,):
         return False
     return set(module._parameters) <= {"weight", "bias"} and not any(True for _ in module.children())
 

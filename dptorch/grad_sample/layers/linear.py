@@ -27,6 +27,12 @@ from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sa
 Tensors = Tuple[torch.Tensor, ...]
 
 
+def param_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while DeepSpeed ZeRO-3 has it released (``data`` empty, the shape in ``ds_shape``)."""
+    shape = getattr(param, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else param.shape
+
+
 def common_dtype(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Cast the tensors to their promoted dtype (activations and backprops may differ under autocast)."""
     dtype = tensors[0].dtype

@@ -11,9 +11,9 @@ a class (``register_verified_duck_sampler``, also used for HF ``Conv1D``).
 
 from __future__ import annotations
 
-import weakref
-
+import copy
 import inspect
+import weakref
 import math
 from numbers import Real
 from typing import Callable, Dict, List, Optional, Tuple
@@ -21,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from dptorch.grad_sample.layers.linear import common_dtype, non_centred
+from dptorch.grad_sample.layers.linear import common_dtype, non_centred, param_shape
 from dptorch.grad_sample.registry import (
     GradSampler,
     ModulePredicate,
@@ -52,13 +52,14 @@ def affine_grad_samples(
     backprops: torch.Tensor,
     channels_first: bool,
 ) -> Dict[nn.Parameter, torch.Tensor]:
-    """Grads of the affine part of a norm layer; ``normalized_input`` is only called if the weight trains."""
+    """Grads of the affine part of a norm layer; ``normalized_input`` is only called if the weight trains. Reads the
+    parameters' shapes by :func:`param_shape` only (exact while ZeRO-3 has them released)."""
     grads: Dict[nn.Parameter, torch.Tensor] = {}
     if weight is not None and weight.requires_grad:
         x_hat, g = common_dtype(normalized_input(), backprops)
-        grads[weight] = sum_to_parameter(g * x_hat, weight.dim(), channels_first).to(weight.dtype)
+        grads[weight] = sum_to_parameter(g * x_hat, len(param_shape(weight)), channels_first).to(weight.dtype)
     if bias is not None and bias.requires_grad:
-        grads[bias] = sum_to_parameter(backprops, bias.dim(), channels_first).to(bias.dtype)
+        grads[bias] = sum_to_parameter(backprops, len(param_shape(bias)), channels_first).to(bias.dtype)
     return grads
 
 
@@ -157,7 +158,7 @@ _VERIFIED: "weakref.WeakKeyDictionary[nn.Module, Dict[GradSampler, bool]]" = wea
 
 def _tokens_of_weight_width(module: nn.Module, generator: torch.Generator) -> Tuple[torch.Tensor, ...]:
     """A non-centred ``(2, 3, weight.shape[0])`` input (per-token shift and scale)."""
-    width = module.weight.shape[0]
+    width = param_shape(module.weight)[0]
     shape = lambda *dims: torch.randn(*dims, generator=generator)  # noqa: E731
     return (shape(2, 3, width) * shape(2, 3, 1).exp() + 2 * shape(2, 3, 1),)
 
@@ -169,9 +170,22 @@ def sampler_matches_torch_func(module: nn.Module, sampler: GradSampler) -> bool:
     (random float32 parameters on a shallow copy, ``module`` untouched; any error means False).
     """
     weight = module._parameters.get("weight")
-    if weight is None or weight.dim() == 0:
+    if weight is None or len(param_shape(weight)) == 0:
         return False
-    return matches_torch_func(module, _tokens_of_weight_width, sampler=sampler)
+    return matches_torch_func(with_whole_parameters(module), _tokens_of_weight_width, sampler=sampler)
+
+
+def with_whole_parameters(module: nn.Module) -> nn.Module:
+    """``module``, or where DeepSpeed ZeRO-3 has released its parameters (``data`` empty) a shallow copy holding
+    zeros of their real shapes: the probe replaces the parameters by random ones of those shapes, so the check
+    runs at the layer's real width, not on empty tensors."""
+    params = module._parameters
+    if not any(p is not None and hasattr(p, "ds_shape") for p in params.values()):
+        return module
+    copied = copy.copy(module)
+    copied._parameters = {name: None if p is None else nn.Parameter(torch.zeros(param_shape(p), device=p.device))
+                          for name, p in params.items()}
+    return copied
 
 
 def verify_duck_sampler(module: nn.Module) -> bool:
@@ -227,7 +241,7 @@ def looks_like_hf_rms_norm(module: nn.Module) -> bool:
     if not (name.endswith("RMSNorm") or name == "T5LayerNorm"):
         return False
     params = dict(module.named_parameters(recurse=False))
-    if list(params) != ["weight"] or params["weight"].dim() != 1:
+    if list(params) != ["weight"] or len(param_shape(params["weight"])) != 1:
         return False
     if hf_rms_norm_epsilon(module) is None or any(True for _ in module.children()):
         return False
