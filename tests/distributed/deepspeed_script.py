@@ -40,6 +40,24 @@ importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
 
 
+class TinyLlama(nn.Module):
+    """A full fine-tune of a tiny Llama (``nn.Embedding``, ``LlamaRMSNorm``, ``nn.Linear``, untied head) as a regressor of
+    the distributed tests' rows: each row's 5 features bucketed into 5 token ids, the last position's first 2 logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        self.llama = LlamaForCausalLM(LlamaConfig(
+            vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=8, tie_word_embeddings=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.detach().abs() * 4).long().clamp(max=15)
+        return self.llama(input_ids=ids).logits[:, -1, :2].float()
+
+
 def config(stage: int, **extra) -> dict:
     if stage == 3:
         extra.setdefault("zero_optimization", ZERO3)
@@ -59,17 +77,20 @@ def full_params(engine) -> torch.Tensor:
         return workers.flat_params(engine.module)
 
 
-def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None, **extra) -> dict:
+def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None, model=workers.model_like,
+          phantoms: bool = False, **extra) -> dict:
     """The distributed tests' epoch (``workers.train``: sum loss, physical batches of at most ``physical``) through
     the DeepSpeed engine; ``extra``: more of DeepSpeed's config; ``bucket``: ZeRO-3's reduce-scatter bucket (in
-    elements of all ranks' partitions; default ``deepspeed_zero3.BUCKET``)."""
+    elements of all ranks' partitions; default ``deepspeed_zero3.BUCKET``); ``model``: builds the model;
+    ``phantoms``: an empty physical batch runs as a phantom (``DPOptimizer.phantom``), for a model that cannot take
+    zero rows."""
     if bucket is not None:
         zero3.BUCKET, default = bucket, zero3.BUCKET
         try:
-            return train(stage, mode, physical, **extra)
+            return train(stage, mode, physical, model=model, phantoms=phantoms, **extra)
         finally:
             zero3.BUCKET = default
-    engine = initialize(workers.model_like(), stage, **extra)
+    engine = initialize(model(), stage, **extra)
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
                           distributed=True)
     privacy = PrivacyEngine(accountant="rdp")
@@ -84,8 +105,11 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
         for x, y in batches:
             empty += not len(x)  # every rank still runs its forward and backward (ZeRO-3 gathers in both)
             dtype = next(engine.module.parameters()).dtype  # bf16: DeepSpeed cast the model, the inputs follow
-            loss = ((engine(x.to(dtype)).float() - y) ** 2).sum()
-            engine.backward(loss)
+            if not len(x) and phantoms:  # a model that cannot run on zero rows: a zero row whose backward adds nothing
+                with optimizer.phantom():
+                    engine.backward((engine(x.new_zeros(1, x.shape[1]).to(dtype)) * 0).sum())
+            else:
+                engine.backward(((engine(x.to(dtype)).float() - y) ** 2).sum())
             engine.step()
     try:
         privacy.save_checkpoint(os.path.join(tempfile.mkdtemp(prefix="dptorch-ds-"), "checkpoint.pt"), module=engine,
@@ -237,12 +261,15 @@ def main(out: Path) -> None:
         "zero3-bk": train(3, "bk", physical=3),
         "zero3-ghost": train(3, "ghost", physical=3),
         "zero3-bf16-bk": train(3, "bk", physical=3, bf16={"enabled": True}),
+        # a full fine-tune: Embedding, LlamaRMSNorm, Linear (a Llama cannot run on zero rows: phantoms)
+        "zero3-llama-hooks": train(3, "hooks", model=TinyLlama, phantoms=True),
+        "zero3-llama-bk": train(3, "bk", physical=3, model=TinyLlama, phantoms=True),
         "noise-zero3": noise_only(3),
         "noise-zero3-secure": noise_only(3, secure=True),
         "unseen-zero3": unseen_path(3),
         "after-detach-zero3": after_detach(3),
         "refused-zero3-no-sampler": refusal(3, model=lambda: nn.Sequential(nn.Linear(5, 2), Scale())),
-        "refused-zero3-embedding": refusal(3, model=lambda: nn.Sequential(nn.Embedding(4, 2))),
+        "refused-zero3-conv": refusal(3, model=lambda: nn.Sequential(nn.Conv1d(2, 2, 1))),
         "refused-zero3-functorch": refusal(3, mode="functorch"),
         "refused-zero3-leaf": refusal(3, leaf=True),
         "refused-zero3-bandmf": refusal(3, private={"noise_mechanism": "bandmf", "bands": 2}),
