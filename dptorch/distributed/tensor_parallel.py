@@ -247,18 +247,48 @@ def _split_kind(module: nn.Module) -> Optional[str]:
     return None
 
 
+#: transformers' style for a replicated weight whose gradient each rank holds only part of (Qwen3's
+#: per-head q/k norms see this rank's heads): its per-sample gradients are summed over the group
+#: before any norm is formed (``partial_gradient_params``).
+_PARTIAL_GRADIENT_STYLE = "ReplicatedWithGradAllReduce"
+
+
+def partial_gradient_params(module: nn.Module) -> List[nn.Parameter]:
+    """The plain parameters of layers under transformers' ``ReplicatedWithGradAllReduce``: each rank
+    forms part of every sample's gradient (its heads'); the parts are summed over the group."""
+    found = []
+    for sub in module.modules():
+        if _style_name(transformers_style(sub) or "") == _PARTIAL_GRADIENT_STYLE:
+            found.extend(p for p in sub.parameters(recurse=False) if p.requires_grad and not is_sharded(p))
+    return found
+
+
+def sum_partial_gradients(grads: Dict[nn.Parameter, torch.Tensor], params: Sequence[nn.Parameter], group: Any) -> List[nn.Parameter]:
+    """Sum, in place and in one collective, the per-sample gradients of ``params`` over ``group``; the
+    parameters summed."""
+    held = [p for p in params if p in grads]  # (a dict lookup: by identity)
+    if not held:
+        return held
+    flat = torch.cat([grads[p].float().reshape(-1) for p in held])
+    torch.distributed.all_reduce(flat, group=group)
+    for p, piece in zip(held, flat.split([grads[p].numel() for p in held])):
+        grads[p] = piece.view_as(grads[p]).to(grads[p].dtype)
+    return held
+
+
 def check_transformers_styles(module: nn.Module) -> None:
     """Refuse transformers' tensor-parallel styles the rules here do not cover, on layers of any kind."""
     for name, sub in module.named_modules():
         style = transformers_style(sub)
         if style is None or _split_kind(sub) is not None:
             continue
+        if _style_name(style) == _PARTIAL_GRADIENT_STYLE and not any(is_sharded(p) for p in sub.parameters()):
+            continue  # its per-sample gradients are summed over the group (partial_gradient_params)
         raise ValueError(
             f"{name or type(module).__name__} ({type(sub).__name__}) runs under transformers' tensor-parallel style "
-            f"{_style_name(style)}, which private training has no rule for (ReplicatedWithGradAllReduce, for "
-            "one, leaves a replicated weight with a partial per-sample gradient on every rank, summed only after "
-            "clipping would need it). Use a tensor-parallel plan of column- and row-wise Linear layers and a "
-            "row-split embedding (tp_plan entries colwise / rowwise / embedding_rowwise), or no tensor parallelism"
+            f"{_style_name(style)}, which private training has no rule for. Use a tensor-parallel plan of column- "
+            "and row-wise Linear layers, row-split embeddings and replicated layers (tp_plan entries colwise / "
+            "rowwise / embedding_rowwise / replicated_with_grad_allreduce), or no tensor parallelism"
         )
 
 
@@ -484,6 +514,8 @@ __all__ = [
     "data_parallel_shard_layout",
     "local_part",
     "local_shape",
+    "partial_gradient_params",
+    "sum_partial_gradients",
     "tensor_parallel_params",
     "transformers_style",
     "whole_on_every_rank",

@@ -39,6 +39,8 @@ from dptorch.distributed.tensor_parallel import (
     context_parallel_active,
     local_part,
     local_shape,
+    partial_gradient_params,
+    sum_partial_gradients,
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
@@ -201,6 +203,7 @@ class GradSampleHooks:
         # tensor parallelism splits one sample's gradient across ranks: only the splits it can add up
         self.tensor_parallel = check_sharding(self.module)
         self._tensor_parallel_whole = {}
+        self._partial_gradients = partial_gradient_params(self.module) if self.tensor_parallel else []
         self._tensor_parallel_modules = [m for m in self.module.modules()
                                          if any(p in self.tensor_parallel for p in m.parameters(recurse=False))]
         if self.grad_sample_mode == "ew":
@@ -1157,7 +1160,20 @@ class GradSampleHooks:
                 "attached, a module added after they attached (attach after PEFT/model surgery), a module in eval "
                 "mode, or a weight read directly by another module's code (e.g. a fused LM head)."
             )
+        summed = []
+        if self._partial_gradients:  # each rank holds part of these per-sample gradients: the sum is the gradient
+            summed = sum_partial_gradients(self._strategy.grads, self._partial_gradients,
+                                           next(iter(self.tensor_parallel.values())).group)
         self._strategy.finish_round(self._unit_ids if self._round_units is None else None)
+        covered, summed_ids = self._strategy.covers(), {id(p) for p in summed}
+        unsummed = [p for p in self._partial_gradients if p in covered and id(p) not in summed_ids]
+        if unsummed:  # held in a form the sum cannot reach (a weight shared by several calls): not the gradient
+            self.clear()
+            raise PerSampleGradientError(
+                f"parameters {_name_list([self.parameter_name(p) for p in unsummed])} hold part of each sample's "
+                "gradient on every tensor-parallel rank (replicated_with_grad_allreduce), but this backward pass formed "
+                "them where the parts cannot be summed before their norms; use grad_sample_mode='hooks'"
+            )
         for param, grad in self._strategy.grads.items():
             param.__dict__["grad_sample"] = grad
         if self._listeners:

@@ -169,14 +169,14 @@ def tiny_causal_lm(arch: str = "llama"):
     return model(config(**shape, attn_implementation="sdpa")).train()
 
 
-def llama_step(mode: str, how: str = "") -> dict:
+def llama_step(mode: str, how: str = "", arch: str = "llama") -> dict:
     """One noiseless DP step on a tiny Llama: per-sample norms and the updated parameters. ``how``:
     ``"torch"``, heads and MLP split by torch's ``parallelize_module`` (the usual plan); ``"transformers"``,
     loaded with ``from_pretrained(tp_plan="auto")`` (transformers' plan: the embedding split by rows and
     the LM head by columns too); ``""``: one process."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    model = tiny_causal_lm()
+    model = tiny_causal_lm(arch)
     if how == "torch":
         styles = {"col": ColwiseParallel, "row": RowwiseParallel}
         for layer in model.model.layers:
@@ -221,9 +221,13 @@ def launcher_environment() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29500"))
 
 
-def qwen3_refusal() -> str:
-    """Qwen3 under transformers' plan: its q/k norms are ReplicatedWithGradAllReduce (partial per rank)."""
-    model = from_pretrained_split(tiny_causal_lm("qwen3"))
+def style_refusal() -> str:
+    """A layer under a transformers tensor-parallel style there is no rule for (AllReduceParallel)."""
+    from transformers.distributed.tensor_parallel import AllReduceParallel
+
+    model = Split()(tp_model())
+    AllReduceParallel().install_forward(model[3], Split().mesh())
+    model[3]._is_hooked = True  # as transformers' apply_tensor_parallelism marks it
     try:
         GradSampleHooks(model).cleanup()
     except ValueError as error:
@@ -325,7 +329,9 @@ def scenarios(rank: int):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, "torch")
         yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
         yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
-    yield "tp-hf-qwen3-refused", qwen3_refusal
+    for mode in ("hooks", "bk"):  # Qwen3's per-head q/k norms: replicated, each rank part of their gradient
+        yield f"tp-hf-qwen3-{mode}", lambda mode=mode: llama_step(mode, "transformers", arch="qwen3")
+    yield "tp-style-refused", style_refusal
     yield "tp-trainer-refused", trainer_refusal
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
@@ -425,10 +431,20 @@ def test_the_private_trainer_refuses_a_tensor_parallel_model(tp):
                "private Trainer yet" in tp("tp-trainer-refused", rank)
 
 
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_qwen3_under_transformers_plan_is_the_one_process_step(tp, mode):
+    """Its q/k norms (replicated_with_grad_allreduce) see only this rank's heads: the ranks' parts of each
+    sample's gradient are summed before any norm (one rank's part alone was a silently wrong gradient)."""
+    reference = llama_step(mode, arch="qwen3")
+    assert reference["clipped"] == 1.0
+    for rank in range(WORLD):
+        torch.testing.assert_close(tp(f"tp-hf-qwen3-{mode}", rank)["params"], reference["params"], rtol=1e-5, atol=1e-6)
+
+
 def test_transformers_styles_without_a_rule_are_refused(tp):
     for rank in range(WORLD):
-        message = tp("tp-hf-qwen3-refused", rank)
-        assert "q_norm (Qwen3RMSNorm) runs under transformers' tensor-parallel style ReplicatedWithGradAllReduce" in message
+        message = tp("tp-style-refused", rank)
+        assert "3 (LayerNorm) runs under transformers' tensor-parallel style AllReduceParallel" in message
 
 
 def test_tensor_parallel_noise_is_the_one_process_stream_drawn_once_per_element(tp):
