@@ -1165,8 +1165,7 @@ class GradSampleHooks:
             summed = sum_partial_gradients(self._strategy.grads, self._partial_gradients,
                                            next(iter(self.tensor_parallel.values())).group)
         self._strategy.finish_round(self._unit_ids if self._round_units is None else None)
-        covered, summed_ids = self._strategy.covers(), {id(p) for p in summed}
-        unsummed = [p for p in self._partial_gradients if p in covered and id(p) not in summed_ids]
+        unsummed = self._unsummed_partial_gradients(summed) if self._partial_gradients else []
         if unsummed:  # held in a form the sum cannot reach (a weight shared by several calls): not the gradient
             self.clear()
             raise PerSampleGradientError(
@@ -1181,6 +1180,10 @@ class GradSampleHooks:
                 listener(self)
             self._round_consumed = True
 
+
+    def _unsummed_partial_gradients(self, summed: List[nn.Parameter]) -> List[nn.Parameter]:
+        covered, summed_ids = self._strategy.covers(), {id(p) for p in summed}
+        return [p for p in self._partial_gradients if p in covered and id(p) not in summed_ids]
 
     def _collect_expanded_grad_samples(self) -> None:
         """Move the ``grad_sample`` torch wrote on each parameter into the strategy's table."""
