@@ -9,10 +9,10 @@ are the Trainer's ``"auto"``: ``zero1``; ``zero2`` with a DeepSpeed checkpoint a
 from it; ``zero3`` (every parameter released outside its module's calls) and ``resumed-zero3`` likewise;
 ``zero3-init``, the ``zero3`` run with the model built after the TrainingArguments (``deepspeed.zero.Init``);
 ``zero2-bf16`` and ``zero3-bf16`` (``bf16=True``: DeepSpeed casts the model, fp32 master weights); ``units-zero1``
-and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``plugin-zero2``, Accelerate's
+and ``units-ddp``, two rows per privacy unit under ZeRO-1 and under DDP; ``zero3-full`` and ``ddp-full``, a full
+fine-tune (every parameter: embedding, RMSNorms, Linear layers) under ZeRO-3 and under DDP; ``plugin-zero2``, Accelerate's
 DeepSpeed plugin from the environment of ``accelerate launch --use_deepspeed --zero_stage 2`` (no config).
-Then the set-ups the private Trainer refuses at construction (or, for a model ZeRO-3 cannot train privately,
-in ``train()`` before any step), and a second ``train()`` of ``zero1``.
+Then the set-ups the private Trainer refuses at construction, and a second ``train()`` of ``zero1``.
 Each rank writes ``OUT/hf-deepspeed-rank<r>.json``.
 """
 
@@ -172,6 +172,8 @@ def main(out: Path) -> None:
     report["zero3-init"] = dict(trained(init), partitioned=partitioned)
     report["zero2-bf16"] = trained(ds_trainer(out / "bf16", tokenizer, config(2), bf16=True, save_strategy="no"))
     report["zero3-bf16"] = trained(ds_trainer(out / "bf16-3", tokenizer, config(3), bf16=True, save_strategy="no"))
+    report["zero3-full"] = trained(ds_trainer(out / "full3", tokenizer, config(3), full=True, save_strategy="no"))
+    report["ddp-full"] = trained(ds_trainer(out / "full-ddp", tokenizer, None, full=True, save_strategy="no"))
     report["units-zero1"] = trained(ds_trainer(out / "units", tokenizer, config(1), units=True, save_strategy="no"))
     report["units-ddp"] = trained(ds_trainer(out / "units-ddp", tokenizer, None, units=True, save_strategy="no"))
     with accelerate_deepspeed_plugin(2):
@@ -183,8 +185,6 @@ def main(out: Path) -> None:
         "rows": [list(r) for r in lm_dataset(tokenizer, hf_script.ROWS)["input_ids"]],
         "refused-zero3-granularity": refusal(ds_trainer, out / "r3", tokenizer, config(
             3, zero_optimization={"stage": 3, "stage3_module_granularity_threshold": 1000})),
-        "refused-zero3-full": refusal(lambda: ds_trainer(out / "r3f", tokenizer, config(3), full=True,
-                                                         save_strategy="no").train()),
         "refused-stage0": refusal(ds_trainer, out / "r0", tokenizer, config(0)),
         "refused-clipping": refusal(ds_trainer, out / "rc", tokenizer, config(2), max_grad_norm=1.0),
         "refused-offload": refusal(ds_trainer, out / "ro", tokenizer, config(

@@ -130,13 +130,18 @@ def test_unsupported_set_ups_are_refused_at_construction_on_every_rank(hf_deepsp
         assert all(word in report[name] for word in words), report[name]
 
 
-def test_a_model_zero3_cannot_train_privately_is_refused_before_any_step_on_every_rank(hf_deepspeed):
-    """Full fine-tuning: the embedding's and the RMSNorms' samplers read their parameters, which ZeRO-3 has released
-    at the end of backward; train() refuses before the first step, naming the layers."""
+def test_a_zero3_full_fine_tune_ends_where_the_ddp_full_fine_tune_ends(hf_deepspeed):
+    """Full fine-tuning (the embedding, the RMSNorms and every Linear train; their samplers run while ZeRO-3 has the
+    parameters released and read shapes from ds_shape): the DDP run's parameters to fp32 rounding, the same losses,
+    epsilon, tokens and steps."""
     for report in hf_deepspeed:
-        message = report["refused-zero3-full"]
-        assert "ZeRO-3 refuses this model" in message and "(Embedding)" in message and "released" in message, message
-        assert "ZeRO stage 1 or 2" in message
+        got, expected = report["zero3-full"], report["ddp-full"]
+        assert got["zero_stage"] == 3 and got["global_steps"] == 4
+        assert "model.embed_tokens.weight" in got["params"] and "model.norm.weight" in got["params"]
+        assert_close_params(got["params"], expected["params"], rtol=1e-5, atol=1e-6)
+        assert [h["loss"] for h in got["logs"]] == pytest.approx([h["loss"] for h in expected["logs"]], rel=1e-6)
+        assert got["epsilon"] == expected["epsilon"] and got["tokens"] == expected["tokens"]
+    assert hf_deepspeed[0]["zero3-full"]["params"] == hf_deepspeed[1]["zero3-full"]["params"]
 
 
 def test_a_second_train_of_a_deepspeed_trainer_is_refused(hf_deepspeed):
