@@ -23,7 +23,7 @@ partitions by its own gradient hooks. A private step instead:
 The samplers run while the parameters are released (``data`` empty), so they must read no parameter
 data, and a shape only from ``ds_shape`` (``param_shape``): the layers whose samplers read only their
 activations, output gradients and the parameters' ``requires_grad``, dtype and such shapes are
-accepted (:func:`reads_no_parameter_data`: Linear, Embedding, LayerNorm, the RMSNorms); another
+accepted (``GradSampleHooks.reads_no_parameter_data``: Linear, Embedding, LayerNorm, the RMSNorms); another
 trainable layer (or the torch.func fallback, which replays the call with the parameters, or expanded
 weights) is refused before any step.
 
@@ -42,18 +42,6 @@ import torch
 from torch import nn
 
 from dptorch.distributed.fsdp import sharded_noise
-
-
-def reads_no_parameter_data(module: nn.Module) -> bool:
-    """Whether ``module``'s grad and norm samplers read only its activations, output gradients and the parameters'
-    ``requires_grad``, dtype and shape (by ``param_shape``: ZeRO-3's ``ds_shape`` while released), so they are exact
-    while ZeRO-3 has the parameters released (``data`` empty): ``nn.Linear`` (LoRA's adapters are ``nn.Linear``),
-    ``nn.Embedding``, ``nn.LayerNorm`` (any ``normalized_shape``), ``nn.RMSNorm`` and the HF RMSNorm family
-    (``LlamaRMSNorm``, ...)."""
-    from dptorch.grad_sample.layers.norms import looks_like_hf_rms_norm
-
-    exact = (nn.Linear, nn.Embedding, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-    return isinstance(module, exact) or looks_like_hf_rms_norm(module)
 
 
 #: What of ZeRO-3's optimizer (``DeepSpeedZeroOptimizer_Stage3``) the hand-over uses.
@@ -91,7 +79,7 @@ def layer_problems(hooks: Any) -> List[str]:
             problems.append(f"{layer.name} ({type(layer.module).__name__}) has no grad sampler: the torch.func "
                             "fallback replays its call with its parameters, which ZeRO-3 has released by then: "
                             f"register a grad sampler for {type(layer.module).__name__}, or freeze it")
-        elif not reads_no_parameter_data(layer.module):
+        elif not hooks.reads_no_parameter_data(layer.module):
             problems.append(f"{layer.name} ({type(layer.module).__name__}): its sampler reads its parameters' shape "
                             "or values, which ZeRO-3 has released when the samplers run at the end of backward "
                             "(supported under ZeRO-3: nn.Linear, nn.Embedding, nn.LayerNorm, the RMSNorms): freeze it")
@@ -245,5 +233,5 @@ def _reduce_scatter(optimizer: Any, bucket: List[nn.Parameter], world: int) -> L
 
 
 __all__ = ["BUCKET", "ZERO3_PARTS", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
-           "reads_no_parameter_data", "restore_markers", "summed_partitions", "trainable_params",
+           "restore_markers", "summed_partitions", "trainable_params",
            "write_noised_partitions"]

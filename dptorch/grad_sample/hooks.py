@@ -44,6 +44,7 @@ from dptorch.distributed.tensor_parallel import (
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
+from dptorch.grad_sample.layers import reads_no_parameter_data
 from dptorch.grad_sample.tracking import (
     INNER,
     Lost,
@@ -339,6 +340,9 @@ class GradSampleHooks:
             if whole and p in sums:
                 sums[p] = self.tensor_parallel[p].local_of(sums[p].reshape(self.tensor_parallel[p].shape))
         return sums
+
+    #: Whether a layer's samplers read no parameter data (only shapes): exact while ZeRO-3 has them released.
+    reads_no_parameter_data = staticmethod(reads_no_parameter_data)
 
     @property
     def tensor_parallel_whole(self) -> set:

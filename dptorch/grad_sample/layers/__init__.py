@@ -4,4 +4,16 @@ conv, norms, and the expert banks of mixture-of-experts models: experts). Import
 them; the package ``dptorch.grad_sample`` imports it.
 """
 
+from torch import nn
+
 from dptorch.grad_sample.layers import conv, embedding, experts, hf_conv1d, linear, norms  # noqa: F401  (import registers)
+
+
+def reads_no_parameter_data(module: nn.Module) -> bool:
+    """Whether ``module``'s grad and norm samplers read only its activations, output gradients and the parameters'
+    ``requires_grad``, dtype and shape (by ``linear.param_shape``: ZeRO-3's ``ds_shape`` while released), so they are
+    exact while ZeRO-3 has the parameters released (``data`` empty): ``nn.Linear`` (LoRA's adapters are ``nn.Linear``),
+    ``nn.Embedding``, ``nn.LayerNorm`` (any ``normalized_shape``), ``nn.RMSNorm`` and the HF RMSNorm family
+    (``LlamaRMSNorm``, ...)."""
+    exact = (nn.Linear, nn.Embedding, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+    return isinstance(module, exact) or norms.looks_like_hf_rms_norm(module)
