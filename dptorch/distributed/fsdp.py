@@ -42,7 +42,7 @@ custom shard placements).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -245,12 +245,33 @@ def sharded_noise(optimizer: Any) -> ShardedNoise:
     return generator
 
 
-def _all_reduce_into(tensors: List[torch.Tensor], indices: List[int], group: Any) -> None:
-    """Sum ``tensors[i]`` for ``i`` in ``indices`` over ``group``, in one collective, in place of the originals."""
+def collective_into(tensors: List[torch.Tensor], indices: List[int], collective: Callable[[torch.Tensor], Any]) -> None:
+    """Run ``collective`` (in place) on ``tensors[i]`` for ``i`` in ``indices`` flattened into one tensor,
+    putting the results in place of the originals: one collective for them all."""
     flat = torch.cat([tensors[i].flatten() for i in indices])
-    torch.distributed.all_reduce(flat, group=group)
+    collective(flat)
     for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
         tensors[i] = piece.view_as(tensors[i])
+
+
+def _all_reduce_into(tensors: List[torch.Tensor], indices: List[int], group: Any) -> None:
+    """Sum ``tensors[i]`` for ``i`` in ``indices`` over ``group``, in one collective, in place of the originals."""
+    collective_into(tensors, indices, lambda flat: torch.distributed.all_reduce(flat, group=group))
+
+
+def write_noised_grads(optimizer: Any, params: Sequence[nn.Parameter], locals_: Sequence[torch.Tensor]) -> None:
+    """``p.grad`` from each parameter's noised clipped sum (this rank's part of it): divided by the plan's
+    constant under ``loss_reduction="mean"``, a DTensor like the parameter where it is one."""
+    for p, local in zip(params, locals_):
+        if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
+            local = local / optimizer.plan.divisor
+        if is_sharded(p):
+            from torch.distributed.tensor import DTensor
+
+            p.grad = DTensor.from_local(local.to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
+                                        stride=p.stride(), run_check=False)
+        else:
+            p.grad = local.view_as(p).to(p.dtype)
 
 
 def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> None:
@@ -304,16 +325,7 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
             across_replicas.setdefault(layouts[p].replicas, []).append(index)
     for group, indices in across_replicas.items():  # HSDP: the replicas' sums (noise from replica 0 only)
         _all_reduce_into(locals_, indices, group=group)
-    for p, local in zip(params, locals_):
-        if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
-            local = local / optimizer.plan.divisor
-        if is_sharded(p):
-            from torch.distributed.tensor import DTensor
-
-            p.grad = DTensor.from_local(local.to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
-                                        stride=p.stride(), run_check=False)
-        else:
-            p.grad = local.view_as(p).to(p.dtype)
+    write_noised_grads(optimizer, params, locals_)
 
 
 __all__ = [
@@ -322,10 +334,12 @@ __all__ = [
     "accumulate_sharded",
     "add_noise_per_parameter",
     "any_sharded",
+    "collective_into",
     "fully_shard_params",
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",
     "shard_layouts",
     "sharded_noise",
+    "write_noised_grads",
 ]

@@ -39,7 +39,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dptorch.distributed.fsdp import ShardLayout, fully_shard_params, is_sharded, shard_layout, shard_layouts, sharded_noise
+from dptorch.distributed.fsdp import (
+    ShardLayout,
+    collective_into,
+    fully_shard_params,
+    is_sharded,
+    shard_layout,
+    shard_layouts,
+    sharded_noise,
+    write_noised_grads,
+)
 
 
 @dataclass(frozen=True)
@@ -269,10 +278,10 @@ def sum_partial_gradients(grads: Dict[nn.Parameter, torch.Tensor], params: Seque
     held = [p for p in params if p in grads]  # (a dict lookup: by identity)
     if not held:
         return held
-    flat = torch.cat([grads[p].float().reshape(-1) for p in held])
-    torch.distributed.all_reduce(flat, group=group)
-    for p, piece in zip(held, flat.split([grads[p].numel() for p in held])):
-        grads[p] = piece.view_as(grads[p]).to(grads[p].dtype)
+    values = [grads[p].float() for p in held]
+    collective_into(values, list(range(len(held))), lambda flat: torch.distributed.all_reduce(flat, group=group))
+    for p, value in zip(held, values):
+        grads[p] = value.to(grads[p].dtype)
     return held
 
 
@@ -452,8 +461,6 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
     or FSDP2's over dp) gets the clipped sum and noise of its group's rank 0, broadcast over the
     tensor-parallel group: the same gradient on every rank of it.
     """
-    from torch.distributed.tensor import DTensor
-
     dist = torch.distributed
     noise = sharded_noise(optimizer)
     std = optimizer.noise_std
@@ -488,18 +495,9 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
             whole.append(index)
         locals_.append(local)
     if whole:  # the tensor-parallel group's rank 0's clipped sum and noise everywhere in the group
-        flat = torch.cat([locals_[i].reshape(-1) for i in whole])
-        dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
-        for i, piece in zip(whole, flat.split([locals_[i].numel() for i in whole])):
-            locals_[i] = piece.view_as(locals_[i])
-    for p, local in zip(params, locals_):
-        if optimizer.loss_reduction == "mean":  # the plan's constant divisor (see PrivacyPlan.divisor)
-            local = local / optimizer.plan.divisor
-        if is_sharded(p):
-            p.grad = DTensor.from_local(local.to(p.dtype), p.device_mesh, p.placements, shape=p.shape,
-                                        stride=p.stride(), run_check=False)
-        else:
-            p.grad = local.to(p.dtype)
+        source = dist.get_global_rank(group, 0)
+        collective_into(locals_, whole, lambda flat: dist.broadcast(flat, src=source, group=group))
+    write_noised_grads(optimizer, params, locals_)
 
 
 __all__ = [
