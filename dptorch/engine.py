@@ -29,7 +29,7 @@ from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
-from dptorch.distributed.tensor_parallel import check_sharding, data_parallel_group
+from dptorch.distributed.tensor_parallel import check_sharding, data_parallel_group, tensor_parallel_group
 from dptorch.distributed import deepspeed as ds_zero
 from dptorch.data.poisson import (
     DPDataLoader,
@@ -313,14 +313,13 @@ class PrivacyEngine:
         if tensor_parallel and (bands is not None or not poisson_sampling):
             raise ValueError("tensor parallelism is supported with Poisson sampling and independent noise only (not "
                              "poisson_sampling=False, not bandmf's correlated noise)")
+        data_parallel = data_parallel_group(tensor_parallel)
         if bands is not None:  # bandmf: b-min-separated cyclic Poisson sampling
             dp_loader = cyclic_data_loader(data_loader, bands, poisson_sampling, self.secure_mode)
         else:
-            dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode,
-                                             data_parallel=data_parallel_group(tensor_parallel))
+            dp_loader = _private_data_loader(data_loader, poisson_sampling, self.secure_mode, data_parallel=data_parallel)
         if tensor_parallel:
-            mirror_draws(dp_loader.batch_sampler, next(iter(tensor_parallel.values())).group,
-                         data_parallel_group(tensor_parallel))
+            mirror_draws(dp_loader.batch_sampler, tensor_parallel_group(tensor_parallel), data_parallel)
         if isinstance(dp_loader, ShuffledDataLoader):
             logger.info("poisson_sampling=False: the loader's shuffled batches of %d are accounted without "
                         "amplification, one Gaussian per pass", dp_loader.batch_sampler.batch_size)

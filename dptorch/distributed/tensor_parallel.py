@@ -335,6 +335,11 @@ def _layout(param: Any, dim: Optional[int], mesh_dim: int, name: str) -> TensorP
     return layout
 
 
+def tensor_parallel_group(layouts: Dict[nn.Parameter, TensorParallelLayout]) -> Any:
+    """The process group of the ranks that split the layers (and run one batch); one mesh is supported."""
+    return next(iter(layouts.values())).group
+
+
 def data_parallel_group(layouts: Dict[nn.Parameter, TensorParallelLayout]) -> Any:
     """The group over which the Poisson draws are sharded: True (the world) without tensor parallelism,
     None under tensor parallelism alone (every rank the same batch), the dp group under TP x FSDP2."""
@@ -389,7 +394,7 @@ def complete_norms(norms: Dict[nn.Parameter, torch.Tensor], layouts: Dict[nn.Par
     computed whole on every rank, ``whole``) taken from rank 0, so the clip factors agree."""
     if not norms:
         return norms
-    group = next(iter(layouts.values())).group
+    group = tensor_parallel_group(layouts)
     first = torch.distributed.get_rank(group) == 0
     params = list(norms)
     squares = torch.stack([norms[p].float() ** 2 for p in params])
@@ -464,7 +469,7 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
     dist = torch.distributed
     noise = sharded_noise(optimizer)
     std = optimizer.noise_std
-    group = next(iter(layouts.values())).group
+    group = tensor_parallel_group(layouts)
     key = noise.step_key() if std > 0 else None
     if key is not None:  # one stream: global rank 0's key, whatever the others drew
         box = [key]
@@ -514,6 +519,7 @@ __all__ = [
     "local_shape",
     "partial_gradient_params",
     "sum_partial_gradients",
+    "tensor_parallel_group",
     "tensor_parallel_params",
     "transformers_style",
     "whole_on_every_rank",

@@ -41,6 +41,7 @@ from dptorch.distributed.tensor_parallel import (
     local_shape,
     partial_gradient_params,
     sum_partial_gradients,
+    tensor_parallel_group,
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
@@ -454,7 +455,7 @@ class GradSampleHooks:
                     "training refuses it; give each rank whole sequences (DDP, FSDP2, or tensor parallelism)"
                 )
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
-                check_same_batch(_tensor_leaves((args, kwargs)), next(iter(self.tensor_parallel.values())).group)
+                check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
             if module.training and torch.is_grad_enabled() and self._batch_size is not None:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size)
                 if units is not None:
@@ -1167,7 +1168,7 @@ class GradSampleHooks:
         summed = []
         if self._partial_gradients:  # each rank holds part of these per-sample gradients: the sum is the gradient
             summed = sum_partial_gradients(self._strategy.grads, self._partial_gradients,
-                                           next(iter(self.tensor_parallel.values())).group)
+                                           tensor_parallel_group(self.tensor_parallel))
         self._strategy.finish_round(self._unit_ids if self._round_units is None else None)
         unsummed = self._unsummed_partial_gradients(summed) if self._partial_gradients else []
         if unsummed:  # held in a form the sum cannot reach (a weight shared by several calls): not the gradient

@@ -43,7 +43,12 @@ from dptorch.clipping.factors import (
     per_layer_thresholds,
 )
 from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
-from dptorch.distributed.tensor_parallel import add_noise_tensor_parallel, complete_norms, data_parallel_shard_layout
+from dptorch.distributed.tensor_parallel import (
+    add_noise_tensor_parallel,
+    complete_norms,
+    data_parallel_shard_layout,
+    tensor_parallel_group,
+)
 from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
@@ -432,7 +437,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self._world_size > 1:
             torch.distributed.all_reduce(counts, group=self._data_parallel_group)
         if self._tensor_parallel:  # the same counts on every rank; rank 0's noise
-            group = next(iter(self._tensor_parallel.values())).group
+            group = tensor_parallel_group(self._tensor_parallel)
             torch.distributed.broadcast(counts, src=torch.distributed.get_global_rank(group, 0), group=group)
         unclipped, dropped = counts.tolist()
         return unclipped_fraction(unclipped, self.expected_batch_size), (2.0 * dropped if released else None)
