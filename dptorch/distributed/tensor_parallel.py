@@ -364,20 +364,23 @@ def data_parallel_shard_layout(param: Any, layout: TensorParallelLayout) -> Shar
     return dp
 
 
-def local_part(t: Any, batch_dim: Optional[int]) -> Any:
-    """A layer input or output gradient as this rank computed with it: a DTensor's local tensor, whose
-    batch dim (``batch_dim``) must be whole on every rank (its split dims are feature dims)."""
+def local_part(t: Any, batch_dim: Optional[int], features_split: bool = True) -> Any:
+    """A layer input or output gradient as this rank computed with it: a DTensor's local tensor. It must
+    be replicated, or (``features_split``: a Linear's) split along its last dim, the features, never
+    along the batch (``batch_dim``) or the tokens: a token-split input would hold part of every
+    sample's rows on each rank."""
     if not is_sharded(t):
         return t
     from torch.distributed.tensor import Replicate, Shard
 
     for placement in t.placements:
-        whole = isinstance(placement, Replicate) or (
-            type(placement) is Shard and batch_dim is not None and placement.dim % t.dim() != batch_dim)
+        last = type(placement) is Shard and placement.dim % t.dim() == t.dim() - 1
+        whole = isinstance(placement, Replicate) or (features_split and last and batch_dim != t.dim() - 1)
         if not whole:
             raise ValueError(
                 f"a tensor-parallel layer's input or output gradient is a DTensor with placements {tuple(t.placements)}: "
-                f"its batch (dim {batch_dim}) must be whole on every rank (Replicate, or a split of a feature dim)"
+                f"only a replicated one, or a Linear's split of its last dim (the features), keeps every sample's rows "
+                f"(the batch is dim {batch_dim}) whole on every rank"
             )
     return t.to_local()
 

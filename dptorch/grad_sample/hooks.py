@@ -1030,7 +1030,8 @@ class GradSampleHooks:
         packed = None
         if self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
             dims = call.input_dims if call.kind == "batched" else (None,) * len(activations)
-            activations = tuple(local_part(a, None if d is None else d % INNER) for a, d in zip(activations, dims))
+            linear = isinstance(layer.module, nn.Linear)  # an embedding's ids must be whole
+            activations = tuple(local_part(a, None if d is None else d % INNER, linear) for a, d in zip(activations, dims))
             out_dim = call.output_dims[0] if call.kind == "batched" else None
             grad_outputs = tuple(local_part(g, None if out_dim is None else out_dim % INNER) for g in grad_outputs)
             self._note_tensor_parallel_call(layer, params, activations, grad_outputs[0])

@@ -118,6 +118,25 @@ def unseen_path_refusal() -> str:
     return "accepted"
 
 
+def token_split_refusals() -> list:
+    """local_part on DTensors split along the tokens (a Linear's input) and along the ids (an embedding's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dptorch.distributed.tensor_parallel import local_part
+
+    mesh = Split().mesh()
+    cases = [(distribute_tensor(torch.zeros(2, 4, 6), mesh, [Shard(1)]), True),  # (B, T, D) split over T
+             (distribute_tensor(torch.zeros(2, 4, dtype=torch.long), mesh, [Shard(1)]), False),  # ids split over T
+             (distribute_tensor(torch.zeros(2, 4, 6), mesh, [Shard(2)]), True)]  # features: accepted
+    found = []
+    for t, linear in cases:
+        try:
+            found.append(tuple(local_part(t, 0, linear).shape))
+        except ValueError as error:
+            found.append(str(error))
+    return found
+
+
 def context_parallel_refusal() -> str:
     """A forward under torch's context_parallel (each rank a slice of every sequence): refused."""
     from torch.distributed.tensor.experimental import context_parallel
@@ -335,6 +354,7 @@ def scenarios(rank: int):
     yield "tp-trainer-refused", trainer_refusal
     yield "tp-different-data", lambda: different_data(rank)
     yield "cp-refused", context_parallel_refusal
+    yield "tp-token-split", token_split_refusals
     yield "tp-unseen-refused", unseen_path_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
     for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
@@ -507,6 +527,14 @@ def test_a_gradient_by_a_path_the_controller_does_not_see_is_refused_on_every_ra
     for rank in range(WORLD):
         message = tp("tp-unseen-refused", rank)
         assert message.startswith("PerSampleGradientError") and "0.weight" in message, message
+
+
+def test_a_split_layers_input_split_along_the_tokens_is_refused(tp):
+    for rank in range(WORLD):
+        tokens, ids, features = tp("tp-token-split", rank)
+        assert "only a replicated one, or a Linear's split of its last dim" in tokens
+        assert "only a replicated one" in ids  # an embedding's ids split along the tokens, its last dim
+        assert features == (2, 4, 3)
 
 
 def test_context_parallelism_is_refused_on_every_rank(tp):
