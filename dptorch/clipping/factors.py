@@ -82,7 +82,7 @@ def flat_norms(per_param_norms: Dict[object, torch.Tensor]) -> torch.Tensor:
     Summed in float64 (where the device has it): the sum runs over every parameter tensor of the
     model, hundreds for a transformer.
     """
-    return torch.stack([_wide(n) for n in per_param_norms.values()]).pow(2).sum(0).sqrt()
+    return _wide(torch.stack(list(per_param_norms.values()))).pow(2).sum(0).sqrt()
 
 
 def per_layer_thresholds(params: Sequence[object], max_grad_norm: Union[float, Sequence[float]]) -> Dict[object, float]:

@@ -796,10 +796,13 @@ class GradSampleHooks:
             for p in suppressed.values():
                 if not self._suppressed_around(p):
                     p.requires_grad_(True)
-            inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad and id(t) not in inputs:
-                    t.requires_grad_()  # no input needed grad: the output becomes the graph's leaf
+            outputs = (output,) if isinstance(output, torch.Tensor) else tree_flatten(output)[0]
+            leaves = [t for t in outputs if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.requires_grad]
+            if leaves:  # no input needed grad: the output becomes the graph's leaf (an input passed through stays)
+                inputs = {id(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+                for t in leaves:
+                    if id(t) not in inputs:
+                        t.requires_grad_()
         if not self._capturing(module):
             self._note_uncaptured_call(module, args, kwargs, output)
             return None

@@ -24,6 +24,11 @@ from dptorch.grad_sample.certified import certified_norms_sq, magnitudes, wide_d
 #: the call's scale, the factor's cast, its product with ``a`` or ``b``, and the product ``b a``.
 CLIP_ROUNDINGS = 4
 
+#: Tensors of one shape that hold at most this many elements together are computed in one call
+#: (``weighted_sums``, ``shared_inputs.stacks``): at such sizes a step's time is its number of torch
+#: calls, not their arithmetic (the blocks of a narrow model). Larger ones run alone: nothing is copied.
+STACK_LIMIT = 1 << 18
+
 
 def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
@@ -164,3 +169,44 @@ def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor
     """``sum_i factor_i per_sample_i`` in float32 (or wider): one pass over the per-sample tensor."""
     dtype = at_least_float32_dtype(per_sample.dtype)
     return (factor.to(dtype) @ flatten_per_sample(per_sample.to(dtype))).view(per_sample.shape[1:])
+
+
+def weighted_sums(pairs) -> list:
+    """``weighted_sum(factor, per_sample)`` for each pair; small per-sample tensors of one shape and
+    dtype that share a factor (the same tensor) are summed by one batched matmul (``stacked_map``)."""
+    out: list = [None] * len(pairs)
+    by_factor: dict = {}
+    for i, (factor, _) in enumerate(pairs):
+        by_factor.setdefault(id(factor), (factor, []))[1].append(i)
+    for factor, indices in by_factor.values():
+        def summed(stack: torch.Tensor, factor: torch.Tensor = factor) -> torch.Tensor:
+            dtype = at_least_float32_dtype(stack.dtype)
+            return factor.to(dtype) @ flatten_stacked(stack).to(dtype)
+        for i, value in zip(indices, stacked_map(summed, [pairs[i][1] for i in indices])):
+            out[i] = value.view(pairs[i][1].shape[1:])
+    return out
+
+
+def flatten_stacked(stack: torch.Tensor) -> torch.Tensor:
+    """View a stack ``(n, B, *rest)`` of per-sample tensors as ``(n, B, prod(rest))``."""
+    return stack.reshape(stack.shape[0], stack.shape[1], math.prod(stack.shape[2:]))
+
+
+def stacked_map(fn, tensors) -> list:
+    """``fn(stack)[j]`` for each tensor, where ``fn`` maps a stack ``(n, *shape)`` slice by slice:
+    tensors of one shape, dtype and device holding at most ``STACK_LIMIT`` elements together share
+    one stack, and so one call of each operation ``fn`` issues; a larger one is a stack of one (a view)."""
+    out: list = [None] * len(tensors)
+    runs: dict = {}
+    for i, t in enumerate(tensors):
+        key = (t.shape, t.dtype, t.device)
+        held = runs.setdefault(key, [[]])
+        if held[-1] and (len(held[-1]) + 1) * t.numel() > STACK_LIMIT:
+            held.append([])
+        held[-1].append(i)
+    for held in runs.values():
+        for run in held:
+            stack = tensors[run[0]].unsqueeze(0) if len(run) == 1 else torch.stack([tensors[i] for i in run])
+            for i, value in zip(run, fn(stack).unbind(0)):
+                out[i] = value
+    return out

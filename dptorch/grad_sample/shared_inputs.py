@@ -17,6 +17,7 @@ from torch import nn
 
 from dptorch.grad_sample.certified import wide_dtype
 from dptorch.grad_sample.linear_forms import (
+    STACK_LIMIT,
     at_least_float32,
     at_least_float32_dtype,
     certify_linear,
@@ -73,39 +74,59 @@ def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tup
     ``b``) then gives the clipped sum as a weighted sum (``weighted_sum``) instead of a second
     ``T d p`` matmul per sample. ``sum_tokens``: the tokens a certified norm's clipped sum is counted
     for, when more than the inputs' (``packed_affine``'s buckets are narrower than the longest unit).
+    Small groups of one shape (the blocks of a deep narrow model) are computed as one: ``stacks``.
     """
     results = [dict() for _ in uses]
     grads = [dict() for _ in uses]
-    for group in group_by_input(uses):
-        weighted = [i for i in group if uses[i].weight is not None]
-        a = flatten_middle_dims(uses[group[0]].inputs)
-        if weighted:
-            a = at_least_float32(a)
-        tokens, d = a.shape[1], a.shape[2]
-        saving = sum((tokens * d - tokens * tokens) * uses[i].backprops.shape[-1] for i in weighted)
-        ghost = tokens > 1 and tokens < d and saving > tokens * tokens * d
-        # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
-        wide = wide_dtype(a.device)
-        a_wide = a.to(wide) if weighted and (ghost or tokens == 1) else None
-        gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if ghost and weighted else None
-        for i in group:
-            use = uses[i]
-            b = flatten_middle_dims(use.backprops)
-            if use.weight is not None:
-                dtype = torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype))
-                b = b.to(dtype)
-                if a_wide is not None:
-                    computed, terms = gram_norms_sq(a_wide, gram, b.to(wide))
-                    results[i][use.weight] = certify_linear(computed, a, b, terms, wide, dtype, sum_tokens)
-                else:
-                    a_cast = a.to(dtype)
-                    grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
-                    results[i][use.weight] = squared_norms(grad)
-                    grads[i][use.weight] = grad
-            if use.bias is not None:  # the per-sample bias gradient is the summed output gradient
-                grads[i][use.bias] = b.sum(1, dtype=at_least_float32_dtype(b.dtype))
-                results[i][use.bias] = squared_norms(grads[i][use.bias])
+    for stack in stacks(uses):
+        first = [uses[i] for i in stack[0]]
+        a = _rows_of(uses, [group[0] for group in stack], "inputs")
+        parts = [(_rows_of(uses, [group[k] for group in stack], "backprops"), use) for k, use in enumerate(first)]
+        for k, computed in enumerate(_group_norms(a, parts, sum_tokens)):
+            for group, pieces in zip(stack, zip(*(_split(t, len(stack)) for t in computed))):
+                use = uses[group[k]]
+                weight_sq, weight_grad, bias_sq, bias_grad = pieces
+                if weight_sq is not None:
+                    results[group[k]][use.weight] = weight_sq
+                if weight_grad is not None:
+                    grads[group[k]][use.weight] = weight_grad
+                if bias_sq is not None:
+                    results[group[k]][use.bias] = bias_sq
+                    grads[group[k]][use.bias] = bias_grad
     return results, grads
+
+
+def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
+    """``(weight_sq, weight_grad, bias_sq, bias_grad)`` (None where not formed) for each ``(b, use)``
+    of a group reading ``a`` (``(B, T, d)``; each ``b`` ``(B, T, p)``): see ``shared_affine_norms_and_grads``."""
+    weighted = [use for _, use in parts if use.weight is not None]
+    if weighted:
+        a = at_least_float32(a)
+    tokens, d = a.shape[1], a.shape[2]
+    saving = sum((tokens * d - tokens * tokens) * b.shape[-1] for b, use in parts if use.weight is not None)
+    ghost = tokens > 1 and tokens < d and saving > tokens * tokens * d
+    # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
+    wide = wide_dtype(a.device)
+    a_wide = _as(a, wide) if weighted and (ghost or tokens == 1) else None
+    gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if ghost and weighted else None
+    out = []
+    for b, use in parts:
+        weight_sq = weight_grad = bias_sq = bias_grad = None
+        if use.weight is not None:
+            dtype = torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype))
+            b = _as(b, dtype)
+            if a_wide is not None:
+                computed, terms = gram_norms_sq(a_wide, gram, _as(b, wide))
+                weight_sq = certify_linear(computed, a, b, terms, wide, dtype, sum_tokens)
+            else:
+                a_cast = _as(a, dtype)
+                weight_grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
+                weight_sq = squared_norms(weight_grad)
+        if use.bias is not None:  # the per-sample bias gradient is the summed output gradient
+            bias_grad = b.sum(1, dtype=at_least_float32_dtype(b.dtype))
+            bias_sq = squared_norms(bias_grad)
+        out.append((weight_sq, weight_grad, bias_sq, bias_grad))
+    return out
 
 
 def shared_affine_clipped_sums(uses, factors) -> list:
@@ -115,42 +136,107 @@ def shared_affine_clipped_sums(uses, factors) -> list:
     already multiplied by the call's scale, or None for a parameter not asked for. The factor is
     applied in float32 (or wider) to whichever side is narrower: the group's shared input, scaled
     once per factor and reused by every use of the group, or the use's own output gradient.
-    Bias sums are ``f . sum_t b_t`` (no scaled copy of ``b``).
+    Bias sums are ``f . sum_t b_t`` (no scaled copy of ``b``). The groups of a stack (``stacks``)
+    are summed by one batched matmul, each group its own matrix.
     """
     results = [dict() for _ in uses]
-    for group in group_by_input(uses):
-        a = flatten_middle_dims(uses[group[0]].inputs)  # upcast only where a factor is not applied to it
+    for stack in stacks(uses, factors):
+        a = _stacked(uses, [group[0] for group in stack], "inputs")  # (n, B, T, d); upcast where no factor is applied
         d = a.shape[-1]
-        # Output widths per weight factor in the group: scale a when that is the narrower side.
-        widths: Dict[int, int] = {}
-        for i in group:
+        # Output widths per stacked weight factor: scale a when that is the narrower side.
+        keys = [tuple(id(factors[group[k]][0]) for group in stack) for k in range(len(stack[0]))]
+        widths: Dict[tuple, int] = {}
+        for k, i in enumerate(stack[0]):
             if uses[i].weight is not None and factors[i][0] is not None:
-                key = id(factors[i][0])
-                widths[key] = widths.get(key, 0) + uses[i].backprops.shape[-1]
+                widths[keys[k]] = widths.get(keys[k], 0) + uses[i].backprops.shape[-1]
         scaled_inputs: Dict[tuple, torch.Tensor] = {}
-        for i in group:
+        for k, i in enumerate(stack[0]):
             use = uses[i]
             weight_factor, bias_factor = factors[i]
-            b = flatten_middle_dims(use.backprops)
+            b = _stacked(uses, [group[k] for group in stack], "backprops")  # (n, B, T, p)
+            p = b.shape[-1]
             dtype = at_least_float32_dtype(torch.promote_types(a.dtype, b.dtype))
+            summed = bias_sum = None
             if use.weight is not None and weight_factor is not None:
-                key = id(weight_factor)
                 # A bf16 operand times the float32 factor is upcast and scaled in one pass (the
                 # product is formed in float32: the same numbers as upcasting first).
-                factor = weight_factor.to(dtype).view(-1, 1, 1)
-                if d <= widths[key]:
-                    b_rows = b.reshape(-1, b.shape[-1]).to(dtype)
-                    scaled = scaled_inputs.get((key, dtype))
+                factor = _stacked_factors(factors, stack, k, 0, dtype).view(len(stack), -1, 1, 1)
+                if d <= widths[keys[k]]:
+                    b_rows = _as(b.reshape(len(stack), -1, p), dtype)
+                    scaled = scaled_inputs.get((keys[k], dtype))
                     if scaled is None:
-                        scaled = torch.mul(a, factor).reshape(-1, d)
-                        scaled_inputs[(key, dtype)] = scaled
-                    summed = scaled.t() @ b_rows if use.in_by_out else b_rows.t() @ scaled
+                        scaled = torch.mul(a, factor).reshape(len(stack), -1, d)
+                        scaled_inputs[(keys[k], dtype)] = scaled
+                    summed = torch.bmm(scaled.transpose(1, 2), b_rows) if use.in_by_out else torch.bmm(b_rows.transpose(1, 2), scaled)
                 else:
-                    scaled_b = torch.mul(b, factor).reshape(-1, b.shape[-1])
-                    rows = a.reshape(-1, d).to(dtype)
-                    summed = rows.t() @ scaled_b if use.in_by_out else scaled_b.t() @ rows
-                results[i][use.weight] = summed.float()
+                    scaled_b = torch.mul(b, factor).reshape(len(stack), -1, p)
+                    rows = _as(a.reshape(len(stack), -1, d), dtype)
+                    summed = torch.bmm(rows.transpose(1, 2), scaled_b) if use.in_by_out else torch.bmm(scaled_b.transpose(1, 2), rows)
+                summed = _as(summed, torch.float32)
             if use.bias is not None and bias_factor is not None:
-                per_sample = b.sum(1, dtype=dtype)
-                results[i][use.bias] = (bias_factor.to(dtype) @ per_sample).float()
+                per_sample = b.sum(2, dtype=dtype)  # (n, B, p)
+                bias_factor = _stacked_factors(factors, stack, k, 1, dtype).unsqueeze(1)
+                bias_sum = _as(torch.bmm(bias_factor, per_sample).squeeze(1), torch.float32)
+            for j, group in enumerate(stack):
+                if summed is not None:
+                    results[group[k]][uses[group[k]].weight] = summed[j]
+                if bias_sum is not None:
+                    results[group[k]][uses[group[k]].bias] = bias_sum[j]
     return results
+
+
+def stacks(uses, factors=None) -> list:
+    """``group_by_input``'s groups in lists: groups of one signature (device, dtypes, shapes, which
+    parameters and, with ``factors``, which factors) and small enough share a list, in first-seen
+    order; every other group is a list of its own. Every computation on a stack is row by row or
+    matrix by matrix, so a group's results are its own (rounding within each matrix aside)."""
+    out: list = []
+    open_stacks: Dict[tuple, list] = {}
+    for group in group_by_input(uses):
+        members = [uses[i] for i in group]
+        a = members[0].inputs
+        size = a.numel() + sum(u.backprops.numel() for u in members)
+        if a.shape[0] == 0 or 2 * size > STACK_LIMIT:
+            out.append([group])
+            continue
+        key = (a.device, a.dtype, tuple(a.shape), tuple(
+            (tuple(u.backprops.shape), u.backprops.dtype, u.weight is not None, u.bias is not None, u.in_by_out)
+            + (() if factors is None else tuple(None if f is None else f.dtype for f in factors[i]))
+            for u, i in zip(members, group)
+        ))
+        stack = open_stacks.get(key)
+        if stack is None or (len(stack) + 1) * size > STACK_LIMIT:
+            stack = open_stacks[key] = []
+            out.append(stack)
+        stack.append(group)
+    return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (itself when it is already: no call into torch)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _rows_of(uses, indices, field: str) -> torch.Tensor:
+    """The uses' ``field`` tensors as ``(B, T, F)``, concatenated along the batch (one: itself)."""
+    tensors = [flatten_middle_dims(getattr(uses[i], field)) for i in indices]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def _split(t: Optional[torch.Tensor], parts: int) -> tuple:
+    """``t``'s rows in ``parts`` equal blocks (Nones for None)."""
+    if t is None:
+        return (None,) * parts
+    return (t,) if parts == 1 else t.chunk(parts)
+
+
+def _stacked(uses, indices, field: str) -> torch.Tensor:
+    """The uses' ``field`` tensors as ``(n, B, T, F)`` (one: a view of it)."""
+    tensors = [flatten_middle_dims(getattr(uses[i], field)) for i in indices]
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _stacked_factors(factors, stack, k: int, which: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``which`` factor (0 weight, 1 bias) of position ``k`` of each group: ``(n, B)`` in ``dtype``."""
+    tensors = [factors[group[k]][which] for group in stack]
+    return _as(tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors), dtype)

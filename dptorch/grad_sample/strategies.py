@@ -49,7 +49,16 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_clipped_sum, hf_conv1d_grad_sampler, hf_conv1d_norm_sampler
 from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler, param_shape
-from dptorch.grad_sample.linear_forms import at_least_float32, flatten_per_sample, shared_form_norms, weighted_sum
+from dptorch.grad_sample.linear_forms import (
+    at_least_float32,
+    at_least_float32_dtype,
+    flatten_per_sample,
+    flatten_stacked,
+    shared_form_norms,
+    stacked_map,
+    weighted_sum,
+    weighted_sums,
+)
 from dptorch.grad_sample.packed_affine import (
     layout_of,
     packed_affine_clipped_sums,
@@ -206,15 +215,17 @@ class Instantiate:
         return set(self.grads) | set(self._rows)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
+        def norms(stack: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(flatten_stacked(stack), dim=2, dtype=at_least_float32_dtype(stack.dtype))
+
         with torch.no_grad():
-            return {
-                p: torch.linalg.vector_norm(flatten_per_sample(g), dim=1, dtype=torch.promote_types(g.dtype, torch.float32))
-                for p, g in self.grads.items()
-            }
+            return dict(zip(self.grads, stacked_map(norms, list(self.grads.values()))))
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad(), float32_matmuls_at_full_precision():
-            return {p: weighted_sum(c.float(), zero_rows(self.grads[p], dropped)).float() for p, c in factors.items() if p in self.grads}
+            params = [p for p in factors if p in self.grads]
+            summed = weighted_sums([(factors[p].float(), zero_rows(self.grads[p], dropped)) for p in params])
+            return {p: s.float() for p, s in zip(params, summed)}
 
     def batch_size(self) -> int:
         return next((g.shape[0] for g in self.grads.values()), next((r[0][2] for r in self._rows.values()), 0))
@@ -296,6 +307,7 @@ class BookKeeping:
 
     def _compute_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
         norms = self.dense.per_sample_norms()
+        squares: List[Tuple[nn.Parameter, torch.Tensor, float]] = []  # (param, squared norms, the call's scale)
         forms: Dict[nn.Parameter, list] = {}
         affine_calls, affine_uses = [], []
         packed_calls, packed_uses = [], []
@@ -310,22 +322,21 @@ class BookKeeping:
                 affine_uses.append(use)
             elif own:
                 squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
-                for param in own:
-                    norms[param] = squared[param].float().clamp(min=0).sqrt() * call.scale
+                squares += [(param, squared[param], call.scale) for param in own]
             if len(own) < len(call.params):
                 for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
                     if param in self._shared:
                         forms.setdefault(param, []).append((call.scale, form))
         for call, squared, grads in zip(affine_calls, *shared_affine_norms_and_grads(affine_uses)):
-            for param, value in squared.items():
-                norms[param] = value.float().clamp(min=0).sqrt() * call.scale
+            squares += [(param, value, call.scale) for param, value in squared.items()]
             call.per_sample = grads or None
         if packed_calls:
             squared, kept = packed_affine_norms_and_grads(packed_uses, layout_of(packed_calls[0].units))
             for call, value, held in zip(packed_calls, squared, kept):
-                for param, v in value.items():
-                    norms[param] = v.float().clamp(min=0).sqrt() * call.scale
+                squares += [(param, v, call.scale) for param, v in value.items()]
                 call.per_sample, call.unkept_tokens = held.grads, held.unkept_tokens
+        for (param, _, scale), norm in zip(squares, stacked_map(_root, [value for _, value, _ in squares])):
+            norms[param] = norm if scale == 1.0 else norm * scale
         for param, uses in forms.items():
             norms[param] = shared_norm(uses)
         return norms
@@ -345,12 +356,13 @@ class BookKeeping:
                     scaled_factors[key] = at_least_float32(factors[param]) * scale
                 return scaled_factors[key]
 
+            kept_params, kept_pairs = [], []  # instantiated by the norms: one pass over each
             for call in self.calls:
                 kept = call.per_sample or {}
                 for param in kept:
-                    if param in factors:  # instantiated by the norms: one pass over it
-                        summed = weighted_sum(scaled_factor(param, call.scale), zero_rows(kept[param], dropped)).float()
-                        sums[param] = summed + sums[param] if param in sums else summed
+                    if param in factors:
+                        kept_params.append(param)
+                        kept_pairs.append((scaled_factor(param, call.scale), zero_rows(kept[param], dropped)))
                 wanted = [p for p in call.params.values() if p in factors and p not in kept]
                 if call.units is not None:  # packed tokens: one matmul over the tokens not kept (packed_affine)
                     weight = getattr(call.module, "weight", None)
@@ -390,6 +402,9 @@ class BookKeeping:
                     for param in params:
                         summed = computed[param].float()
                         sums[param] = summed + sums[param] if param in sums else summed
+            for param, summed in zip(kept_params, weighted_sums(kept_pairs)):
+                summed = summed.float()
+                sums[param] = summed + sums[param] if param in sums else summed
             computed_sums = shared_affine_clipped_sums(affine_uses, affine_factors)
             if packed_uses:
                 computed_sums += packed_affine_clipped_sums(packed_uses, packed_factors, packed_tokens, layout, dropped)
@@ -533,6 +548,11 @@ def float32_matmuls_at_full_precision() -> Iterator[None]:
         torch.set_float32_matmul_precision(before_precision)
 
 
+def _root(squared: torch.Tensor) -> torch.Tensor:
+    """Norms in float32 from squared norms (a rounded square may come out below 0)."""
+    return squared.float().clamp(min=0).sqrt()
+
+
 def _factors_cheaper(call: LayerCall) -> bool:
     """Cross terms cost about ``T^2 (d + p)`` per sample against ``T d p`` to instantiate; index
     (embedding) inputs make the factors cheap whatever ``T``."""
@@ -542,7 +562,7 @@ def _factors_cheaper(call: LayerCall) -> bool:
     if call.units is not None:  # as in the (U, L) layout
         tokens = call.units.width * (math.prod(call.backprops.shape[2:-1]))
     else:
-        tokens = call.backprops[0].numel() // call.backprops.shape[-1] if call.backprops.shape[0] else 0
+        tokens = math.prod(call.backprops.shape[1:-1]) if call.backprops.shape[0] else 0
     d, p = inputs.shape[-1], call.backprops.shape[-1]
     return tokens * (d + p) < d * p
 

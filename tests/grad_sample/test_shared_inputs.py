@@ -120,3 +120,84 @@ def test_empty_batch(t):
     assert norms[0][lin.weight].shape == (0,) and norms[0][lin.bias].shape == (0,)
     sums = shared_affine_clipped_sums(uses, [(torch.rand(0), torch.rand(0)), (torch.rand(0), None)])
     assert torch.equal(sums[0][lin.weight], torch.zeros(4, 8)) and torch.equal(sums[0][lin.bias], torch.zeros(4))
+
+
+def _blocks(t, d, widths, batch=3, dtype=torch.float32):
+    """One use per width, each reading its own input (a deep narrow model's blocks), with float64 copies."""
+    layers = [nn.Linear(d, p, dtype=dtype) for p in widths]
+    inputs = [torch.randn(batch, t, d, dtype=dtype) for _ in widths]
+    backprops = [torch.randn(batch, t, p, dtype=dtype) for p in widths]
+    return layers, [AffineUse(x, b, l.weight, l.bias) for l, x, b in zip(layers, inputs, backprops)]
+
+
+def _patch_stack_limit(monkeypatch, limit):
+    import dptorch.grad_sample.linear_forms as linear_forms
+    import dptorch.grad_sample.shared_inputs as shared_inputs
+
+    monkeypatch.setattr(linear_forms, "STACK_LIMIT", limit)
+    monkeypatch.setattr(shared_inputs, "STACK_LIMIT", limit)
+
+
+@pytest.mark.parametrize("t,d", [(4, 12), (20, 6)], ids=["ghost", "instantiated"])
+def test_stacked_groups_equal_each_group_alone_and_the_exact_values(monkeypatch, t, d):
+    """Groups of one shape are computed as one stack; each gets its own norms and clipped sums."""
+    from dptorch.grad_sample.shared_inputs import shared_affine_norms_and_grads, stacks
+
+    torch.manual_seed(0)
+    layers, uses = _blocks(t, d, [20, 20, 20, 7, 20])
+    assert stacks(uses) == [[[0], [1], [2], [4]], [[3]]]
+    shared = torch.rand(3)
+    factors = [(shared, torch.rand(3)), (shared, shared), (torch.rand(3), None), (shared, shared), (shared, shared)]
+    norms, grads = shared_affine_norms_and_grads(uses)
+    sums = shared_affine_clipped_sums(uses, factors)
+    _patch_stack_limit(monkeypatch, 0)
+    assert stacks(uses) == [[[i]] for i in range(5)]
+    alone_norms, alone_grads = shared_affine_norms_and_grads(uses)
+    alone_sums = shared_affine_clipped_sums(uses, factors)
+    for use, (wf, bf), n, g, s, an, ag, as_ in zip(uses, factors, norms, grads, sums, alone_norms, alone_grads, alone_sums):
+        x, b = use.inputs.double(), use.backprops.double()
+        exact = torch.einsum("itp,itd->ipd", b, x)
+        true_sq = exact.flatten(1).pow(2).sum(1)
+        assert (n[use.weight].double() >= true_sq * (1 - 1e-6)).all()  # a certified norm never falls below
+        torch.testing.assert_close(n[use.weight].double(), true_sq, rtol=1e-4, atol=0)
+        torch.testing.assert_close(n[use.weight], an[use.weight], rtol=1e-6, atol=0)
+        torch.testing.assert_close(n[use.bias].double(), b.sum(1).pow(2).sum(1), rtol=1e-5, atol=0)
+        assert g.keys() == ag.keys()
+        for p in g:
+            torch.testing.assert_close(g[p], ag[p], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s[use.weight].double(), torch.einsum("i,ipd->pd", wf.double(), exact), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(s[use.weight], as_[use.weight], rtol=1e-6, atol=1e-6)
+        assert (use.bias in s) == (bf is not None) == (use.bias in as_)
+        if bf is not None:
+            torch.testing.assert_close(s[use.bias].double(), bf.double() @ b.sum(1), rtol=1e-5, atol=1e-5)
+
+
+def test_large_groups_are_not_stacked(monkeypatch):
+    """Above the limit nothing is stacked (so nothing is copied): each group is its own stack."""
+    from dptorch.grad_sample.shared_inputs import stacks
+
+    torch.manual_seed(0)
+    _, uses = _blocks(4, 12, [20] * 4)
+    size = uses[0].inputs.numel() + uses[0].backprops.numel()
+    _patch_stack_limit(monkeypatch, 2 * size)
+    assert stacks(uses) == [[[0], [1]], [[2], [3]]]
+    _patch_stack_limit(monkeypatch, 2 * size - 1)
+    assert stacks(uses) == [[[i]] for i in range(4)]
+
+
+def test_weighted_sums_equal_each_alone(monkeypatch):
+    """Per-sample tensors sharing a factor and a shape are summed in one stack, each its own sum."""
+    from dptorch.grad_sample.linear_forms import weighted_sum, weighted_sums
+
+    torch.manual_seed(0)
+    f, g = torch.rand(3), torch.rand(3)
+    pairs = [(f, torch.randn(3, 5, 2)), (f, torch.randn(3, 5, 2)), (g, torch.randn(3, 5, 2)), (f, torch.randn(3)),
+             (f, torch.randn(3, 5, 2, dtype=torch.bfloat16)), (f, torch.randn(3, 5, 2))]
+    for limit in (1 << 18, 20, 0):
+        _patch_stack_limit(monkeypatch, limit)
+        for (factor, per_sample), got in zip(pairs, weighted_sums(pairs)):
+            want = weighted_sum(factor, per_sample)
+            assert got.shape == want.shape == per_sample.shape[1:] and got.dtype == want.dtype
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            exact = torch.einsum("i,i...->...", factor.double(), per_sample.double())
+            torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
