@@ -35,8 +35,7 @@ input's batch tag (:func:`carry_batch_tags`).
 
 from __future__ import annotations
 
-import types
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -151,10 +150,24 @@ def attach(engine: Any, dp_optimizer: Any) -> Dict[nn.Module, Dict[str, Any]]:
         raise ValueError("private training under DeepSpeed ZeRO-3 refuses this model: " + "; ".join(problems)
                          + ". Or use ZeRO stage 1 or 2, which keep whole parameters on every rank")
     markers = carry_batch_tags(engine.module, dp_optimizer.hooks)
-    zero = engine.optimizer
-    # the DP optimizer's add_noise, for this instance: its own reads p.shape, which ZeRO-3 has emptied
-    dp_optimizer.add_noise = types.MethodType(lambda self: write_noised_partitions(self, zero), dp_optimizer)
+    dp_optimizer.use_gradient_writer(Zero3Partitions(engine.optimizer))  # whole-parameter writing reads p.shape: empty
     return markers
+
+
+class Zero3Partitions:
+    """The DP optimizer's gradient writer (``dptorch.optim.gradient_writer``) under ZeRO-3: the clipped sums are
+    kept whole on every rank until the step, which writes each rank's partition of the noised gradient into ZeRO-3's
+    buffer (:func:`write_noised_partitions`)."""
+
+    def __init__(self, zero: Any) -> None:
+        self.zero = zero
+
+    def keep(self, optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
+             dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        return factors
+
+    def write(self, optimizer: Any, params: List[nn.Parameter]) -> None:
+        write_noised_partitions(optimizer, self.zero)
 
 
 def trainable_params(zero: Any) -> List[nn.Parameter]:
@@ -232,6 +245,6 @@ def _reduce_scatter(optimizer: Any, bucket: List[nn.Parameter], world: int) -> L
     return list(mine.split(sizes))
 
 
-__all__ = ["BUCKET", "ZERO3_PARTS", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
+__all__ = ["BUCKET", "ZERO3_PARTS", "Zero3Partitions", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
            "restore_markers", "summed_partitions", "trainable_params",
            "write_noised_partitions"]

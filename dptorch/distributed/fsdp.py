@@ -328,8 +328,24 @@ def add_noise_per_parameter(optimizer: Any, params: Sequence[nn.Parameter]) -> N
     write_noised_grads(optimizer, params, locals_)
 
 
+class ShardedParameters:
+    """The DP optimizer's gradient writer (``dptorch.optim.gradient_writer``) for FSDP2 and HSDP shards: the clipped
+    sums of the sharded parameters are reduce-scattered after every backward pass (``accumulate_sharded``, on every
+    rank, zeros for a pass that adds nothing), the others are left to the optimizer whole; the step's noise is
+    drawn per element (``add_noise_per_parameter``)."""
+
+    def keep(self, optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
+             dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        accumulate_sharded(optimizer, hooks, factors, dropped)
+        return {p: f for p, f in factors.items() if not is_sharded(p)}
+
+    def write(self, optimizer: Any, params: Sequence[nn.Parameter]) -> None:
+        add_noise_per_parameter(optimizer, params)
+
+
 __all__ = [
     "ShardLayout",
+    "ShardedParameters",
     "is_fully_sharded_module",
     "accumulate_sharded",
     "add_noise_per_parameter",

@@ -41,6 +41,7 @@ from torch import nn
 
 from dptorch.distributed.fsdp import (
     ShardLayout,
+    ShardedParameters,
     collective_into,
     fully_shard_params,
     is_sharded,
@@ -508,8 +509,26 @@ def add_noise_tensor_parallel(optimizer: Any, params: Sequence[nn.Parameter], la
     write_noised_grads(optimizer, params, locals_)
 
 
+class TensorParallelSlices:
+    """The DP optimizer's gradient writer (``dptorch.optim.gradient_writer``) under tensor parallelism: each rank
+    keeps its slice of the clipped sums whole (under TP x FSDP2, ``sharded``: reduce-scattered over dp as FSDP2's
+    shards are), and writes its slice of the noised gradient (``add_noise_tensor_parallel``)."""
+
+    def __init__(self, layouts: Dict[nn.Parameter, TensorParallelLayout], sharded: bool) -> None:
+        self.layouts = layouts
+        self.sharded = ShardedParameters() if sharded else None
+
+    def keep(self, optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
+             dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+        return self.sharded.keep(optimizer, hooks, factors, dropped) if self.sharded is not None else factors
+
+    def write(self, optimizer: Any, params: Sequence[nn.Parameter]) -> None:
+        add_noise_tensor_parallel(optimizer, params, self.layouts)
+
+
 __all__ = [
     "TensorParallelLayout",
+    "TensorParallelSlices",
     "add_noise_tensor_parallel",
     "check_sharding",
     "check_transformers_styles",

@@ -42,18 +42,18 @@ from dptorch.clipping.factors import (
     nonfinite_units,
     per_layer_thresholds,
 )
-from dptorch.distributed.fsdp import accumulate_sharded, add_noise_per_parameter, any_sharded, is_sharded
+from dptorch.distributed.fsdp import ShardedParameters, any_sharded
 from dptorch.distributed.tensor_parallel import (
-    add_noise_tensor_parallel,
+    TensorParallelSlices,
     complete_norms,
     data_parallel_shard_layout,
     tensor_parallel_group,
 )
-from dptorch.distributed.noise import ShardedNoise
 from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.optim.gradient_writer import GradientWriter, WholeParameters
 from dptorch.optim.loss_scaling import plain_scaler_error, unscale_factors, unscale_norms
 from dptorch.noise.banded.mechanism import attach_banded_noise
 from dptorch.plan import PrivacyPlan, SamplingMismatchError
@@ -168,6 +168,7 @@ class DPOptimizer(torch.optim.Optimizer):
         ):
             setattr(self, name, OrderedDict())
         self._rank, self._world_size = _distributed_rank_and_size()
+        self._given_writer: Optional[GradientWriter] = None  # use_gradient_writer's, kept by use_hooks
         if getattr(plan, "strategy", None) is not None:  # bandmf: the noise is C^{-1} z, streamed (dptorch.noise.banded)
             attach_banded_noise(self, plan)
         self._listen(hooks)
@@ -191,6 +192,11 @@ class DPOptimizer(torch.optim.Optimizer):
             mesh = next(iter(tensor_parallel.values())).mesh
             self._data_parallel_group = mesh.get_group(0) if with_fsdp else None
             self._world_size = mesh.size(0) if with_fsdp else 1
+        #: Keeps each backward pass's clipped sums and writes the step's noised gradient, in the parameters' layout
+        #: over the ranks (``dptorch.optim.gradient_writer``).
+        self.gradient_writer: GradientWriter = self._given_writer or (
+            TensorParallelSlices(tensor_parallel, sharded=self._sharded) if tensor_parallel
+            else ShardedParameters() if self._sharded else WholeParameters())
         self._remove_listener = hooks.add_backward_listener(self._clip_and_accumulate)
 
     # ------------------------------------------------------------------ delegation
@@ -307,16 +313,14 @@ class DPOptimizer(torch.optim.Optimizer):
                 "the hooks did not see; a private step cannot be built from it"
             )
         if self._phantom:  # a stand-in pass: its rows are no units; it only takes part in the collectives
-            if self._sharded:
-                accumulate_sharded(self, hooks, {})  # zeros into FSDP2's reduce-scatter: the sums are unchanged
+            self.gradient_writer.keep(self, hooks, {})  # e.g. zeros into FSDP2's reduce-scatter: the sums are unchanged
             return
         trainable = set(self.params)
         norms = {p: n for p, n in hooks.per_sample_norms().items() if p in trainable}
         if self._tensor_parallel:  # a split parameter's norm is the sum of the ranks' parts
             norms = complete_norms(norms, self._tensor_parallel, hooks.tensor_parallel_whole)
         if not norms:
-            if self._sharded:  # FSDP2: every rank takes part in the reductions of every backward pass
-                accumulate_sharded(self, hooks, {})
+            self.gradient_writer.keep(self, hooks, {})  # every rank takes part in the writer's collectives of every pass
             return
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
         self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
@@ -344,10 +348,8 @@ class DPOptimizer(torch.optim.Optimizer):
             within = torch.stack([n <= thresholds[p] for p, n in norms.items()]).all(0)
         factors = unscale_factors(factors, scale)  # applied to the scaled rows: the clipped sum in true units
         self._observe_clipping(total, within, dropped)
-        if self._sharded:  # FSDP2: the clipped sums are reduce-scattered now; only this rank's shard is kept
-            accumulate_sharded(self, hooks, factors, dropped)
-            factors = {p: f for p, f in factors.items() if not is_sharded(p)}
-        for param, clipped in hooks.clipped_sums(factors, dropped).items():
+        whole = self.gradient_writer.keep(self, hooks, factors, dropped)  # FSDP2: its shards reduce-scattered now
+        for param, clipped in hooks.clipped_sums(whole, dropped).items():
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
         self._accumulated += 1
@@ -522,6 +524,15 @@ class DPOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_dp_shard_layouts", None)
         self._listen(hooks)
 
+    def use_gradient_writer(self, writer: GradientWriter) -> None:
+        """Keep the clipped sums and write the noised gradient with ``writer`` from now on
+        (``dptorch.optim.gradient_writer``): for an engine whose layout no parameter shows (DeepSpeed ZeRO-3's
+        partitions). Refused while clipped sums are held: they are in the old writer's layout."""
+        if self._summed:
+            raise ValueError("use_gradient_writer: clipped sums of this step are held in the current writer's layout; "
+                             "change the writer after optimizer.step() or zero_grad()")
+        self._given_writer = self.gradient_writer = writer
+
     def attach_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(self)`` after the noise is added and the plan accounted the step."""
         self._step_hooks.append(hook)
@@ -530,33 +541,13 @@ class DPOptimizer(torch.optim.Optimizer):
         """Write ``p.grad = (clipped sum + noise) / expected batch size`` for every trainable parameter.
 
         In distributed training the clipped sums of all ranks are added up and the noise is drawn
-        once, on rank 0, so every rank ends with the same gradient.
+        once per element across the ranks, so every rank ends with its part of the same gradient;
+        how is the gradient writer's (``gradient_writer``: whole parameters, FSDP2 shards, tensor-parallel
+        slices, ZeRO-3 partitions).
         """
         params = self.params
-        if not params:
-            return
-        if self._tensor_parallel:  # each rank its slice of split parameters, rank 0's value of the others
-            return add_noise_tensor_parallel(self, params, self._tensor_parallel)
-        if self._sharded or isinstance(self.noise_generator, ShardedNoise):  # noise per parameter element
-            return add_noise_per_parameter(self, params)
-        sizes = [p.numel() for p in params]
-        device = params[0].device
-        std = self.noise_std
-        if std > 0 and self._rank == 0:  # the noise of the whole flat vector, one draw; the sums go into it
-            shape_only = torch.zeros(1, dtype=torch.float32, device=device).expand(sum(sizes))
-            flat = self.noise_generator.noise_like(shape_only, std).reshape(-1)
-        else:
-            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
-        held = [(part, self._summed[p]) for p, part in zip(params, flat.split(sizes)) if p in self._summed]
-        if held:  # z + s (the same bits as s + z), one fused call for all parameters
-            torch._foreach_add_([part for part, _ in held], [s.reshape(-1).to(device) for _, s in held])
-        if self._world_size > 1:
-            torch.distributed.all_reduce(flat)
-        if self.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
-            flat.div_(self.plan.divisor)
-        for param, grad in zip(params, flat.split(sizes)):
-            grad = grad.view_as(param)
-            param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+        if params:
+            self.gradient_writer.write(self, params)
 
     def pre_step(self) -> bool:
         """Privatise the accumulated gradient; False when this step is a skipped virtual step.
