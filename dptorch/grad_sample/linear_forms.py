@@ -32,6 +32,8 @@ STACK_LIMIT = 1 << 18
 
 def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
+    if tensor.dim() == 3:
+        return tensor
     middle = math.prod(tensor.shape[1:-1])
     return tensor.reshape(tensor.shape[0], middle, tensor.shape[-1])
 
@@ -183,7 +185,8 @@ def weighted_sums(pairs) -> list:
             dtype = at_least_float32_dtype(stack.dtype)
             return factor.to(dtype) @ flatten_stacked(stack).to(dtype)
         for i, value in zip(indices, stacked_map(summed, [pairs[i][1] for i in indices])):
-            out[i] = value.view(pairs[i][1].shape[1:])
+            shape = pairs[i][1].shape[1:]
+            out[i] = value if value.shape == shape else value.view(shape)
     return out
 
 

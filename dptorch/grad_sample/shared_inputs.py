@@ -177,11 +177,13 @@ def shared_affine_clipped_sums(uses, factors) -> list:
                 per_sample = b.sum(2, dtype=dtype)  # (n, B, p)
                 bias_factor = _stacked_factors(factors, stack, k, 1, dtype).unsqueeze(1)
                 bias_sum = _as(torch.bmm(bias_factor, per_sample).squeeze(1), torch.float32)
-            for j, group in enumerate(stack):
-                if summed is not None:
-                    results[group[k]][uses[group[k]].weight] = summed[j]
-                if bias_sum is not None:
-                    results[group[k]][uses[group[k]].bias] = bias_sum[j]
+            weight_sums = (None,) * len(stack) if summed is None else summed.unbind(0)
+            bias_sums = (None,) * len(stack) if bias_sum is None else bias_sum.unbind(0)
+            for group, weight_sum, bias_total in zip(stack, weight_sums, bias_sums):
+                if weight_sum is not None:
+                    results[group[k]][uses[group[k]].weight] = weight_sum
+                if bias_total is not None:
+                    results[group[k]][uses[group[k]].bias] = bias_total
     return results
 
 

@@ -53,21 +53,49 @@ class WholeParameters:
         sizes = [p.numel() for p in params]
         device = params[0].device
         std = optimizer.noise_std
+        noise = None
         if std > 0 and optimizer._rank == 0:  # the noise of the whole flat vector, one draw; the sums go into it
             shape_only = torch.zeros(1, dtype=torch.float32, device=device).expand(sum(sizes))
-            flat = optimizer.noise_generator.noise_like(shape_only, std).reshape(-1)
-        else:
-            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            noise = optimizer.noise_generator.noise_like(shape_only, std).reshape(-1)
+        if optimizer._world_size == 1:
+            return _write_one_process(optimizer, params, sizes, noise)
+        flat = noise if noise is not None else torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         held = [(part, optimizer._summed[p]) for p, part in zip(params, flat.split(sizes)) if p in optimizer._summed]
         if held:  # z + s (the same bits as s + z), one fused call for all parameters
             torch._foreach_add_([part for part, _ in held], [s.reshape(-1).to(device) for _, s in held])
-        if optimizer._world_size > 1:
-            torch.distributed.all_reduce(flat)
+        torch.distributed.all_reduce(flat)
         if optimizer.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
             flat.div_(optimizer.plan.divisor)
-        for param, grad in zip(params, flat.split(sizes)):
-            grad = grad.view_as(param)
-            param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+        _set_grads(params, flat.split(sizes))
+
+
+def _write_one_process(optimizer: Any, params: Sequence[nn.Parameter], sizes: Sequence[int],
+                       noise: Optional[torch.Tensor]) -> None:
+    """``WholeParameters.write`` on one process: ``(s + z) / divisor`` per parameter from fused calls into new
+    tensors (a held sum is never written in place: a state_dict may hold it), with no flat buffer to fill; the
+    same bits as the flat vector's ``z + s``. A parameter without a clipped sum gets its noise (or zeros)."""
+    device = params[0].device
+    grads = list(noise.split(sizes)) if noise is not None else [None] * len(params)
+    held = [i for i, p in enumerate(params) if p in optimizer._summed]
+    if held:
+        sums = [optimizer._summed[params[i]].to(device, torch.float32) for i in held]
+        if noise is not None:
+            written = torch._foreach_add([grads[i].view(s.shape) for i, s in zip(held, sums)], sums)
+        else:
+            written = torch._foreach_mul(sums, 1.0)
+        for i, grad in zip(held, written):
+            grads[i] = grad
+    grads = [g if g is not None else torch.zeros(n, dtype=torch.float32, device=device) for g, n in zip(grads, sizes)]
+    if optimizer.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
+        torch._foreach_div_(grads, optimizer.plan.divisor)
+    _set_grads(params, grads)
+
+
+def _set_grads(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+    """``p.grad`` from each flat float32 gradient, in the parameter's shape and dtype."""
+    for param, grad in zip(params, grads):
+        grad = grad if grad.shape == param.shape else grad.view_as(param)
+        param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
 
 
 __all__ = ["GradientWriter", "WholeParameters"]
