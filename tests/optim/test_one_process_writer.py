@@ -1,0 +1,52 @@
+"""One process: the noised gradient is (s + z) / divisor element by element, z the one flat draw, written into
+new tensors (the held sums, which a state_dict may hold, stay as they were)."""
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch.grad_sample import GradSampleHooks
+from dptorch.noise import NoiseGenerator
+from dptorch.optim import DPOptimizer
+
+
+class WithUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 3), nn.Linear(3, 2)
+        self.unused = nn.Linear(2, 2)  # trainable, no clipped sum: its gradient is its noise (or zero)
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+@pytest.mark.parametrize("sigma", [0.0, 0.7])
+def test_gradient_is_sum_plus_flat_noise_and_held_sums_stay(reduction, sigma):
+    torch.manual_seed(0)
+    model = WithUnused()
+    hooks = GradSampleHooks(model, loss_reduction=reduction)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=sigma,
+                            max_grad_norm=0.5, expected_batch_size=3, loss_reduction=reduction,
+                            noise_generator=NoiseGenerator(seed=11))
+    loss = model(torch.randn(3, 4)).pow(2)
+    (loss.sum() if reduction == "sum" else loss.sum(1).mean()).backward()
+    state = optimizer.state_dict()
+    held = {i: t.clone() for i, t in state["dp"]["summed"].items()}
+    params = list(model.parameters())
+    assert sorted(held) == [0, 1, 2, 3]  # the unused layer holds none
+    optimizer.step()
+    sizes = [p.numel() for p in params]
+    if sigma > 0:
+        shape_only = torch.zeros(1).expand(sum(sizes))
+        flat = NoiseGenerator(seed=11).noise_like(shape_only, optimizer.noise_std).reshape(-1)
+    else:
+        flat = torch.zeros(sum(sizes))
+    divisor = 3.0 if reduction == "mean" else 1.0
+    for i, (p, z) in enumerate(zip(params, flat.split(sizes))):
+        s = held.get(i, torch.zeros_like(p)).reshape(-1)
+        want = (z + s) / divisor if reduction == "mean" else z + s
+        assert torch.equal(p.grad.reshape(-1), want), i
+        if i in held:
+            assert torch.equal(state["dp"]["summed"][i], held[i])  # not written in place
+            assert p.grad.data_ptr() != state["dp"]["summed"][i].data_ptr()
