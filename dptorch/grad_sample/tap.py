@@ -82,5 +82,13 @@ def is_tap_node(node: object) -> bool:
 
 def tap(outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], on_backward: OnBackward) -> Tuple[torch.Tensor, ...]:
     """Return aliases of ``outputs``; ``on_backward(inputs, grad_outputs)`` runs in backward."""
-    result = _Tap.apply(on_backward, len(outputs), *outputs, *inputs)
+    tensors = (*outputs, *inputs)
+    if torch._C._are_functorch_transforms_active() or any(_is_wrapped(t) for t in tensors):
+        result = _Tap.apply(on_backward, len(outputs), *tensors)
+    else:  # what Function.apply does then, without its per-call signature binding and tree walk
+        result = _apply(on_backward, len(outputs), *tensors)
     return result if isinstance(result, tuple) else (result,)
+
+
+_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Tap)
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
