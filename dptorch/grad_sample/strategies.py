@@ -66,6 +66,7 @@ from dptorch.grad_sample.packed_affine import (
     packed_per_unit_grads,
 )
 from dptorch.grad_sample.registry import GradSampler, NormSampler
+from dptorch.grad_sample.stacked_calls import fits, merged, split, stack_key
 from dptorch.grad_sample.token_units import TokenUnits
 from dptorch.grad_sample.shared_inputs import (
     AffineUse,
@@ -132,6 +133,7 @@ class Instantiate:
         # Parameters whose held per-sample gradient is memory no one else references (made here,
         # or returned by a built-in sampler): rows and further uses are added to it in place.
         self._owned: set = set()
+        self._runs: Dict[tuple, List[LayerCall]] = {}  # small calls not sampled yet, by configuration
 
     def on_call(self, call: LayerCall) -> None:
         if _plain_embedding(call):
@@ -146,7 +148,31 @@ class Instantiate:
                 )
             held.append(rows)
             return
-        self.add(call, *sampled_grads(call, self.buffers.empty))
+        key = None if torch.is_grad_enabled() else stack_key(call)  # (a sampler building a graph goes alone)
+        if key is None:
+            self.add(call, *sampled_grads(call, self.buffers.empty))
+            return
+        run = self._runs.setdefault(key, [])
+        if not fits(run, call):
+            self._sample_run(self._runs.pop(key))
+            run = self._runs[key] = []
+        run.append(call)  # sampled with the other calls of its configuration (``stacked_calls``)
+
+    def _sample_runs(self) -> None:
+        """Sample the calls waiting in runs (before anything reads the per-sample gradients)."""
+        runs, self._runs = self._runs, {}
+        for run in runs.values():
+            self._sample_run(run)
+
+    def _sample_run(self, run: List[LayerCall]) -> None:
+        if len(run) == 1:
+            with torch.no_grad():
+                self.add(run[0], *sampled_grads(run[0], self.buffers.empty))
+            return
+        with torch.no_grad():  # as in the backward pass the calls came from
+            grads, fresh = sampled_grads(merged(run), self.buffers.empty)
+        for call, own in zip(run, split(run, grads)):
+            self.add(call, own, fresh)
 
     def _place_rows(self) -> None:
         """Add the kept embedding rows into each weight's per-sample gradient (dense from here on)."""
@@ -207,14 +233,18 @@ class Instantiate:
                 self._owned.add(param)
 
     def finish_round(self, unit_ids: Optional[torch.Tensor]) -> None:
+        self._sample_runs()
         self._place_rows()
         if unit_ids is not None:
             self.grads = {p: sum_rows_by_unit(g, unit_ids, self.name_of(p)) for p, g in self.grads.items()}
 
     def covers(self) -> set:
+        self._sample_runs()
         return set(self.grads) | set(self._rows)
 
     def per_sample_norms(self) -> Dict[nn.Parameter, torch.Tensor]:
+        self._sample_runs()
+
         def norms(stack: torch.Tensor) -> torch.Tensor:
             return torch.linalg.vector_norm(flatten_stacked(stack), dim=2, dtype=at_least_float32_dtype(stack.dtype))
 
@@ -223,11 +253,13 @@ class Instantiate:
 
     def clipped_sums(self, factors: Dict[nn.Parameter, torch.Tensor], dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
         with torch.no_grad(), float32_matmuls_at_full_precision():
+            self._sample_runs()
             params = [p for p in factors if p in self.grads]
             summed = weighted_sums([(factors[p].float(), zero_rows(self.grads[p], dropped)) for p in params])
             return {p: s.float() for p, s in zip(params, summed)}
 
     def batch_size(self) -> int:
+        self._sample_runs()
         return next((g.shape[0] for g in self.grads.values()), next((r[0][2] for r in self._rows.values()), 0))
 
 

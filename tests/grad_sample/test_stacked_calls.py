@@ -1,0 +1,88 @@
+"""Small norm-layer calls of one configuration are sampled as one call, each taking its own rows."""
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch.grad_sample import GradSampleHooks
+from dptorch.grad_sample.stacked_calls import merged, stack_key
+from dptorch.grad_sample.strategies import LayerCall
+from tests.helpers import check_per_sample_grads, projection_loss
+
+
+class Blocks(nn.Module):
+    """Norm layers repeating one configuration, one of another eps, one of another width, and a Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.norms = nn.ModuleList([nn.LayerNorm(6) for _ in range(4)] + [nn.LayerNorm(6, eps=1e-2)])
+        self.rms = nn.ModuleList([nn.RMSNorm(6) for _ in range(3)])
+        self.proj = nn.Linear(6, 9)
+        self.wide = nn.LayerNorm(9)
+        for p in self.parameters():  # not the identity: each layer's gradient its own
+            nn.init.normal_(p)
+
+    def forward(self, x):
+        for norm in (*self.norms, *self.rms):
+            x = torch.tanh(norm(x)) + x
+        return self.wide(self.proj(x))
+
+
+def test_stacked_norms_equal_each_sample_alone():
+    torch.manual_seed(0)
+    check_per_sample_grads(Blocks(), (torch.randn(5, 3, 6),), grad_sample_mode="hooks", loss_reduction="sum")
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_stacked_equal_sampled_alone(monkeypatch, mode):
+    """The same per-sample gradients, norms and clipped sums as with every call sampled on its own."""
+    import dptorch.grad_sample.stacked_calls as stacked_calls
+
+    torch.manual_seed(0)
+    model, x = Blocks(), torch.randn(5, 3, 6)
+    factors = torch.rand(5)
+
+    def run():
+        hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
+        projection_loss(model(x)).sum().backward()
+        result = (hooks.grad_samples, hooks.per_sample_norms(), hooks.clipped_sums({p: factors for p in model.parameters()}))
+        hooks.cleanup()
+        return result
+
+    import dptorch.grad_sample.strategies as strategies
+
+    runs = []
+    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    together = run()
+    assert sorted(runs) == [3, 4]  # the four LayerNorms of one eps, the three RMSNorms
+    monkeypatch.setattr(stacked_calls, "STACK_LIMIT", 0)
+    alone = run()
+    assert sorted(runs) == [3, 4]  # nothing more was merged
+    for got, want in zip(together, alone):
+        assert got.keys() == want.keys()
+        for p in want:
+            torch.testing.assert_close(got[p], want[p], rtol=1e-6, atol=1e-6)
+
+
+def _sampler(module, activations, backprops):
+    return {}
+
+
+def _call(module, x, b):
+    return LayerCall("norm", module, dict(module.named_parameters()), _sampler, None, (x,), b)
+
+
+def test_only_one_configuration_stacks():
+    x, b = torch.randn(2, 3, 6), torch.randn(2, 3, 6)
+    base = stack_key(_call(nn.LayerNorm(6), x, b))
+    assert base is not None and base == stack_key(_call(nn.LayerNorm(6), x, b))
+    assert stack_key(_call(nn.LayerNorm(6, eps=1e-2), x, b)) != base  # another eps
+    assert stack_key(_call(nn.LayerNorm(6), x, b.double())) != base  # another dtype
+    assert stack_key(_call(nn.LayerNorm(6), x[:1], b[:1])) != base  # another batch
+    assert stack_key(_call(nn.LayerNorm(6), x[:0], b[:0])) is None  # an empty batch goes alone
+    conv = nn.Conv1d(3, 3, 1)  # its sampler reads the weight's data: never stacked
+    assert stack_key(_call(conv, torch.randn(2, 3, 4), torch.randn(2, 3, 4))) is None
+    run = [_call(nn.LayerNorm(6), x, b), _call(nn.LayerNorm(6), x + 1, b - 1)]
+    joined = merged(run)
+    assert joined.module is run[0].module
+    assert torch.equal(joined.activations[0], torch.cat([x, x + 1])) and torch.equal(joined.backprops, torch.cat([b, b - 1]))
