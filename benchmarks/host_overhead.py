@@ -11,7 +11,8 @@ and the optimizer step (clipping, accumulation and the update; the noise draw is
 noise multiplier of 0, so the figure is the bookkeeping). Ratios are against ``plain`` (eager
 torch, no DP) of the same run; the table gives min / median / max over the runs. Opacus 1.6, an
 optional peer (``pip install dptorch[bench]``), runs the same model as ``opacus-hooks``.
-Time on a quiet machine: other work beside it inflates the ratios.
+The last column counts the operators each phase dispatches to kernels in one more step: the work the
+host issues, the same on any machine. Time on a quiet machine: other work beside it inflates the ratios.
 """
 
 from __future__ import annotations
@@ -83,7 +84,33 @@ def measure(shape: str, mode: str, steps: int, device: str, dtype: str) -> dict:
                 times[phase].append(value)
     calls = count_torch_functions(model, ids)
     return {"shape": shape, "mode": mode, **{phase: statistics.median(v) for phase, v in times.items()},
-            "torch_functions_per_forward": calls}
+            "torch_functions_per_forward": calls, "aten_ops": count_aten_ops(model, ids, criterion, optimizer)}
+
+
+def count_aten_ops(model, ids, criterion, optimizer) -> list:
+    """Operators dispatched to kernels in one more step, per phase (forward, backward, step): the work a
+    host issues, the same on every machine (as the times are not)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = [Count() for _ in PHASES]
+    optimizer.zero_grad()
+    with counts[0]:
+        logits = model(input_ids=ids).logits
+    loss = criterion(logits.transpose(1, 2), ids)
+    with counts[1]:
+        loss.backward()
+    with counts[2]:
+        optimizer.step()
+    return [c.calls for c in counts]
 
 
 def count_torch_functions(model, ids) -> int:
@@ -125,7 +152,7 @@ def main() -> None:
     for shape in args.shapes:
         ratios = {mode: {phase: [] for phase in PHASES} for mode in modes}
         absolute = {mode: {phase: [] for phase in PHASES} for mode in modes}
-        calls = None
+        calls, aten_ops = None, {}
         for _ in range(args.runs):
             run = {}
             for mode in modes:
@@ -134,18 +161,21 @@ def main() -> None:
                 done = subprocess.run(command, capture_output=True, text=True, check=True)
                 run[mode] = json.loads(done.stdout.strip().splitlines()[-1])
                 calls = run[mode]["torch_functions_per_forward"]
+                aten_ops[mode] = run[mode]["aten_ops"]
             for mode in modes:
                 for phase in PHASES:
                     absolute[mode][phase].append(1000 * run[mode][phase])
                     ratios[mode][phase].append(run[mode][phase] / run["plain"][phase])
         print(f"\n{shape} ({calls} torch functions per forward), {args.device} {args.dtype}; "
               f"min / median / max over {args.runs} runs of the median of {args.steps} steps")
-        print("| mode | forward ms | backward ms | step ms | forward / plain | backward / plain | step / plain |")
-        print("|---|---|---|---|---|---|---|")
+        print("| mode | forward ms | backward ms | step ms | forward / plain | backward / plain | step / plain "
+              "| aten ops (forward / backward / step) |")
+        print("|---|---|---|---|---|---|---|---|")
         for mode in modes:
             ms = [f"{statistics.median(absolute[mode][phase]):.1f}" for phase in PHASES]
             rs = [spread(ratios[mode][phase]) for phase in PHASES]
-            print(f"| {mode} | {' | '.join(ms)} | {' | '.join(rs)} |")
+            ops = " / ".join(str(n) for n in aten_ops[mode])
+            print(f"| {mode} | {' | '.join(ms)} | {' | '.join(rs)} | {ops} |")
     if skipped:
         print(f"\nnot run (not installed): {', '.join(skipped)}")
 
