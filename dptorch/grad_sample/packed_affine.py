@@ -2,21 +2,27 @@
 clipped sums from the packed ``(B, T, ...)`` tensors, without the ``(U, L)`` layout that pads every unit
 to the longest.
 
-The generic path (``TokenUnits.group``) lays every unit out as a row of ``L`` tokens, the longest unit's
-length: on variable-length data that costs about what the padded batch did. Here the units are sorted
-by length and cut into a few buckets (``PackedLayout``: at most ``MAX_BUCKETS``, the cut that pads least,
-by dynamic programming over the distinct lengths); each bucket is a ``(U_k, L_k, ...)`` layout of its
-units only, where ``shared_inputs.shared_affine_norms_and_grads`` forms the norms (ghost or instantiated
-per bucket, as the row path chooses per call; certified for the clipped sum of the longest unit, as the
-``(U, L)`` layout was). The clipped sum of a weight whose norms were not instantiated is one matmul over
-those units' real tokens, each token's output gradient (or input) scaled by its unit's clip factor
-(``shared_affine_clipped_sums`` with one token per "sample"): the cost of a plain weight gradient.
-Instantiated gradients (and every bias's: the per-unit sum of ``g_t``) are kept, and summed with the
-factors, as on rows.
+Where each unit's tokens are one run of the flattened ``(B * T)`` positions (``TokenUnits.spans``: what
+packing collators emit), a unit is a pair of row slices of the packed tensors. A unit whose gradient is
+cheaper to instantiate than to form as a ghost norm (``shared_inputs.ghost_is_cheaper`` at the unit's own
+length, the rule of the row path) gets it as one matmul of its slices, written into its row of the kept
+``(U, ...)`` per-unit gradient: no copy of the tokens, no padding. Every bias's per-unit gradient is one
+``index_add`` of the token rows (pads into a row that is dropped).
 
-Privacy: a pad token (id -1) is in no bucket and among no summed tokens, so it contributes nothing,
-whatever its values; a bucket row holds one unit's tokens and zeros, so no two units meet in a Gram or
-a per-unit gradient; a dropped unit's tokens are zeroed by ``torch.where`` before any product.
+The units left (ghost, one token; every unit when the tokens are not runs) are sorted by length and cut
+into a few buckets (``PackedLayout.buckets_of``: at most ``MAX_BUCKETS``, the cut that pads least, by
+dynamic programming over the distinct lengths); each bucket is a ``(U_k, L_k, ...)`` layout of its units
+only (one gather for all buckets of a tensor), where ``shared_inputs.shared_affine_norms_and_grads``
+forms the norms (certified for the clipped sum of the longest unit, as the ``(U, L)`` layout was). The
+clipped sum of a weight whose norms were not instantiated is one matmul over those units' real tokens,
+each token's output gradient (or input) scaled by its unit's clip factor (``shared_affine_clipped_sums``
+with one token per "sample"): the cost of a plain weight gradient. Instantiated gradients are kept, and
+summed with the factors, as on rows.
+
+Privacy: a pad token (id -1) is in no span, no bucket and among no summed tokens, and adds only to the
+dropped row of a bias sum, so it contributes nothing, whatever its values; a span or a bucket row holds
+one unit's tokens (and zeros), so no two units meet in a Gram or a per-unit gradient; a dropped unit's
+tokens are zeroed by ``torch.where`` before any product.
 """
 
 from __future__ import annotations
@@ -29,15 +35,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.layers.linear import linear_map_grad_samples
+from dptorch.grad_sample.layers.linear import common_dtype, linear_map_grad_samples
+from dptorch.grad_sample.linear_forms import STACK_LIMIT, at_least_float32_dtype, squared_norms
 from dptorch.grad_sample.shared_inputs import (
     AffineUse,
+    ghost_is_cheaper,
     group_by_input,
     memory_key,
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
 )
-from dptorch.grad_sample.token_units import TokenUnits
+from dptorch.grad_sample.token_units import TokenUnits, scatter_rows
 
 #: Buckets of units of similar length: each is one set of batched matmuls per layer call.
 MAX_BUCKETS = 4
@@ -52,54 +60,87 @@ class Bucket:
     units: torch.Tensor  # (U_k,) unit indices 0..U-1, ascending
     width: int
     source: torch.Tensor  # (n_k,) flat (row * T + token) positions of the bucket's tokens
-    row: torch.Tensor  # (n_k,) each token's row in the bucket layout
-    slot: torch.Tensor  # (n_k,) each token's place in its unit
+    dest: torch.Tensor  # (n_k,) each token's flat place (row * width + place in its unit) in the bucket layout
 
 
 class PackedLayout:
-    """The real tokens of a packed batch, and its units in buckets of similar length."""
+    """The real tokens of a packed batch: its units as runs of positions (``spans``, where they are) and
+    in buckets of similar length."""
 
     def __init__(self, units: TokenUnits, max_buckets: int = MAX_BUCKETS) -> None:
+        self.units = units
         self.shape = tuple(units.shape)
         self.num_units, self.width = units.num_units, units.width
-        index = units.index
-        kept = index >= 0
-        source = torch.nonzero(kept).flatten()
-        unit = index[kept]
-        order = torch.argsort(unit, stable=True)
-        source, unit = source[order], unit[order]
-        counts = torch.bincount(unit, minlength=self.num_units)
-        slot = torch.arange(unit.numel(), device=unit.device) - (torch.cumsum(counts, 0) - counts)[unit]
-        self.token_unit = index  # (B * T,): each token's unit, -1 for pads
-        self.buckets: List[Bucket] = []
-        self._all: Optional[torch.Tensor] = None
-        for low, high in bucket_bounds(counts.tolist(), max_buckets):
-            members = torch.nonzero((counts > low) & (counts <= high)).flatten()
-            if members.numel() == 0:
-                continue
-            local = torch.full((self.num_units,), -1, dtype=torch.long, device=unit.device)
-            local[members] = torch.arange(members.numel(), device=unit.device)
-            mine = local[unit] >= 0
-            self.buckets.append(Bucket(members, int(counts[members].max()), source[mine], local[unit[mine]], slot[mine]))
+        self.token_unit = units.index  # (B * T,): each token's unit, -1 for pads
+        self.lengths: List[int] = units.counts.tolist()
+        self.spans: Optional[List[Tuple[int, int]]] = units.spans()
+        self.max_buckets = max_buckets
+        self._buckets: Dict[Optional[tuple], List[Bucket]] = {}
+        self._gathers: Dict[tuple, tuple] = {}
+        self._tokens: Dict[tuple, torch.Tensor] = {}
+        self._bias_rows: Optional[torch.Tensor] = None
+        self.buckets = self.buckets_of(None)
 
-    def gather(self, x: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """``x`` of shape ``(B, T, *rest)`` as the bucket's ``(U_k, L_k, *rest)``: each unit's tokens, then zeros."""
-        flat = x.reshape(-1, *x.shape[2:])
-        out = flat.new_zeros((bucket.units.numel(), bucket.width, *x.shape[2:]))
-        device = x.device
-        out[bucket.row.to(device), bucket.slot.to(device)] = flat[bucket.source.to(device)]
-        return out
+    def buckets_of(self, members: Optional[Tuple[int, ...]]) -> List[Bucket]:
+        """The buckets of the units ``members`` (ascending; None: every unit), cut where they pad least."""
+        held = self._buckets.get(members)
+        if held is not None:
+            return held
+        chosen = range(self.num_units) if members is None else members
+        lengths = [self.lengths[u] for u in chosen]
+        device = self.token_unit.device
+        buckets = []
+        for low, high in bucket_bounds(lengths, self.max_buckets):
+            inside = [u for u, n in zip(chosen, lengths) if low < n <= high]
+            if not inside:
+                continue
+            width = max(self.lengths[u] for u in inside)
+            members_k = torch.tensor(inside, dtype=torch.long, device=device)
+            local = torch.full((self.num_units,), -1, dtype=torch.long, device=device)
+            local[members_k] = torch.arange(len(inside), device=device)
+            row = local[self.units.unit]
+            mine = row >= 0
+            buckets.append(Bucket(members_k, width, self.units.source[mine], row[mine] * width + self.units.slot[mine]))
+        self._buckets[members] = buckets
+        return buckets
+
+    def gather(self, x: torch.Tensor, buckets: Sequence[Bucket]) -> List[torch.Tensor]:
+        """``x`` of shape ``(B, T, *rest)`` as each bucket's ``(U_k, L_k, *rest)``: each unit's tokens, then
+        zeros (one gather into one tensor for all the buckets)."""
+        if not buckets:
+            return []
+        key = tuple(id(b) for b in buckets)  # the buckets are held by this layout: their ids name no others
+        held = self._gathers.get(key)
+        if held is None:
+            sizes = [b.units.numel() * b.width for b in buckets]
+            starts = [sum(sizes[:k]) for k in range(len(buckets))]
+            source = torch.cat([b.source for b in buckets])
+            dest = torch.cat([b.dest + start for b, start in zip(buckets, starts)])
+            held = self._gathers[key] = (source, dest, sizes)
+        source, dest, sizes = held
+        rest = x.shape[2:]
+        flat = scatter_rows(x.reshape(-1, *rest), source, dest, (sum(sizes),))
+        return [part.view(b.units.numel(), b.width, *rest) for b, part in zip(buckets, flat.split(sizes))]
 
     def tokens(self, buckets: Sequence[Bucket]) -> torch.Tensor:
         """Flat positions of the buckets' tokens."""
-        if not buckets:
-            return self.token_unit.new_zeros((0,))
-        return torch.cat([b.source for b in buckets]) if len(buckets) > 1 else buckets[0].source
+        key = tuple(id(b) for b in buckets)
+        held = self._tokens.get(key)
+        if held is None:
+            sources = [b.source for b in buckets] or [self.token_unit.new_zeros((0,))]
+            held = self._tokens[key] = torch.cat(sources) if len(sources) > 1 else sources[0]
+        return held
 
     def all_tokens(self) -> torch.Tensor:
-        if self._all is None:
-            self._all = self.tokens(self.buckets)
-        return self._all
+        return self.tokens(self.buckets)
+
+    def unit_sums(self, rows: torch.Tensor) -> torch.Tensor:
+        """``(U, *rest)``: the sum of the rows ``(B * T, *rest)`` of each unit's tokens (a pad's row goes to
+        an extra row, dropped)."""
+        if self._bias_rows is None:
+            self._bias_rows = torch.where(self.token_unit >= 0, self.token_unit, self.num_units)
+        index = self._bias_rows if self._bias_rows.device == rows.device else self._bias_rows.to(rows.device)
+        return rows.new_zeros((self.num_units + 1, *rows.shape[1:])).index_add_(0, index, rows)[: self.num_units]
 
 
 _LAYOUTS: "weakref.WeakKeyDictionary[TokenUnits, PackedLayout]" = weakref.WeakKeyDictionary()
@@ -160,65 +201,166 @@ class PackedKept:
 
 def packed_affine_norms_and_grads(uses: Sequence[AffineUse], layout: PackedLayout) -> Tuple[list, list]:
     """Squared per-unit norms ``{param: (U,)}`` (float64) and a ``PackedKept`` for each use of packed
-    ``(B, T, ..., d)`` inputs; uses reading one input share its bucket layouts (and their Grams)."""
+    ``(B, T, ..., d)`` inputs; uses reading one input share its slices and bucket layouts (and their Grams),
+    and the groups of one bucket layout are formed together (``shared_inputs.stacks`` stacks equal shapes)."""
     results = [dict() for _ in uses]
     kept = [PackedKept({}, None) for _ in uses]
-    for use, value, held in zip(uses, results, kept):  # zeros where a unit has no bucket: only with no unit at all
-        for param in (use.weight, use.bias):
-            if param is not None:
-                value[param] = use.backprops.new_zeros(layout.num_units, dtype=torch.float64)
-        if use.bias is not None:
-            dtype = torch.promote_types(use.backprops.dtype, torch.float32)
-            held.grads[use.bias] = use.backprops.new_zeros((layout.num_units, use.backprops.shape[-1]), dtype=dtype)
-    sum_tokens = None
+    pending: Dict[tuple, Tuple[List[Bucket], list]] = {}  # (buckets, middle, biases) -> the groups they serve
     for group in group_by_input(uses):
         a = uses[group[0]].inputs
-        middle = math.prod(a.shape[2:-1])
-        sum_tokens = layout.width * middle  # the clipped sum is certified for the longest unit, as in (U, L)
-        unkept: List[Bucket] = []
-        for bucket in layout.buckets:
-            a_k = layout.gather(a, bucket)
-            bucket_uses = [AffineUse(a_k, layout.gather(uses[i].backprops, bucket), uses[i].weight, uses[i].bias,
-                                     uses[i].in_by_out) for i in group]
-            squared, grads = shared_affine_norms_and_grads(bucket_uses, sum_tokens=sum_tokens)
-            weight_kept = False
-            for i, value, grad in zip(group, squared, grads):
-                for param, v in value.items():
-                    held = results[i][param]
-                    held.index_copy_(0, bucket.units.to(held.device), v.to(torch.float64))
-                for param, g in grad.items():
-                    held = kept[i].grads.get(param)
-                    if held is None:
-                        held = kept[i].grads[param] = g.new_zeros((layout.num_units, *g.shape[1:]))
-                    elif held.dtype != torch.promote_types(held.dtype, g.dtype):  # buckets of mixed dtypes: the wider
-                        held = kept[i].grads[param] = held.to(torch.promote_types(held.dtype, g.dtype))
-                    held.index_copy_(0, bucket.units.to(held.device), g.to(held.dtype))
-                    weight_kept |= param is uses[i].weight
-            if not weight_kept:
-                unkept.append(bucket)
-        # one tensor for the group (its uses stay one group); no unit at all: a sum over no token
-        where = layout.tokens(unkept) if unkept or not layout.buckets else None
-        for i in group:
-            if uses[i].weight is not None:
-                kept[i].unkept_tokens = where
+        middle, d = math.prod(a.shape[2:-1]), a.shape[-1]
+        weighted = [i for i in group if uses[i].weight is not None]
+        for i in group:  # zeros where a unit has no result: only with no unit at all
+            for param in (uses[i].weight, uses[i].bias):
+                if param is not None:
+                    results[i][param] = uses[i].backprops.new_zeros(layout.num_units, dtype=torch.float64)
+        if layout.spans is None:  # tokens that are no runs: every unit in buckets, biases too
+            direct, buckets, in_buckets = [], layout.buckets, group
+        else:
+            direct, buckets = _span_norms(uses, group, weighted, a, middle, d, layout, results, kept)
+            in_buckets = weighted
+        for i in weighted:  # no unit at all: a sum over no token; every unit direct: all kept
+            kept[i].unkept_tokens = None if direct else layout.tokens([])
+        if buckets and in_buckets:
+            key = (tuple(id(b) for b in buckets), middle, layout.spans is None)
+            pending.setdefault(key, (buckets, []))[1].append((in_buckets, weighted, a))
+    for (_, middle, biases), (buckets, groups) in pending.items():
+        unkept = _bucket_norms(uses, [(in_buckets, a) for in_buckets, _, a in groups], buckets, middle, layout,
+                               results, kept, biases)
+        for (_, weighted, _), where in zip(groups, unkept):
+            for i in weighted:  # one tensor for the group (its uses stay one group)
+                kept[i].unkept_tokens = layout.tokens(where) if where else None
     return results, kept
+
+
+def _span_norms(uses: Sequence[AffineUse], group: List[int], weighted: List[int], a: torch.Tensor, middle: int, d: int,
+                layout: PackedLayout, results: list, kept: list) -> Tuple[List[int], List[Bucket]]:
+    """The group's biases, and from the units' token runs the weights of the units whose gradient is cheaper
+    to instantiate (the row path's rule at the unit's length), or of every unit when the others' gradients
+    are small (``STACK_LIMIT`` numbers in all: there a ghost bucket's thirty torch calls per use cost more
+    than one matmul call per unit); returns those units and the buckets of the others (ghost, one token)."""
+    widths = [uses[i].backprops.shape[-1] for i in weighted]
+    direct = [u for u, n in enumerate(layout.lengths)
+              if weighted and n * middle > 1 and not ghost_is_cheaper(n * middle, d, widths)]
+    if weighted and (layout.num_units - len(direct)) * d * sum(widths) <= STACK_LIMIT:
+        direct = list(range(layout.num_units))
+    chosen = set(direct)
+    rest = tuple(u for u in range(layout.num_units) if u not in chosen) if weighted else ()
+    for i in group:
+        if uses[i].bias is not None:
+            _span_bias(uses[i], a, middle, layout, results[i], kept[i])
+    if direct:
+        _span_weights([uses[i] for i in weighted], a, middle, direct, bool(rest), layout,
+                      [results[i] for i in weighted], [kept[i] for i in weighted])
+    return direct, layout.buckets_of(rest) if rest else []
+
+
+def _span_bias(use: AffineUse, a: torch.Tensor, middle: int, layout: PackedLayout, result: dict, held: PackedKept) -> None:
+    """A bias's per-unit gradient: its unit's sum of the output gradient rows (kept), and its squared norm."""
+    b = use.backprops
+    dtype = at_least_float32_dtype(b.dtype)
+    if use.weight is not None:  # as the row path: the output gradient in the weight's product dtype
+        dtype = torch.promote_types(at_least_float32_dtype(a.dtype), dtype)
+    rows = b.reshape(-1, middle, b.shape[-1]).sum(1, dtype=dtype) if middle > 1 else _as(b.reshape(-1, b.shape[-1]), dtype)
+    grad = held.grads[use.bias] = layout.unit_sums(rows)
+    result[use.bias] = squared_norms(grad).to(torch.float64)
+
+
+def _span_weights(uses: Sequence[AffineUse], a: torch.Tensor, middle: int, direct: List[int], others: bool,
+                  layout: PackedLayout, results: list, kept: list) -> None:
+    """Per-unit weight gradients of the ``direct`` units, each the matmul of its token slices, in the kept
+    ``(U, ...)`` tensor (zero rows for the ``others``), and their squared norms."""
+    rows: Dict[torch.dtype, torch.Tensor] = {}
+    for use, result, held in zip(uses, results, kept):
+        b = use.backprops
+        dtype = torch.promote_types(at_least_float32_dtype(a.dtype), at_least_float32_dtype(b.dtype))
+        if dtype not in rows:
+            rows[dtype] = _as(a.reshape(-1, a.shape[-1]), dtype)
+        x, y = rows[dtype], _as(b.reshape(-1, b.shape[-1]), dtype)
+        shape = (layout.num_units, x.shape[1], y.shape[1]) if use.in_by_out else (layout.num_units, y.shape[1], x.shape[1])
+        grad = x.new_zeros(shape) if others else x.new_empty(shape)
+        _per_span_products(x, y, [layout.spans[u] for u in direct], middle, [grad[u] for u in direct], use.in_by_out)
+        held.grads[use.weight] = grad
+        result[use.weight] = squared_norms(grad).to(torch.float64)
+
+
+def _per_span_products(x: torch.Tensor, y: torch.Tensor, spans: Sequence[Tuple[int, int]], middle: int,
+                       outs: Sequence[torch.Tensor], in_by_out: bool) -> None:
+    """``out = y_s^T x_s`` (``x_s^T y_s`` if ``in_by_out``) over the rows of each span (tokens times ``middle``)."""
+    for (start, stop), out in zip(spans, outs):
+        xs, ys = x[start * middle: stop * middle], y[start * middle: stop * middle]
+        torch.mm(xs.T, ys, out=out) if in_by_out else torch.mm(ys.T, xs, out=out)
+
+
+def _bucket_norms(uses: Sequence[AffineUse], groups: list, buckets: List[Bucket], middle: int, layout: PackedLayout,
+                  results: list, kept: list, biases: bool) -> List[List[Bucket]]:
+    """Norms (and kept gradients) of the uses of each ``(indices, input)`` group (their biases too if
+    ``biases``) for the units of ``buckets``, placed in the per-unit results, all groups of a bucket in one
+    ``shared_affine_norms_and_grads``; per group, the buckets whose weight gradients were not kept."""
+    sum_tokens = layout.width * middle  # the clipped sum is certified for the longest unit, as in (U, L)
+    inputs = [layout.gather(a, buckets) for _, a in groups]
+    backprops = [{i: layout.gather(uses[i].backprops, buckets) for i in indices} for indices, _ in groups]
+    order = [i for indices, _ in groups for i in indices]
+    unkept: List[List[Bucket]] = [[] for _ in groups]
+    for k, bucket in enumerate(buckets):
+        bucket_uses = [AffineUse(inputs[g][k], backprops[g][i][k], uses[i].weight, uses[i].bias if biases else None,
+                                 uses[i].in_by_out) for g, (indices, _) in enumerate(groups) for i in indices]
+        squared, grads = shared_affine_norms_and_grads(bucket_uses, sum_tokens=sum_tokens)
+        units = bucket.units
+        weight_kept = set()
+        for i, value, grad in zip(order, squared, grads):
+            for param, v in value.items():
+                held = results[i][param]
+                held.index_copy_(0, units if units.device == held.device else units.to(held.device), v.to(torch.float64))
+            for param, g in grad.items():
+                held = kept[i].grads.get(param)
+                if held is None:
+                    held = kept[i].grads[param] = g.new_zeros((layout.num_units, *g.shape[1:]))
+                elif held.dtype != torch.promote_types(held.dtype, g.dtype):  # buckets of mixed dtypes: the wider
+                    held = kept[i].grads[param] = held.to(torch.promote_types(held.dtype, g.dtype))
+                held.index_copy_(0, units if units.device == held.device else units.to(held.device), g.to(held.dtype))
+                if param is uses[i].weight:
+                    weight_kept.add(i)
+        for g, (indices, _) in enumerate(groups):
+            if not weight_kept.intersection(indices):
+                unkept[g].append(bucket)
+    return unkept
 
 
 def packed_per_unit_grads(module: nn.Module, inputs: torch.Tensor, backprops: torch.Tensor, layout: PackedLayout,
                           in_by_out: bool, scale: float = 1.0) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-unit gradients ``(U, *param.shape)`` of a Linear / Conv1D call's trainable weight and bias
-    (a tied or shared parameter: the strategy sums its uses), one bucket at a time."""
+    (a tied or shared parameter: the strategy sums its uses): one matmul per unit's slices where the
+    units are runs of tokens, bucket by bucket otherwise."""
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     out: Dict[nn.Parameter, torch.Tensor] = {}
-    for bucket in layout.buckets:
-        grads = linear_map_grad_samples(getattr(module, "weight", None), getattr(module, "bias", None),
-                                        layout.gather(inputs, bucket), layout.gather(backprops, bucket),
-                                        weight_is_in_by_out=in_by_out, scale=scale)
-        for param, g in grads.items():
-            held = out.get(param)
-            if held is None:
-                held = out[param] = g.new_empty((layout.num_units, *g.shape[1:]))
-            held.index_copy_(0, bucket.units.to(held.device), g)
+    if layout.spans is None:
+        buckets = layout.buckets
+        for bucket, a_k, b_k in zip(buckets, layout.gather(inputs, buckets), layout.gather(backprops, buckets)):
+            grads = linear_map_grad_samples(weight, bias, a_k, b_k, weight_is_in_by_out=in_by_out, scale=scale)
+            for param, g in grads.items():
+                held = out.get(param)
+                if held is None:
+                    held = out[param] = g.new_empty((layout.num_units, *g.shape[1:]))
+                held.index_copy_(0, bucket.units.to(held.device), g)
+        return out
+    middle = math.prod(inputs.shape[2:-1])
+    b_rows = backprops.reshape(-1, backprops.shape[-1])
+    if weight is not None and weight.requires_grad:  # as linear_map_grad_samples: the promoted dtype, then the weight's
+        x, y = common_dtype(inputs.reshape(-1, inputs.shape[-1]), b_rows)
+        shape = (layout.num_units, x.shape[1], y.shape[1]) if in_by_out else (layout.num_units, y.shape[1], x.shape[1])
+        grad = x.new_empty(shape)
+        _per_span_products(x, y, layout.spans, middle, grad.unbind(0), in_by_out)
+        out[weight] = (grad.mul_(scale) if scale != 1.0 else grad).to(weight.dtype)
+    if bias is not None and bias.requires_grad:
+        rows = b_rows.reshape(-1, middle, b_rows.shape[-1]).sum(1) if middle > 1 else b_rows
+        summed = layout.unit_sums(rows)
+        out[bias] = (summed.mul_(scale) if scale != 1.0 else summed).to(bias.dtype)
     return out
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 # ----------------------------------------------------------------------------- clipped sums

@@ -96,6 +96,14 @@ def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tup
     return results, grads
 
 
+def ghost_is_cheaper(tokens: int, d: int, widths) -> bool:
+    """Whether weights of output widths ``widths`` reading ``tokens`` tokens of ``d`` features form ghost norms
+    (one input Gram, then ``T^2 p_k`` each) rather than instantiated gradients (``T d p_k`` each): ``T < d`` and
+    ``sum_k (T d - T^2) p_k > T^2 d`` (see ``shared_affine_norms_and_grads``)."""
+    saving = sum((tokens * d - tokens * tokens) * p for p in widths)
+    return 1 < tokens < d and saving > tokens * tokens * d
+
+
 def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     """``(weight_sq, weight_grad, bias_sq, bias_grad)`` (None where not formed) for each ``(b, use)``
     of a group reading ``a`` (``(B, T, d)``; each ``b`` ``(B, T, p)``): see ``shared_affine_norms_and_grads``."""
@@ -103,8 +111,7 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     if weighted:
         a = at_least_float32(a)
     tokens, d = a.shape[1], a.shape[2]
-    saving = sum((tokens * d - tokens * tokens) * b.shape[-1] for b, use in parts if use.weight is not None)
-    ghost = tokens > 1 and tokens < d and saving > tokens * tokens * d
+    ghost = ghost_is_cheaper(tokens, d, [b.shape[-1] for b, use in parts if use.weight is not None])
     # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
     wide = wide_dtype(a.device)
     a_wide = _as(a, wide) if weighted and (ghost or tokens == 1) else None

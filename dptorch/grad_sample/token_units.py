@@ -12,9 +12,12 @@ unit per row (``TokenUnits.group``), and check that an attention mask keeps unit
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import math
+from typing import Any, Optional, Sequence
 
 import torch
+
+_UNKNOWN = object()
 
 
 class TokenUnits:
@@ -31,25 +34,39 @@ class TokenUnits:
         flat = self.ids.flatten()
         kept = flat >= 0
         values, index = torch.unique(flat[kept], return_inverse=True)
-        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids).flatten()[kept]
+        positions = torch.nonzero(kept).flatten()
+        rows = torch.div(positions, ids.shape[1], rounding_mode="floor")
         self.num_units = int(values.numel())
-        if self.num_units and torch.unique(torch.stack([index, rows]), dim=1).shape[1] != self.num_units:
+        # a unit's tokens share one row: each token's row is the row some token of its unit wrote
+        if self.num_units and bool((rows.new_empty(self.num_units).scatter_(0, index, rows)[index] != rows).any()):
             raise ValueError(
                 "a token privacy unit spans several batch rows; keep each unit's tokens in one row (a packing collator "
                 "does), or give the rows one unit id each with a 1-D tensor"
             )
         self.index = torch.full_like(flat, -1)
         self.index[kept] = index  # each token's unit, 0..U-1 (ids ascending), -1 for pads
-        counts = torch.bincount(index, minlength=self.num_units)
-        self.width = int(counts.max()) if self.num_units else 0
+        self.counts = torch.bincount(index, minlength=self.num_units)  # (U,) tokens per unit
+        self.width = int(self.counts.max()) if self.num_units else 0
         order = torch.argsort(index, stable=True)
-        self._source = torch.nonzero(kept).flatten()[order]  # flat token positions, unit by unit
-        self._unit = index[order]
-        self._slot = torch.arange(order.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[self._unit]
+        self.source = positions[order]  # flat token positions, unit by unit, in order
+        self.unit = index[order]  # their units
+        self.offsets = torch.cumsum(self.counts, 0) - self.counts  # (U,) each unit's first place in ``source``
+        self.slot = torch.arange(order.numel(), device=ids.device) - self.offsets[self.unit]  # place in its unit
+        self._spans: Any = _UNKNOWN
+        self._dest: Optional[torch.Tensor] = None  # each token's flat place in the (U, L) layout
 
     @property
     def shape(self) -> torch.Size:
         return self.ids.shape
+
+    def spans(self) -> Optional[list]:
+        """``[(start, stop)]`` per unit when each unit's tokens are the flat positions ``start..stop-1`` of the
+        ``(B, T)`` batch (what packing collators emit: each example a run of one row); None otherwise."""
+        if self._spans is _UNKNOWN:
+            first = self.source[self.offsets]  # each unit's first position
+            runs = bool((self.source == first[self.unit] + self.slot).all())
+            self._spans = [(s, s + n) for s, n in zip(first.tolist(), self.counts.tolist())] if runs else None
+        return self._spans
 
     def group(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` of shape ``(B, T, *rest)`` as ``(U, L, *rest)``: unit ``u``'s tokens in row ``u``, in order,
@@ -59,16 +76,23 @@ class TokenUnits:
                 f"a tensor of shape {tuple(x.shape)} does not have the (batch, tokens) = {tuple(self.ids.shape)} leading "
                 "dims the token privacy units name"
             )
-        flat = x.reshape(-1, *x.shape[2:])
-        grouped = flat.new_zeros((self.num_units, self.width, *x.shape[2:]))
-        source, unit, slot = (t.to(x.device) for t in (self._source, self._unit, self._slot))
-        grouped[unit, slot] = flat[source]
-        return grouped
+        if self._dest is None:
+            self._dest = self.unit * self.width + self.slot
+        return scatter_rows(x.reshape(-1, *x.shape[2:]), self.source, self._dest, (self.num_units, self.width))
 
     def same_unit(self) -> torch.Tensor:
         """``(B, T, T)`` bool: query token ``i`` and key token ``j`` of a row are in one unit (pad queries: any key)."""
         ids = self.ids
         return (ids[:, :, None] == ids[:, None, :]) | (ids[:, :, None] < 0)
+
+
+def scatter_rows(rows: torch.Tensor, source: torch.Tensor, dest: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A zero tensor of shape ``(*shape, *rows.shape[1:])`` whose flat row ``dest[i]`` is ``rows[source[i]]``."""
+    if source.device != rows.device:
+        source, dest = source.to(rows.device), dest.to(rows.device)
+    out = rows.new_zeros((math.prod(shape), *rows.shape[1:]))
+    out.index_copy_(0, dest, rows.index_select(0, source))
+    return out.view(*shape, *rows.shape[1:])
 
 
 def units_from_position_ids(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ from torch import nn
 from dptorch.clipping.factors import clip_factors
 from dptorch.grad_sample import GradSampleHooks, packed_affine
 from dptorch.grad_sample.packed_affine import PackedLayout, bucket_bounds
+from dptorch.grad_sample.shared_inputs import AffineUse
 from dptorch.grad_sample.token_units import TokenUnits
 from dptorch.integrations.hf.packing import PackingCollator
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
@@ -109,8 +110,8 @@ def test_the_layout_holds_every_real_token_once_and_no_pad():
     positions = layout.all_tokens().sort().values
     assert positions.tolist() == torch.nonzero(ids.flatten() >= 0).flatten().tolist()
     x = torch.arange(18.0).view(3, 6, 1) + 1
-    for bucket in layout.buckets:
-        rows = layout.gather(x, bucket)[..., 0]
+    for bucket, gathered in zip(layout.buckets, layout.gather(x, layout.buckets)):
+        rows = gathered[..., 0]
         for r, u in enumerate(bucket.units.tolist()):
             mine = x.flatten()[ids.flatten() == u]
             assert rows[r, : mine.numel()].tolist() == mine.tolist() and not rows[r, mine.numel():].any()
@@ -127,3 +128,100 @@ def test_a_batch_of_pads_only_gives_zero_units_and_zero_sums():
     assert squared[layer.weight].shape == squared[layer.bias].shape == (0,) and kept.grads[layer.bias].shape == (0, 3)
     (summed,) = packed_affine_clipped_sums([use], [(torch.zeros(0), None)], [kept.unkept_tokens], layout)
     assert torch.equal(summed[layer.weight], torch.zeros(3, 4))
+
+
+# ----------------------------------------------------------------------------- against each unit alone, at the function
+
+RUNS = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1, 3, 3],  # units as runs of tokens (with pads between), one of one token
+                     [4, 4, 4, 4, 4, 4, 5, 6, 6, 6],
+                     [7, 7, 7, 7, 7, 7, 7, 7, 7, -1]])
+INTERLEAVED = torch.tensor([[0, 1, 0, 1, 0, 2, -1, 2, 3, 3],  # tokens of one unit apart: no runs, buckets only
+                            [4, 5, 4, 6, 4, 6, 4, 6, 4, 4],
+                            [7, 7, -1, 7, 7, 7, 7, 7, 7, 7]])
+
+
+def unit_alone(x: torch.Tensor, ids: torch.Tensor, u: int) -> torch.Tensor:
+    """Unit ``u``'s token rows of ``x`` (B, T, *middle, w), as (tokens * middle, w) in float64."""
+    return x.reshape(ids.numel(), -1, x.shape[-1])[ids.flatten() == u].reshape(-1, x.shape[-1]).double()
+
+
+def packed_uses(d: int, p: int, middle: int, ids: torch.Tensor):
+    """Three uses: a Linear and an (in, out) weight reading one input, and a bias alone reading another; pads hold
+    NaN, unit 4 (dropped below) holds inf."""
+    g = torch.Generator().manual_seed(d + p + middle)
+    shape = (*ids.shape, *([middle] if middle > 1 else []))
+    pads = (ids < 0).view(*ids.shape, *([1] * (len(shape) - 1)))
+
+    def values(width: int) -> torch.Tensor:
+        x = torch.randn(*shape, width, generator=g)
+        x = x.masked_fill(pads, float("nan"))
+        return x.masked_fill((ids == 4).view(pads.shape) & (torch.rand(x.shape, generator=g) < 0.1), float("inf"))
+
+    linear, other, lone = nn.Linear(d, p), nn.Parameter(torch.randn(d, p + 1)), nn.Parameter(torch.randn(p))
+    a = values(d)
+    return [AffineUse(a, values(p), linear.weight, linear.bias), AffineUse(a, values(p + 1), other, None, in_by_out=True),
+            AffineUse(values(d), values(p), None, lone)]
+
+
+def reference_grads(use: AffineUse, ids: torch.Tensor, units: int) -> dict:
+    """Each unit's gradients from its own tokens only: ``sum_t b_t a_t^T`` (or its transpose) and ``sum_t b_t``."""
+    out = {}
+    for u in range(units):
+        a, b = unit_alone(use.inputs, ids, u), unit_alone(use.backprops, ids, u)
+        if use.weight is not None:
+            out.setdefault(use.weight, []).append(a.T @ b if use.in_by_out else b.T @ a)
+        if use.bias is not None:
+            out.setdefault(use.bias, []).append(b.sum(0))
+    return {param: torch.stack(grads) for param, grads in out.items()}
+
+
+@pytest.mark.parametrize("ids", [RUNS, INTERLEAVED], ids=["runs", "interleaved"])
+@pytest.mark.parametrize("d,p,middle", [(8, 6, 1), (256, 256, 1), (6, 5, 3)], ids=["small", "ghost-buckets", "middle-dims"])
+def test_packed_norms_and_clipped_sums_equal_each_unit_alone(ids, d, p, middle):
+    from dptorch.grad_sample.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
+
+    layout = PackedLayout(TokenUnits(ids))
+    assert (layout.spans is not None) == (ids is RUNS)
+    uses = packed_uses(d, p, middle, ids)
+    squared, kept = packed_affine_norms_and_grads(uses, layout)
+    if ids is RUNS and d == 256:  # short units' weights are ghost norms, summed over their tokens
+        assert kept[0].unkept_tokens is not None and kept[0].unkept_tokens.numel() > 0
+    factor = torch.rand(layout.num_units, generator=torch.Generator().manual_seed(1))
+    dropped = torch.arange(layout.num_units) == 4
+    for use, value, held in zip(uses, squared, kept):
+        reference = reference_grads(use, ids, layout.num_units)
+        for param, grads in reference.items():
+            finite = ~dropped
+            torch.testing.assert_close(value[param][finite], grads[finite].flatten(1).square().sum(1), rtol=1e-4, atol=1e-8)
+            expected = (factor[finite].double()[:, None] * grads[finite].flatten(1)).sum(0).view(grads.shape[1:])
+            summed = torch.zeros(grads.shape[1:], dtype=torch.float64)
+            if param in held.grads:  # instantiated: the weighted sum over units, a dropped unit's row exactly out
+                rows = torch.where(dropped.view(-1, *[1] * (grads.dim() - 1)), 0.0, held.grads[param].double())
+                summed += (factor.double()[:, None] * rows.flatten(1)).sum(0).view(grads.shape[1:])
+            if param is use.weight and (param not in held.grads or held.unkept_tokens is not None):
+                factors = (factor, None) if param is use.weight else (None, factor)
+                only = AffineUse(use.inputs, use.backprops, use.weight, None, use.in_by_out)
+                (token_sum,) = packed_affine_clipped_sums([only], [factors], [held.unkept_tokens], layout, dropped)
+                summed += token_sum[param].double()
+            assert torch.isfinite(summed).all()
+            torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("ids", [RUNS, INTERLEAVED], ids=["runs", "interleaved"])
+def test_per_unit_grads_of_a_tied_call_equal_each_unit_alone(ids):
+    from dptorch.grad_sample.packed_affine import packed_per_unit_grads
+
+    layout = PackedLayout(TokenUnits(ids))
+    use = packed_uses(7, 5, 1, ids)[0]
+    module = nn.Linear(7, 5)
+    module.weight, module.bias = use.weight, use.bias
+    grads = packed_per_unit_grads(module, use.inputs, use.backprops, layout, in_by_out=False, scale=3.0)
+    finite = torch.arange(layout.num_units) != 4
+    for param, reference in reference_grads(use, ids, layout.num_units).items():
+        torch.testing.assert_close(grads[param][finite].double(), 3.0 * reference[finite], rtol=1e-5, atol=1e-6)
+
+
+def test_token_runs_are_found_only_where_every_unit_is_one():
+    assert TokenUnits(RUNS).spans() == [(0, 3), (3, 5), (5, 6), (8, 10), (10, 16), (16, 17), (17, 20), (20, 29)]
+    assert TokenUnits(INTERLEAVED).spans() is None
+    assert TokenUnits(torch.full((2, 3), -1)).spans() == []
