@@ -595,27 +595,30 @@ class GradSampleHooks:
                 return
 
     def _suspend_tracking(self) -> None:
-        """Take the tracker off torch's mode stack (if it is on top) until ``_resume_tracking``."""
+        """Take the tracker (and the token tracker above it) off torch's mode stack, if they are on top,
+        until ``_resume_tracking``."""
         tracker = self._tracker
         if tracker is None or self._tracking_off:
             return
-        if self._token_tracker is not None:
-            self._token_tracker.paused = True
+        ours = [tracker] if self._token_tracker is None else [tracker, self._token_tracker]
         depth = torch._C._len_torch_function_stack()
-        if depth and torch._C._get_function_stack_at(depth - 1) is tracker:
-            torch._C._pop_torch_function_stack()
+        if depth >= len(ours) and all(torch._C._get_function_stack_at(depth - len(ours) + k) is mode
+                                      for k, mode in enumerate(ours)):
+            for _ in ours:
+                torch._C._pop_torch_function_stack()
             self._tracking_off = "popped"
-        else:  # another mode above it: the tracker stays, ignoring what it sees
-            tracker.paused = True
+        else:  # another mode above them: they stay, ignoring what they see
+            for mode in ours:
+                mode.paused = True
             self._tracking_off = "paused"
 
     def _resume_tracking(self) -> None:
         if self._tracker is not None:
-            if self._tracking_off == "popped":
-                torch._C._push_on_torch_function_stack(self._tracker)
-            self._tracker.paused = False
-            if self._token_tracker is not None:
-                self._token_tracker.paused = False
+            ours = [self._tracker] if self._token_tracker is None else [self._tracker, self._token_tracker]
+            for mode in ours:
+                if self._tracking_off == "popped":
+                    torch._C._push_on_torch_function_stack(mode)
+                mode.paused = False
         self._tracking_off = False
 
     def _on_root_forward_end(self, module: nn.Module, args: tuple, output: Any) -> Any:
