@@ -20,7 +20,7 @@ optimizer by ``distributed.deepspeed.attach`` through ``DPOptimizer.use_gradient
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Protocol, Sequence
+from typing import Any, Dict, List, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -71,24 +71,39 @@ class WholeParameters:
 
 def _write_one_process(optimizer: Any, params: Sequence[nn.Parameter], sizes: Sequence[int],
                        noise: Optional[torch.Tensor]) -> None:
-    """``WholeParameters.write`` on one process: ``(s + z) / divisor`` per parameter from fused calls into new
-    tensors (a held sum is never written in place: a state_dict may hold it), with no flat buffer to fill; the
-    same bits as the flat vector's ``z + s``. A parameter without a clipped sum gets its noise (or zeros)."""
+    """``WholeParameters.write`` on one process: each held clipped sum becomes its parameter's gradient in place
+    (``s += z``, ``s /= divisor``: the same bits as the flat vector's ``z + s``), with no flat buffer to fill and
+    copy. The held sums are the optimizer's own (``state_dict`` hands out copies; one that shares memory with
+    another is copied first). A parameter without a clipped sum gets its noise (or zeros)."""
     device = params[0].device
-    grads = list(noise.split(sizes)) if noise is not None else [None] * len(params)
-    held = [i for i, p in enumerate(params) if p in optimizer._summed]
-    if held:
-        sums = [optimizer._summed[params[i]].to(device, torch.float32) for i in held]
-        if noise is not None:
-            written = torch._foreach_add([grads[i].view(s.shape) for i, s in zip(held, sums)], sums)
-        else:
-            written = torch._foreach_mul(sums, 1.0)
-        for i, grad in zip(held, written):
-            grads[i] = grad
-    grads = [g if g is not None else torch.zeros(n, dtype=torch.float32, device=device) for g, n in zip(grads, sizes)]
+    parts = noise.split(sizes) if noise is not None else None
+    grads: List[torch.Tensor] = []
+    held: List[int] = []
+    for i, p in enumerate(params):
+        summed = optimizer._summed.get(p)
+        if summed is None:
+            grads.append(parts[i] if parts is not None else torch.zeros(sizes[i], dtype=torch.float32, device=device))
+            continue
+        grads.append(summed.to(device, torch.float32).contiguous())
+        held.append(i)
+    for i in _sharing_memory([grads[i] for i in held]):
+        grads[held[i]] = grads[held[i]].clone()
+    if parts is not None and held:
+        torch._foreach_add_([grads[i] for i in held], [parts[i].view(grads[i].shape) for i in held])
     if optimizer.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
         torch._foreach_div_(grads, optimizer.plan.divisor)
     _set_grads(params, grads)
+
+
+def _sharing_memory(tensors: Sequence[torch.Tensor]) -> List[int]:
+    """Indices of the tensors whose memory overlaps an earlier one's (the same tensor twice, overlapping views)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors) if t.numel())
+    shared, end = [], -1
+    for start, stop, i in spans:
+        if start < end:
+            shared.append(i)
+        end = max(end, stop)
+    return shared
 
 
 def _set_grads(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor]) -> None:

@@ -627,7 +627,8 @@ class DPOptimizer(torch.optim.Optimizer):
         state = self.original_optimizer.state_dict()
         index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         state["dp"] = {
-            "summed": {index[id(p)]: t for p, t in self._summed.items() if id(p) in index},
+            # copies: the held sums become the gradients in place at the step (gradient_writer)
+            "summed": {index[id(p)]: t.clone() for p, t in self._summed.items() if id(p) in index},
             "skip_queue": list(self._step_skip_queue),
             "last_step_skipped": self._last_step_skipped,
             "accumulated_iterations": self._accumulated,
@@ -646,7 +647,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if dp is None:
             return
         params = [p for g in self.param_groups for p in g["params"]]
-        self._summed = {params[int(i)]: t.to(params[int(i)].device) for i, t in dp["summed"].items()}
+        self._summed = {params[int(i)]: t.to(params[int(i)].device, copy=True) for i, t in dp["summed"].items()}
         queue = dp.get("skip_queue")  # earlier checkpoints: one flag, "skip_next"
         self._step_skip_queue = [bool(f) for f in queue] if queue is not None else ([True] if dp.get("skip_next") else [])
         self._last_step_skipped = bool(dp["last_step_skipped"])

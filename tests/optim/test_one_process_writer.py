@@ -50,3 +50,29 @@ def test_gradient_is_sum_plus_flat_noise_and_held_sums_stay(reduction, sigma):
         if i in held:
             assert torch.equal(state["dp"]["summed"][i], held[i])  # not written in place
             assert p.grad.data_ptr() != state["dp"]["summed"][i].data_ptr()
+
+
+def test_sums_sharing_memory_each_get_their_own_noise_and_a_loaded_state_stays():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=0.7,
+                            max_grad_norm=0.5, expected_batch_size=3, loss_reduction="sum",
+                            noise_generator=NoiseGenerator(seed=5))
+    model(torch.randn(3, 3)).sum().backward()
+    state = optimizer.state_dict()
+    optimizer.load_state_dict(state)
+    first, second = model[0].weight, model[2].weight
+    shared = optimizer._summed[first]
+    optimizer._summed[second] = shared  # one tensor held for two parameters: each must get s + its own z
+    loaded = {i: t.clone() for i, t in state["dp"]["summed"].items()}
+    want = {p: optimizer._summed[p].clone() for p in model.parameters()}
+    optimizer.step()
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    flat = NoiseGenerator(seed=5).noise_like(torch.zeros(1).expand(sum(sizes)), optimizer.noise_std).reshape(-1)
+    for p, z in zip(params, flat.split(sizes)):
+        assert torch.equal(p.grad.reshape(-1), z + want[p].reshape(-1))
+    assert first.grad.data_ptr() != second.grad.data_ptr()
+    for i, t in state["dp"]["summed"].items():
+        assert torch.equal(t, loaded[i])  # load_state_dict took copies
