@@ -68,7 +68,8 @@ class PackedLayout:
     in buckets of similar length."""
 
     def __init__(self, units: TokenUnits, max_buckets: int = MAX_BUCKETS) -> None:
-        self.units = units
+        # the tokens unit by unit (not the units themselves: _LAYOUTS holds layouts weakly keyed by them)
+        self._source, self._unit, self._slot = units.source, units.unit, units.slot
         self.shape = tuple(units.shape)
         self.num_units, self.width = units.num_units, units.width
         self.token_unit = units.index  # (B * T,): each token's unit, -1 for pads
@@ -98,9 +99,9 @@ class PackedLayout:
             members_k = torch.tensor(inside, dtype=torch.long, device=device)
             local = torch.full((self.num_units,), -1, dtype=torch.long, device=device)
             local[members_k] = torch.arange(len(inside), device=device)
-            row = local[self.units.unit]
+            row = local[self._unit]
             mine = row >= 0
-            buckets.append(Bucket(members_k, width, self.units.source[mine], row[mine] * width + self.units.slot[mine]))
+            buckets.append(Bucket(members_k, width, self._source[mine], row[mine] * width + self._slot[mine]))
         self._buckets[members] = buckets
         return buckets
 

@@ -225,3 +225,17 @@ def test_token_runs_are_found_only_where_every_unit_is_one():
     assert TokenUnits(RUNS).spans() == [(0, 3), (3, 5), (5, 6), (8, 10), (10, 16), (16, 17), (17, 20), (20, 29)]
     assert TokenUnits(INTERLEAVED).spans() is None
     assert TokenUnits(torch.full((2, 3), -1)).spans() == []
+
+
+def test_a_layout_does_not_keep_its_units_alive():
+    import gc
+    import weakref
+
+    from dptorch.grad_sample.packed_affine import layout_of
+
+    units = TokenUnits(RUNS)
+    layout_of(units)
+    gone = weakref.ref(units)
+    del units
+    gc.collect()
+    assert gone() is None
