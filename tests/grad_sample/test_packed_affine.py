@@ -239,3 +239,21 @@ def test_a_layout_does_not_keep_its_units_alive():
     del units
     gc.collect()
     assert gone() is None
+
+
+def test_a_tied_embedding_adds_its_rows_to_the_heads_per_unit_gradient(monkeypatch):
+    """GPT-2's tied wte: the head's per-unit gradient is instantiated (no factored norm at this width) and
+    the lookup's rows are added into it, with no dense (U, V, d) gradient of the lookup; exact against alone."""
+    from dptorch.grad_sample.layers import embedding
+
+    dense = []
+    inner = embedding.scatter_rows_per_sample
+    monkeypatch.setattr(embedding, "scatter_rows_per_sample", lambda *args, **kw: dense.append(1) or inner(*args, **kw))
+    model = model_for("gpt2")
+    items = examples(LENGTHS, seed=5, vocab=VOCAB)
+    norms, sums = packed_clipped_sum(model, PackingCollator(pad_token_id=0, max_length=32)(items), "bk")
+    assert not dense
+    ref_norms, ref_sums = reference_clipped_sum(alone(model, items))
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-4, atol=1e-6)
+    weight = model.transformer.wte.weight
+    torch.testing.assert_close(sums[weight].double(), ref_sums[weight], rtol=1e-4, atol=1e-6)
