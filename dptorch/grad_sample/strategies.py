@@ -302,12 +302,12 @@ class BookKeeping:
             shared = {n: p for n, p in call.params.items() if uses[p] > 1 and p not in factored}
             if unit_ids is not None and not call.norm_sampler.token_wise:
                 shared = call.params
-            if shared and _plain_embedding(call) and list(shared.values()) == [call.module.weight]:
-                self.dense.on_call(dataclasses.replace(call, params=shared))  # its rows, added to the other uses'
-                call.params = {n: p for n, p in call.params.items() if n not in shared}
-            elif shared:
-                grads = sampled_grads(call, self.dense.buffers.empty)
-                self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), *grads)
+            if shared:
+                if _plain_embedding(call) and list(shared.values()) == [call.module.weight]:
+                    self.dense.on_call(dataclasses.replace(call, params=shared))  # its rows, added to the other uses'
+                else:
+                    grads = sampled_grads(call, self.dense.buffers.empty)
+                    self.dense.add(LayerCall(call.name, call.module, shared, None, None, (), call.backprops), *grads)
                 call.params = {n: p for n, p in call.params.items() if n not in shared}
             if not call.params:
                 continue
