@@ -20,9 +20,10 @@ the very ``nn.Parameter`` objects of ``engine.module``. So a private step runs a
 
 Under ZeRO-3 the parameters themselves are partitioned; the same controller, hooks removal and
 backward switch apply, and the DP optimizer's noise goes straight into ZeRO-3's partitions instead
-(:mod:`dptorch.distributed.deepspeed_zero3`: each rank reduce-scatters the clipped sums, adds its
-partition's slice of the noise, and writes the partition DeepSpeed steps from; layers whose samplers
-would read a released parameter are refused).
+(:mod:`dptorch.distributed.deepspeed_zero3`, the DP optimizer's gradient writer there: each rank
+reduce-scatters the clipped sums after every backward pass, adds its partition's slice of the noise at the
+step, and writes the partition DeepSpeed steps from; layers whose samplers would read a released parameter
+are refused).
 
 ``engine.step()`` on a private engine is the DP optimizer's step (an instance attribute that
 shadows DeepSpeed's method until ``detach``), so DeepSpeed's loop ``loss = engine(x);
@@ -40,10 +41,10 @@ partitioned over fewer ranks than the world (and, when the private engine is mad
 and modes of :mod:`~dptorch.distributed.deepspeed_zero3`, and bandmf noise). Checkpoints
 of the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
 
-Memory: the clipped sums are held at full size on every rank (as under DDP), so a private ZeRO-2
-run saves the optimizer state and master weights of the other partitions, not gradient memory; a
-private ZeRO-3 run saves the parameters too, but still holds one full-size fp32 clipped sum per
-trainable parameter on every rank until the step.
+Memory: at stages 1 and 2 the clipped sums are held at full size on every rank (as under DDP), so a
+private ZeRO-2 run saves the optimizer state and master weights of the other partitions, not gradient
+memory; at stage 3 they are reduce-scattered at the end of every backward pass and each rank holds its
+partition only (``deepspeed_zero3``).
 """
 
 from __future__ import annotations

@@ -10,15 +10,21 @@ partitions by its own gradient hooks. A private step instead:
   parameters for every forward and backward, so every rank runs every forward and backward (an
   empty Poisson micro-batch too);
 * forms each unit's norm and the clipped sums from the captured activations and output gradients at
-  the end of backward: a full-size clipped sum per parameter on every rank, summed over the
-  backward passes of the logical step (as under DDP);
-* at the step, reduce-scatters each clipped sum into ZeRO-3's partition layout (``ceil(numel / world)``
-  elements per rank, the last padded), adds the rank's slice of the step's noise (``ShardedNoise``:
-  every element drawn once, by the rank that owns it; no full-size noise anywhere), divides by the
-  plan's divisor and writes the partition with DeepSpeed's own
-  ``set_local_grad_for_param`` (what ``deepspeed.utils.safe_set_local_grad`` calls) into the buffer
-  ZeRO-3 steps its fp32 master partition from. Nothing is averaged: the partition is the sum of the
-  ranks' clipped sums plus noise, exactly.
+  the end of backward, and reduce-scatters them there into ZeRO-3's partition layout (``ceil(numel / world)``
+  elements per rank, the last padded), in buckets, one layer's full-size sums at a time: each rank keeps
+  only its partition of the ranks' sum, added up over the backward passes of the logical step. Every rank
+  does so after every backward pass (zeros for a pass that adds nothing: a phantom, an empty micro-batch),
+  so the ranks meet in every reduce-scatter;
+* at the step, adds the rank's slice of the step's noise to its partitions (``ShardedNoise``: every element
+  drawn once, by the rank that owns it; no full-size noise anywhere), divides by the plan's divisor and
+  writes each partition with DeepSpeed's own ``set_local_grad_for_param`` (what
+  ``deepspeed.utils.safe_set_local_grad`` calls) into the buffer ZeRO-3 steps its fp32 master partition
+  from. Nothing is averaged: the partition is the sum of the ranks' clipped sums plus noise, exactly.
+
+Memory: between the micro-batches of a step each rank holds one fp32 partition (``1 / world`` of the
+trainable parameters) of clipped sums; during the reduction at the end of a backward pass, one bucket
+(at most :data:`BUCKET` elements) and one layer's full-size clipped sums more. The price: one
+reduce-scatter of the trainable parameters' size per backward pass instead of one per step.
 
 The samplers run while the parameters are released (``data`` empty), so they must read no parameter
 data, and a shape only from ``ds_shape`` (``param_shape``): the layers whose samplers read only their
@@ -35,12 +41,13 @@ input's batch tag (:func:`carry_batch_tags`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
-from dptorch.distributed.fsdp import sharded_noise
+from dptorch.distributed.fsdp import groups_by_module, sharded_noise
 
 
 #: What of ZeRO-3's optimizer (``DeepSpeedZeroOptimizer_Stage3``) the hand-over uses.
@@ -155,16 +162,18 @@ def attach(engine: Any, dp_optimizer: Any) -> Dict[nn.Module, Dict[str, Any]]:
 
 
 class Zero3Partitions:
-    """The DP optimizer's gradient writer (``dptorch.optim.gradient_writer``) under ZeRO-3: the clipped sums are
-    kept whole on every rank until the step, which writes each rank's partition of the noised gradient into ZeRO-3's
-    buffer (:func:`write_noised_partitions`)."""
+    """The DP optimizer's gradient writer (``dptorch.optim.gradient_writer``) under ZeRO-3: at the end of every
+    backward pass the clipped sums are reduce-scattered into this rank's partitions (:func:`keep_partitions`), so
+    a step over several micro-batches holds partition-sized sums only; the step writes each rank's partition of
+    the noised gradient into ZeRO-3's buffer (:func:`write_noised_partitions`)."""
 
     def __init__(self, zero: Any) -> None:
         self.zero = zero
 
     def keep(self, optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
              dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
-        return factors
+        keep_partitions(optimizer, hooks, factors, dropped)
+        return {}
 
     def write(self, optimizer: Any, params: List[nn.Parameter]) -> None:
         write_noised_partitions(optimizer, self.zero)
@@ -182,8 +191,9 @@ BUCKET = 1 << 24
 
 @torch.no_grad()
 def write_noised_partitions(optimizer: Any, zero: Any) -> None:
-    """The DP optimizer's ``add_noise`` under ZeRO-3: each rank's partition of ``(sum of the ranks' clipped sums +
-    noise) / divisor``, written into ZeRO-3's gradient partition of every trainable parameter."""
+    """The step under ZeRO-3: each rank's partition of ``(sum of the ranks' clipped sums + noise) / divisor``
+    (the sums already reduce-scattered, :func:`keep_partitions`), written into ZeRO-3's gradient partition of
+    every trainable parameter."""
     params = optimizer.params
     if not params:
         return
@@ -194,8 +204,11 @@ def write_noised_partitions(optimizer: Any, zero: Any) -> None:
         box = [key]
         torch.distributed.broadcast_object_list(box, src=0)
         key = int(box[0])
-    for index, (param, part) in enumerate(zip(params, summed_partitions(optimizer, params, world))):
-        numel, size = int(param.ds_numel), part.numel()
+    for index, param in enumerate(params):
+        numel, size = int(param.ds_numel), int(param.partition_numel())
+        held = optimizer._summed.get(param)
+        part = held.clone() if held is not None else torch.zeros(size, dtype=torch.float32,
+                                                                  device=param.ds_tensor.device)
         start = size * int(zero._get_param_partition_rank(param))
         end = min(start + size, numel)
         if std > 0 and end > start:
@@ -206,45 +219,62 @@ def write_noised_partitions(optimizer: Any, zero: Any) -> None:
         zero.set_local_grad_for_param(part, param)
 
 
-def summed_partitions(optimizer: Any, params: List[nn.Parameter], world: int) -> List[torch.Tensor]:
-    """This rank's partition of each parameter's clipped sum summed over the ranks (zeros where none is held),
-    reduce-scattered in buckets of at most :data:`BUCKET` elements: row ``r`` of a bucket is rank ``r``'s
-    partitions side by side (ZeRO-3's layout: ``partition_numel()`` elements each, the last rank's padded)."""
-    parts: List[torch.Tensor] = []
+@torch.no_grad()
+def keep_partitions(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
+                    dropped: Optional[torch.Tensor] = None) -> None:
+    """Add this backward pass's clipped sums, summed over the ranks, to this rank's partition of each parameter's
+    sum held by the optimizer (``partition_numel()`` elements, ZeRO-3's layout: the last rank's padded).
+
+    Runs on every rank after every backward pass, over all trainable parameters in the optimizer's order (zeros
+    for those the pass did not reach: a phantom, an empty micro-batch), so the ranks' collectives pair up:
+    reduce-scatters of buckets of at most :data:`BUCKET` elements, whose clipped sums are formed one layer at a
+    time (a layer's full-size sums live only until they are copied into the bucket)."""
+    params = optimizer.params
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     bucket: List[nn.Parameter] = []
     for param in params:
-        held = optimizer._summed.get(param)
-        if held is not None and held.numel() != param.ds_numel:
-            raise RuntimeError(f"the clipped sum of {optimizer.hooks.parameter_name(param)} has {held.numel()} "
-                               f"elements, the parameter {param.ds_numel} (shape {tuple(param.ds_shape)}): refused")
         if bucket and world * (sum(int(p.partition_numel()) for p in bucket) + int(param.partition_numel())) > BUCKET:
-            parts += _reduce_scatter(optimizer, bucket, world)
+            _reduce_scatter(optimizer, hooks, factors, dropped, bucket, world)
             bucket = []
         bucket.append(param)
-    return parts + _reduce_scatter(optimizer, bucket, world)
+    if bucket:
+        _reduce_scatter(optimizer, hooks, factors, dropped, bucket, world)
 
 
-def _reduce_scatter(optimizer: Any, bucket: List[nn.Parameter], world: int) -> List[torch.Tensor]:
+def _reduce_scatter(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, torch.Tensor],
+                    dropped: Optional[torch.Tensor], bucket: List[nn.Parameter], world: int) -> None:
+    """One bucket: row ``r`` holds the clipped sums' rank ``r`` partitions side by side; this rank's row of the
+    ranks' sum is added to the held partitions."""
     sizes = [int(p.partition_numel()) for p in bucket]
+    spans = dict(zip(bucket, zip(itertools.accumulate([0, *sizes[:-1]]), sizes)))  # (offset, size) in a row
     device = bucket[0].ds_tensor.device
     rows = torch.zeros(world, sum(sizes), dtype=torch.float32, device=device)
-    offset = 0
-    for param, size in zip(bucket, sizes):
-        held = optimizer._summed.get(param)
-        if held is not None:
-            flat = held.reshape(-1).to(device=device, dtype=torch.float32)
+    for group in groups_by_module(hooks, bucket):
+        wanted = {p: factors[p] for p in group if p in factors}
+        for param, clipped in (hooks.clipped_sums(wanted, dropped) if wanted else {}).items():
+            if clipped.numel() != param.ds_numel:
+                raise RuntimeError(f"the clipped sum of {hooks.parameter_name(param)} has {clipped.numel()} elements, "
+                                   f"the parameter {param.ds_numel} (shape {tuple(param.ds_shape)}): refused")
+            flat = clipped.reshape(-1).to(device=device, dtype=torch.float32)
+            offset, size = spans[param]
             for rank in range(world):  # rank r's partition: elements r * size onwards
                 piece = flat[rank * size: (rank + 1) * size]
                 rows[rank, offset: offset + piece.numel()] = piece
-        offset += size
     if world == 1:
-        return list(rows[0].split(sizes))
-    mine = rows.new_empty(sum(sizes))
-    dist = torch.distributed
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, rows.reshape(-1))  # 2.13
-    return list(mine.split(sizes))
+        mine = rows[0]
+    else:
+        mine = rows.new_empty(sum(sizes))
+        dist = torch.distributed
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(mine, rows.reshape(-1))  # 2.13
+    del rows
+    for param, part in zip(bucket, mine.split(sizes)):
+        held = optimizer._summed.get(param)
+        if held is None:
+            optimizer._summed[param] = part
+        else:
+            held.add_(part)
 
 
 __all__ = ["BUCKET", "ZERO3_PARTS", "Zero3Partitions", "attach", "carry_batch_tags", "engine_problems", "layer_problems", "noise_problems",
-           "restore_markers", "summed_partitions", "trainable_params",
+           "keep_partitions", "restore_markers", "trainable_params",
            "write_noised_partitions"]

@@ -203,7 +203,7 @@ def _compute_device(optimizer: Any, param: nn.Parameter) -> torch.device:
     return cache.get(param, param.to_local().device)
 
 
-def _groups_by_module(hooks: Any, params: Sequence[nn.Parameter]) -> List[List[nn.Parameter]]:
+def groups_by_module(hooks: Any, params: Sequence[nn.Parameter]) -> List[List[nn.Parameter]]:
     """``params`` grouped by the module that owns them directly (one clipped-sum call per layer)."""
     owner: Dict[nn.Parameter, int] = {}
     for index, module in enumerate(hooks.module.modules()):
@@ -223,7 +223,7 @@ def accumulate_sharded(optimizer: Any, hooks: Any, factors: Dict[nn.Parameter, t
     """
     params = [p for p in optimizer.params if is_sharded(p)]
     layouts = shard_layouts(optimizer, params)
-    for group in _groups_by_module(hooks, params):
+    for group in groups_by_module(hooks, params):
         wanted = {p: factors[p] for p in group if p in factors}
         sums = hooks.clipped_sums(wanted, dropped) if wanted else {}
         for p in group:
@@ -352,6 +352,7 @@ __all__ = [
     "any_sharded",
     "collective_into",
     "fully_shard_params",
+    "groups_by_module",
     "is_sharded",
     "reduce_to_shard",
     "shard_layout",

@@ -100,7 +100,7 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
         noise_generator=ShardedNoise(seed=workers.NOISE_SEED),
     )
     assert model is engine
-    empty = 0
+    empty, kept = 0, {"max_held": 0, "not_partition_sized": []}
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
             empty += not len(x)  # every rank still runs its forward and backward (ZeRO-3 gathers in both)
@@ -110,6 +110,8 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
                     engine.backward((engine(x.new_zeros(1, x.shape[1]).to(dtype)) * 0).sum())
             else:
                 engine.backward(((engine(x.to(dtype)).float() - y) ** 2).sum())
+            if stage == 3:
+                kept = kept_state(optimizer, kept)
             engine.step()
     try:
         privacy.save_checkpoint(os.path.join(tempfile.mkdtemp(prefix="dptorch-ds-"), "checkpoint.pt"), module=engine,
@@ -119,8 +121,22 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
         checkpoint = str(error)
     privacy.detach()
     whole = sum(p.numel() for p in engine.module.parameters())  # ZeRO-3: 0, every parameter released to partitions
+    if stage == 3:
+        kept.update(partitions=sum(int(p.partition_numel()) for p in optimizer.params),
+                    numels=[int(p.ds_numel) for p in optimizer.params],
+                    writer=type(optimizer.gradient_writer).__name__, add_noise_replaced="add_noise" in vars(optimizer))
     return {"params": full_params(engine).tolist(), "whole": whole, "epsilon": privacy.get_epsilon(workers.DELTA),
-            "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint, "empty": empty}
+            "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint, "empty": empty,
+            "kept": kept}
+
+
+def kept_state(optimizer, kept: dict) -> dict:
+    """``kept`` after one more backward pass: the most elements of clipped sums the DP optimizer held between the
+    passes, and the parameters whose held sum was not their ZeRO-3 partition's size."""
+    held = optimizer._summed
+    odd = [optimizer.hooks.parameter_name(p) for p, t in held.items() if t.numel() != p.partition_numel()]
+    return {"max_held": max(kept["max_held"], sum(t.numel() for t in held.values())),
+            "not_partition_sized": sorted(set(kept["not_partition_sized"]) | set(odd))}
 
 
 def with_epsilon(stage: int) -> dict:

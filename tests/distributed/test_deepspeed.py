@@ -78,6 +78,20 @@ def test_zero3_runs_with_released_parameters_and_empty_micro_batches(ranks):
     assert sum(rank["zero3-hooks"]["empty"] for rank in ranks) > 0
 
 
+@pytest.mark.parametrize("name", ["zero3-hooks", "zero3-bk", "zero3-bf16-bk", "zero3-llama-hooks", "zero3-llama-bk"])
+def test_zero3_holds_only_each_ranks_partition_of_the_clipped_sums_between_micro_batches(ranks, name):
+    """The clipped sums are reduce-scattered at the end of every backward pass: between the micro-batches of a step
+    (physical batches of 1 or 3, phantoms for the Llama) each rank holds its ZeRO-3 partition of every trainable
+    parameter's sum, 1 / WORLD of the elements (padded), never a full-size sum; the runs above still end where one
+    process ends. The writer is the optimizer's own seam, not a method replaced on the instance."""
+    for rank in ranks:
+        kept = rank[name]["kept"]
+        assert kept["not_partition_sized"] == []
+        assert kept["max_held"] == kept["partitions"] == sum(-(-n // WORLD) for n in kept["numels"])
+        assert kept["partitions"] < sum(kept["numels"])
+        assert kept["writer"] == "Zero3Partitions" and not kept["add_noise_replaced"]
+
+
 @pytest.mark.parametrize("name, mode", [("zero1-hooks", "hooks"), ("zero2-bk", "bk"), ("zero2-bf16-bk", "bk"),
                                         ("zero3-hooks", "hooks"), ("zero3-bk", "bk"), ("zero3-bf16-bk", "bk")])
 def test_one_epsilon_on_every_rank_and_deepspeed_steps_only_on_private_steps(ranks, name, mode):
