@@ -251,7 +251,7 @@ def _span_norms(uses: Sequence[AffineUse], group: List[int], weighted: List[int]
         if uses[i].bias is not None:
             _span_bias(uses[i], a, middle, layout, results[i], kept[i])
     if direct:
-        _span_weights([uses[i] for i in weighted], a, middle, direct, bool(rest), layout,
+        _span_weights([uses[i] for i in weighted], a, middle, direct, rest, layout,
                       [results[i] for i in weighted], [kept[i] for i in weighted])
     return direct, layout.buckets_of(rest) if rest else []
 
@@ -267,7 +267,7 @@ def _span_bias(use: AffineUse, a: torch.Tensor, middle: int, layout: PackedLayou
     result[use.bias] = squared_norms(grad).to(torch.float64)
 
 
-def _span_weights(uses: Sequence[AffineUse], a: torch.Tensor, middle: int, direct: List[int], others: bool,
+def _span_weights(uses: Sequence[AffineUse], a: torch.Tensor, middle: int, direct: List[int], others: Sequence[int],
                   layout: PackedLayout, results: list, kept: list) -> None:
     """Per-unit weight gradients of the ``direct`` units, each the matmul of its token slices, in the kept
     ``(U, ...)`` tensor (zero rows for the ``others``), and their squared norms."""
@@ -279,7 +279,9 @@ def _span_weights(uses: Sequence[AffineUse], a: torch.Tensor, middle: int, direc
             rows[dtype] = _as(a.reshape(-1, a.shape[-1]), dtype)
         x, y = rows[dtype], _as(b.reshape(-1, b.shape[-1]), dtype)
         shape = (layout.num_units, x.shape[1], y.shape[1]) if use.in_by_out else (layout.num_units, y.shape[1], x.shape[1])
-        grad = x.new_zeros(shape) if others else x.new_empty(shape)
+        grad = x.new_empty(shape)
+        if others:
+            grad.index_fill_(0, torch.tensor(others, device=grad.device), 0)
         _per_span_products(x, y, [layout.spans[u] for u in direct], middle, [grad[u] for u in direct], use.in_by_out)
         held.grads[use.weight] = grad
         result[use.weight] = squared_norms(grad).to(torch.float64)
