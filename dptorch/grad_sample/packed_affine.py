@@ -80,7 +80,11 @@ class PackedLayout:
         self._gathers: Dict[tuple, tuple] = {}
         self._tokens: Dict[tuple, torch.Tensor] = {}
         self._bias_rows: Optional[torch.Tensor] = None
-        self.buckets = self.buckets_of(None)
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        """Every unit's bucket."""
+        return self.buckets_of(None)
 
     def buckets_of(self, members: Optional[Tuple[int, ...]]) -> List[Bucket]:
         """The buckets of the units ``members`` (ascending; None: every unit), cut where they pad least."""
@@ -133,7 +137,8 @@ class PackedLayout:
         return held
 
     def all_tokens(self) -> torch.Tensor:
-        return self.tokens(self.buckets)
+        """Flat positions of every real token (unit by unit)."""
+        return self._source
 
     def unit_sums(self, rows: torch.Tensor) -> torch.Tensor:
         """``(U, *rest)``: the sum of the rows ``(B * T, *rest)`` of each unit's tokens (a pad's row goes to
