@@ -165,11 +165,10 @@ class Instantiate:
             self._sample_run(run)
 
     def _sample_run(self, run: List[LayerCall]) -> None:
-        if len(run) == 1:
-            with torch.no_grad():
-                self.add(run[0], *sampled_grads(run[0], self.buffers.empty))
-            return
         with torch.no_grad():  # as in the backward pass the calls came from
+            if len(run) == 1:  # alone: no concatenated copy
+                self.add(run[0], *sampled_grads(run[0], self.buffers.empty))
+                return
             grads, fresh = sampled_grads(merged(run), self.buffers.empty)
         for call, own in zip(run, split(run, grads)):
             self.add(call, own, fresh)
