@@ -838,13 +838,13 @@ class GradSampleHooks:
         activations = _tensor_arguments(layer.module, args, kwargs)
         call, tag, chained = self._classify_call(layer, activations, (output,))
         tokens = self._token_tracker
-        token_tag = None if tokens is None else token_call(tokens, layer.name, layer.module, layer.token_wise, activations)
+        token_tag, flat = (None, False) if tokens is None else token_call(tokens, layer.name, layer.module, layer.token_wise, activations)
         if call.kind == "batched":
             dim = call.output_dims[0]
             rows = None if dim is None else call.n * max(dim // INNER, 1)  # the batch merged with an inner dim
             if dim is None or output.dim() <= dim % INNER or output.shape[dim % INNER] != rows:
                 raise self._not_per_sample(layer, output, call.n, None if dim is None else dim % INNER)
-        on_backward = partial(self._layer_backward, layer, params, call, None if tokens is None else tokens.units)
+        on_backward = partial(self._layer_backward, layer, params, call, None if tokens is None else tokens.units, flat)
         tapped = tap((output,), activations, on_backward)
         self._tag_outputs(call, tapped, [tag], chained)
         if tokens is not None:
@@ -852,9 +852,6 @@ class GradSampleHooks:
         return tapped[0]
 
     def _capture_for_replay(self, layer: _Layer, params, args, kwargs, output):
-        if self._token_tracker is not None:
-            raise refused_for_tokens(f"{layer.name} ({type(layer.module).__name__}) has no grad sampler (its per-sample "
-                                     "gradients come from the torch.func fallback, one per row)")
         out_leaves, out_spec = tree_flatten(output)
         positions = [i for i, t in enumerate(out_leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not positions:
@@ -864,10 +861,16 @@ class GradSampleHooks:
         outputs = [out_leaves[i] for i in positions]
         call, _, chained = self._classify_call(layer, [call_leaves[i] for i in tensor_positions], outputs)
         tags = [self._tracker.get(t) for t in outputs] if self._tracker is not None else [None] * len(outputs)
-        on_backward = partial(self._replay_backward, layer, params, call, call_leaves, call_spec, tensor_positions, positions)
+        if self._token_tracker is not None:
+            replay = self._token_replay(layer, [call_leaves[i] for i in tensor_positions], outputs)
+            on_backward = partial(replay, params, call_leaves, call_spec, tensor_positions, positions)
+        else:
+            on_backward = partial(self._replay_backward, layer, params, call, call_leaves, call_spec, tensor_positions, positions)
         tapped = tap(outputs, [call_leaves[i] for i in tensor_positions], on_backward)
         self._tag_outputs(call, tapped, tags, chained)
         for i, t in zip(positions, tapped):
+            if self._token_tracker is not None:
+                self._token_tracker.put(t, self._token_tracker.get(out_leaves[i]))
             out_leaves[i] = t
         return tree_unflatten(out_leaves, out_spec)
 
@@ -1023,16 +1026,15 @@ class GradSampleHooks:
 
     # ------------------------------------------------------------------ backward side
 
-    def _layer_backward(self, layer: _Layer, params, call: CallBatch, units: Optional[TokenUnits], activations, grad_outputs) -> None:
+    def _layer_backward(self, layer: _Layer, params, call: CallBatch, units: Optional[TokenUnits], flat: bool,
+                        activations, grad_outputs) -> None:
         if self._suspended:
             return
+        if flat:  # the packed tokens flattened with their rows (an MoE block's (B * T, H)): (B, T, H) again
+            activations = tuple(a.unflatten(0, units.shape) for a in activations)
+            grad_outputs = (grad_outputs[0].unflatten(0, units.shape), *grad_outputs[1:])
         self._begin_round()
-        if self._round_units is not units and (self._round_units is not None or self._strategy.covers()):
-            raise PerSampleGradientError(
-                "one backward pass reached layer calls of forwards with different privacy units (a packed forward and "
-                "another): run the backward of each packed forward before the next forward"
-            )
-        self._round_units = units
+        self._enter_round_units(units)
         packed = None
         if self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
             dims = call.input_dims if call.kind == "batched" else (None,) * len(activations)
@@ -1128,6 +1130,57 @@ class GradSampleHooks:
         finally:
             self._replaying = False
         self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), per_sample[0]), grads)
+
+    def _token_replay(self, layer: _Layer, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Callable:
+        """The backward of a packed forward's call of a layer with no grad sampler (an MoE router): replayed one
+        token at a time by the torch.func fallback, each unit's gradient the sum of its tokens'. Only when the
+        token tracker followed the call's own operations and found every input and output (flattened or not)
+        keeping each token apart: then each output token depends on its input token and the parameters alone."""
+        tokens = self._token_tracker
+        layouts = [tokens.layout(t) for t in (*inputs, *outputs)]
+        if None in layouts:
+            raise refused_for_tokens(
+                f"{layer.name} ({type(layer.module).__name__}) has no grad sampler, and its inputs or outputs do not "
+                "keep each packed token apart (the torch.func fallback replays such a layer one token at a time only "
+                "when they all do)")
+        return partial(self._token_replay_backward, layer, tokens.units, layouts[: len(inputs)], layouts[len(inputs):])
+
+    def _token_replay_backward(self, layer: _Layer, units: TokenUnits, in_layouts, out_layouts, params, call_leaves,
+                               call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
+        if self._suspended:
+            return
+        self._begin_round()
+        self._enter_round_units(units)
+        one_row_per_token = lambda t, layout: t if layout == "flat" else t.flatten(0, 1).unsqueeze(1)  # noqa: E731
+        leaves = list(call_leaves)
+        for i, t, layout in zip(tensor_positions, saved, in_layouts):
+            leaves[i] = one_row_per_token(t, layout)
+        scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
+        kept = [(pos, one_row_per_token(g, layout) * scale)
+                for pos, g, layout in zip(out_positions, grad_outputs, out_layouts) if g is not None]
+        tokens = units.index.to(saved[0].device if saved else units.index.device)
+        self._replaying = True
+        try:
+            with torch.enable_grad():
+                per_token = functorch_per_sample_grads(
+                    layer.module, params, leaves, call_spec, [pos for pos, _ in kept], [g for _, g in kept],
+                    batch_size=tokens.numel(), tensor_dims=(0,) * len(saved), output_dims=(0,) * len(kept),
+                ) if kept else {p: p.new_zeros((tokens.numel(), *p.shape)) for p in params.values()}
+        finally:
+            self._replaying = False
+        real = tokens >= 0
+        grads = {p: g.new_zeros((units.num_units, *g.shape[1:])).index_add_(0, tokens[real], g[real])
+                 for p, g in per_token.items()}
+        self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), next(iter(grads.values()))), grads)
+
+    def _enter_round_units(self, units: Optional[TokenUnits]) -> None:
+        """This backward pass's calls all come from forwards with the same privacy units."""
+        if self._round_units is not units and (self._round_units is not None or self._strategy.covers()):
+            raise PerSampleGradientError(
+                "one backward pass reached layer calls of forwards with different privacy units (a packed forward and "
+                "another): run the backward of each packed forward before the next forward"
+            )
+        self._round_units = units
 
     def _per_sample_scale(self, grad: torch.Tensor, n: int) -> torch.Tensor:
         return grad * n if self.loss_reduction == "mean" else grad

@@ -312,15 +312,18 @@ def test_operations_and_layers_that_mix_positions_are_refused(packed, how, match
         model(packed["input_ids"])
 
 
-def test_token_wise_model_without_attention_matches_alone(packed):
+@pytest.mark.parametrize("mode", ["hooks", "functorch"])
+def test_token_wise_model_without_attention_matches_alone(packed, mode):
+    """In functorch mode every layer is replayed by the torch.func fallback, one token at a time."""
     model = TimeMixer("none").train()
-    hooks = GradSampleHooks(model, grad_sample_mode="hooks", loss_reduction="sum")
+    hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
     hooks.set_privacy_units(packed[UNIT_IDS_KEY])
     logits = model(packed["input_ids"])
     packed_loss(logits, packed["labels"], hooks, per_unit="sum").backward()
     units = TokenUnits(packed[UNIT_IDS_KEY])
     grads = model.head.weight.grad_sample
     hooks.cleanup()
+    assert grads.shape[0] == units.num_units
     for u in range(units.num_units):
         b, ts = torch.nonzero(units.ids == u, as_tuple=True)
         h = model.embed.weight[packed["input_ids"][b, ts]].detach()
@@ -330,11 +333,12 @@ def test_token_wise_model_without_attention_matches_alone(packed):
         torch.testing.assert_close(grads[u], model.head.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-def test_the_functorch_fallback_is_refused(packed):
-    model = TimeMixer("none").train()
+@pytest.mark.parametrize("how", ["conv", "roll", "mean"])
+def test_the_functorch_fallback_is_refused_where_tokens_mix(packed, how):
+    model = TimeMixer(how).train()
     hooks = GradSampleHooks(model, grad_sample_mode="functorch", loss_reduction="sum")
     hooks.set_privacy_units(packed[UNIT_IDS_KEY])
-    with pytest.raises(PerSampleGradientError, match="torch.func fallback"):
+    with pytest.raises(PerSampleGradientError, match="do not keep each packed token apart"):
         model(packed["input_ids"])
 
 

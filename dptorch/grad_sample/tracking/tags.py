@@ -5,7 +5,8 @@ Tags (kept in a side table keyed by tensor identity, holding weak references onl
 - an ``int``: batched along that dim; ``+ WEAK`` when the evidence is only a root argument whose
   size matched the batch (a mask ``(T, T)`` with ``T == n``): a weak dim gives way to a strong one;
   ``+ k * INNER`` when the batch was merged with an inner dim of size ``k`` (BLOOM's ``(B * H, T, d)``,
-  OPT's ``(B * T, d)``): the dim holds each sample's ``k`` rows one after the other;
+  OPT's ``(B * T, d)``): the dim holds each sample's ``k`` rows one after the other; ``+ ROWS_TOKENS``
+  (the token tracker only) when the packed batch's rows and tokens were flattened into that dim;
 - a ``Lost``: derived from the batch, but the batch dim is gone (a mean over the batch, the batch
   interleaved with another dim, an operation the tracker does not follow). A layer fed such a
   tensor is refused: its per-sample gradients are not defined;
@@ -29,6 +30,9 @@ WEAK = 64  # added to a dim when the batch was only inferred from a root argumen
 DIM = WEAK - 1
 KEEP = ~DIM  # all but the dim: strength and the merged factor
 INNER = 128  # the batch dim holds n groups of ``tag // INNER`` rows (the batch merged with a dim inside it)
+# the token tracker's dim holds the packed batch's rows and tokens flattened together, row-major (an MoE
+# block's ``(B * T, H)``); a flag of its own, never a group size (no rule's size check can match it)
+ROWS_TOKENS = INNER << 40
 
 
 class Lost:

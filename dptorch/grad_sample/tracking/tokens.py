@@ -10,23 +10,31 @@ matmul contracting the tokens, eager attention) loses the tag. One operation is 
 a token of another; its output keeps the tag, which then means "depends on its own unit's
 positions only", a property every rule preserves. Trainable layers are checked by the controller
 (``token_call``): each must act on every token on its own, fed a tensor that keeps the tag.
+
+A mixture-of-experts block flattens its ``(B, T, H)`` input to ``(B * T, H)`` rows of tokens, routes
+them and unflattens the result. That one reshape, and its exact inverse, are followed here
+(``ROWS_TOKENS``: the dim holds the rows' tokens one row after the other); any other reshape of such a
+tensor loses the tag, and every other rule treats the flattened dim as the tracked one (mixing along
+it loses the tag).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from torch import Tensor, nn
 
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.token_units import TokenUnits, crossing_attention
-from dptorch.grad_sample.tracking.args import arg
+from dptorch.grad_sample.tracking.args import arg, op_name
 from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking.registry import rule_of
 from dptorch.grad_sample.tracking.rules.linalg import RULES as LINALG
-from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.rules.structural import RULES as STRUCTURAL
+from dptorch.grad_sample.tracking.tags import DIM, INNER, ROWS_TOKENS, WEAK, Lost
 
 _ATTENTION = LINALG["scaled_dot_product_attention"]
+_RESHAPE = STRUCTURAL["reshape"]
 TOKEN_DIM = 1
 _FIX = ("Packed examples must not see each other: use attn_implementation='sdpa' with position_ids that restart at 0 "
         "for every example and no attention_mask (transformers then builds a block-diagonal mask), or pass that "
@@ -43,8 +51,12 @@ class TokenTracker(BatchTracker):
         self._masks: Dict[tuple, tuple] = {}  # (mask id, version, causal) -> (the mask, the crossing found or None)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not (self.paused or self.done) and rule_of(func) is _ATTENTION:
-            return self._attention(func, args, kwargs or {})
+        if not (self.paused or self.done):
+            rule = rule_of(func)
+            if rule is _ATTENTION:
+                return self._attention(func, args, kwargs or {})
+            if rule is _RESHAPE and args and isinstance(args[0], Tensor) and self._flattens(self.get(args[0])):
+                return self._reshape(func, args, kwargs or {})
         return super().__torch_function__(func, types, args, kwargs)
 
     def keeps_tokens(self, t: Tensor) -> bool:
@@ -52,6 +64,43 @@ class TokenTracker(BatchTracker):
         g = self.get(t)
         return (type(g) is int and g & DIM == TOKEN_DIM and not g & ~(DIM | WEAK) and self.rows_kept(t)
                 and tuple(t.shape[:2]) == tuple(self.units.shape))
+
+    def flat_tokens(self, t: Tensor) -> bool:
+        """Whether ``t``'s dim 0 is the packed batch's rows and tokens flattened, row-major (``ROWS_TOKENS``)."""
+        g = self.get(t)
+        rows, tokens = self.units.shape
+        if not (type(g) is int and g & ~WEAK == ROWS_TOKENS and t.dim() and t.shape[0] == rows * tokens):
+            return False
+        tag = self.batch.get(t)
+        return rows <= 1 or (type(tag) is int and tag == tokens * INNER)
+
+    def layout(self, t: Tensor) -> Optional[str]:
+        """"tokens" (``keeps_tokens``), "flat" (``flat_tokens``) or None: neither."""
+        return "tokens" if self.keeps_tokens(t) else "flat" if self.flat_tokens(t) else None
+
+    def _flattens(self, tag: Any) -> bool:
+        return type(tag) is int and (tag & ~WEAK in (TOKEN_DIM, ROWS_TOKENS))
+
+    def _reshape(self, func, args: tuple, kwargs: dict) -> Any:
+        """Flattening ``(B, T, ...)`` to ``(B * T, ...)``, its inverse, and a reshape that keeps the shape, of
+        the packed tokens; any other reshape of flattened tokens loses the tag (of unflattened ones: the rule's)."""
+        x = args[0]
+        layout = self.layout(x)
+        if layout != "flat":
+            out = super().__torch_function__(func, (), args, kwargs)
+            rows, tokens = self.units.shape
+            if layout == "tokens" and isinstance(out, Tensor) and tuple(out.shape) == (rows * tokens, *x.shape[2:]):
+                self.put(out, ROWS_TOKENS)
+            return out
+        out = self.run(func, args, kwargs)
+        shape, new = tuple(x.shape), tuple(out.shape)
+        if new == (*self.units.shape, *shape[1:]):
+            self.put(out, TOKEN_DIM)
+        elif new == shape:
+            self.put(out, ROWS_TOKENS)
+        else:
+            self.put(out, Lost(f"{op_name(func)} of the packed tokens flattened with their rows, other than its inverse"))
+        return out
 
     def rows_kept(self, t: Tensor) -> bool:
         """Whether row ``b`` of ``t`` is row ``b`` of the batch (the batch tracker says so, or there is one row)."""
@@ -97,9 +146,11 @@ class TokenTracker(BatchTracker):
         return held[1]
 
 
-def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: bool, tensors: Sequence[Tensor]) -> Any:
-    """The token tag of a trainable layer call's output; refused unless the layer acts on each token on its
-    own and every tensor argument keeps the packed batch's rows and token positions (dims 0 and 1)."""
+def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: bool,
+               tensors: Sequence[Tensor]) -> Tuple[Any, bool]:
+    """The token tag of a trainable layer call's output, and whether its tensors hold the tokens flattened
+    with their rows (``(B * T, ...)``); refused unless the layer acts on each token on its own and every tensor
+    argument keeps the packed batch's rows and token positions, all in one layout (dims 0 and 1, or dim 0)."""
     kind = type(module).__name__
     if not token_wise:
         raise PerSampleGradientError(
@@ -107,19 +158,20 @@ def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: 
             "several examples packed in one row their gradients cannot be told apart. Freeze it, or give every "
             "example its own row (no packing)."
         )
-    tag = None
+    tag, first = None, None
     for t in tensors:
-        g = tracker.get(t)
-        if tracker.keeps_tokens(t):
-            tag = g if tag is None else tag
+        g, layout = tracker.get(t), tracker.layout(t)
+        if layout is not None and first in (None, layout):
+            tag, first = (g, layout) if tag is None else (tag, first)
             continue
-        why = g.reason if type(g) is Lost else "its dims 0 and 1 are not the packed batch's rows and tokens"
+        why = (g.reason if type(g) is Lost else "its dims 0 and 1 are not the packed batch's rows and tokens"
+               if layout is None else "its tokens are laid out unlike the call's other inputs")
         raise PerSampleGradientError(
             f"{name} ({kind}) is called on a tensor of shape {tuple(t.shape)} whose token positions do not each hold "
             f"one packed example's data ({why}), so per-example gradients of its parameters are not defined. "
             f"{_FIX}"
         )
-    return tag
+    return tag, first == "flat"
 
 
 def refuse(what: str) -> PerSampleGradientError:

@@ -1,0 +1,110 @@
+"""Mixture-of-experts models with packed examples (token privacy units), against each example alone.
+
+An MoE block flattens its ``(B, T, H)`` input to ``(B * T, H)`` token rows, routes them (the router
+has no grad sampler: the torch.func fallback replays it one token at a time), runs the expert bank
+and unflattens. Each packed example's norm and clipped sum must equal that example's own gradient
+in its own unpadded row; a block that mixes the flattened tokens is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptorch import packed_loss
+from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
+from dptorch.integrations.hf.packing import PackingCollator
+from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
+from tests.grad_sample.test_token_units import VOCAB, assert_matches, examples
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
+
+
+def moe(family: str) -> nn.Module:
+    """Two decoder layers of a tiny MoE model (three experts, top 2; no auxiliary loss), sdpa attention."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, num_experts_per_tok=2, max_position_embeddings=32, router_aux_loss_coef=0.0,
+                  bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=3, router_jitter_noise=0.0,
+                                                                           **common))
+    elif family == "qwen2_moe":
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=3, moe_intermediate_size=24, shared_expert_intermediate_size=24, **common))
+    else:
+        model = transformers.OlmoeForCausalLM(transformers.OlmoeConfig(num_experts=3, **common))
+    model.config._attn_implementation = "sdpa"
+    return model.train()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
+def test_packed_moe_matches_each_example_alone(family, mode):
+    items = examples([5, 3, 4, 2, 6])
+    assert_matches(moe(family), PackingCollator(pad_token_id=0, max_length=8)(items), items, mode)
+
+
+def test_padding_free_moe_matches_each_example_alone():
+    items = examples([5, 3, 4])
+    assert_matches(moe("qwen2_moe"), PackingCollator(pad_token_id=0, max_length=None)(items), items, "bk")
+
+
+class _MixingRouter(nn.Module):
+    """A router whose scores are normalised over all the flattened tokens: it couples the packed examples."""
+
+    def __init__(self, router: nn.Module):
+        super().__init__()
+        self.weight = router.weight
+        self.top_k = router.top_k
+
+    def forward(self, hidden_states):
+        logits = nn.functional.linear(hidden_states, self.weight)
+        probs = torch.softmax(logits - logits.mean(0, keepdim=True), dim=-1)
+        scores, index = torch.topk(probs, self.top_k, dim=-1)
+        return logits, scores, index
+
+
+class _UnflattenAnotherWay(nn.Module):
+    """An MoE block that unflattens its token rows otherwise than it flattened them: in ``(T, B)`` order (token
+    rows reach other examples' places), or through a shape of pairs of tokens that the tracker does not follow."""
+
+    def __init__(self, block: nn.Module, how: str):
+        super().__init__()
+        self.block, self.how = block, how
+
+    def forward(self, hidden_states):
+        rows, tokens, hidden = hidden_states.shape
+        flat = hidden_states.view(-1, hidden)
+        _, weights, index = self.block.gate(flat)
+        out = self.block.experts(flat, index, weights)
+        if self.how == "transposed":
+            return out.view(tokens, rows, hidden).transpose(0, 1)
+        return out.view(rows * tokens // 2, 2 * hidden).view(rows, tokens, hidden)
+
+
+@pytest.mark.parametrize("how, match", [
+    ("router", "do not keep each packed token apart"),
+    ("transposed", "mixes or merges its samples|one packed example's data"),
+    ("pairs", "flattened with their rows, other than its inverse"),
+])
+def test_a_moe_block_that_mixes_flattened_tokens_is_refused(how, match):
+    model = moe("mixtral")
+    layer = model.model.layers[0]
+    if how == "router":
+        layer.mlp.gate = _MixingRouter(layer.mlp.gate)
+    else:
+        layer.mlp = _UnflattenAnotherWay(layer.mlp, how)
+    batch = PackingCollator(pad_token_id=0, max_length=8)(examples([5, 3, 4, 2]))
+    hooks = GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum")
+    try:
+        hooks.set_privacy_units(batch[UNIT_IDS_KEY])
+        with pytest.raises(PerSampleGradientError, match=match):
+            out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+            packed_loss(out.logits, batch["labels"], hooks).backward()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        hooks.cleanup()
