@@ -12,14 +12,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test install clean bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@echo "== Setting up $(VENV) (first run only: 87 s measured on a 2-core machine, mostly downloads, longer on a slow connection; later runs reuse it)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "== 1/2 torch 2.13.0, CPU build, first (an open range could pull a multi-GB CUDA build)"
 	$(BIN)/python -m pip install --progress-bar on $(TORCH)
 	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, DeepSpeed, dp-accounting, plotting and test tools"
-	$(BIN)/python -m pip install --progress-bar on -e '.[hf,dev,plot,examples,deepspeed]'
+	$(BIN)/python -m pip install --progress-bar on -c constraints.txt -e '.[hf,dev,plot,examples,deepspeed]'
 	touch $(STAMP)
 	@echo "== Ready. Use the environment with: source $(VENV)/bin/activate  (or prefix commands with $(BIN)/)"
 
