@@ -64,12 +64,27 @@ def test_sft_full_fine_tuning_bypasses_the_fused_lm_head(tmp_path):
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("packing", ["packing", "padding_free"])
-def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path, packing):
+def tiny_qwen2_moe(tokenizer):
+    """A Qwen2-MoE decoder (three experts, top 2, a shared expert), no router auxiliary loss."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_experts=3, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, router_aux_loss_coef=0.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+
+
+@pytest.mark.parametrize("packing, build, mode", [
+    ("packing", tiny_llama, "hooks"), ("padding_free", tiny_llama, "hooks"), ("packing", tiny_qwen2_moe, "bk"),
+])
+def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path, packing, build, mode):
     """TRL's packing and padding-free rows, made of Poisson-drawn examples: each example (completion-only loss,
-    gradient checkpointing on, as TRL's defaults) gets the gradient it has alone, unpacked."""
-    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, grad_sample_mode="hooks", sampling_seed=3)
-    model = without_dropout(tiny_llama(TOKENIZER))
+    gradient checkpointing on, as TRL's defaults) gets the gradient it has alone, unpacked; a mixture-of-experts
+    model's too."""
+    privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3, grad_sample_mode=mode, sampling_seed=3)
+    torch.manual_seed(0)
+    model = without_dropout(build(TOKENIZER))
     trainer = sft(tmp_path, model, privacy=privacy, dataset=prompt_completion_dataset(32), max_length=24,
                   per_device_train_batch_size=8, **{packing: True})
     assert getattr(trainer.args, packing) and trainer.args.gradient_checkpointing  # the user's config, unchanged
@@ -79,17 +94,25 @@ def test_sft_packs_after_sampling_and_each_example_matches_itself_alone(tmp_path
     assert units.dim() == 2 and (units.shape[0] == 1) == (packing == "padding_free")
     examples = [(batch["input_ids"][units == u], batch["labels"][units == u]) for u in range(int(units.max()) + 1)]
     assert len(examples) >= 3 and all((labels[:1] == -100).all() for _, labels in examples)  # prompts masked
-    reference = tiny_llama(TOKENIZER)  # the reference: plain autograd (no hooks), each example alone
+    reference = build(TOKENIZER)  # the reference: plain autograd (no hooks), each example alone
     reference.load_state_dict(model.state_dict())
     trainer.training_step(model, batch)
     params = dict(reference.named_parameters())
-    per_unit = {n: trainer.dp_hooks.grad_samples[p].clone() for n, p in model.named_parameters() if p.requires_grad}
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if mode == "hooks":
+        per_unit = {n: trainer.dp_hooks.grad_samples[p].clone() for n, p in trained}
+    else:  # bk forms norms, not per-example gradients: each example's norm over all parameters
+        norms = trainer.dp_hooks.per_sample_norms()
+        per_unit = {"norm": torch.stack([norms[p] for _, p in trained]).pow(2).sum(0).sqrt()}
     trainer.dp_hooks.clear()
     for u, (ids, labels) in enumerate(examples):
         reference.zero_grad()
         causal_lm_per_sample_loss(reference(input_ids=ids[None], use_cache=False), labels[None]).sum().backward()
+        alone = {name: params[name].grad for name in per_unit if name != "norm"}
+        if "norm" in per_unit:
+            alone["norm"] = torch.stack([params[n].grad.norm() for n, _ in trained]).norm()
         for name, g in per_unit.items():
-            torch.testing.assert_close(g[u], params[name].grad, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(g[u], alone[name], rtol=1e-4, atol=1e-6)
 
 
 def test_sft_packing_trains_with_the_unpacked_accounting(tmp_path):
