@@ -60,6 +60,7 @@ from dptorch.grad_sample.tracking import (
     rows_to_dense,
 )
 from dptorch.grad_sample.tracking.reads import ParameterReads
+from dptorch.grad_sample.linear_head import HEAD_NORM_SAMPLER, HEAD_SAMPLER, linear_head
 from dptorch.grad_sample.tracking.tokens import TOKEN_DIM, TokenTracker, token_call
 from dptorch.grad_sample.tracking.tokens import refuse as refused_for_tokens
 from dptorch.grad_sample.token_units import TokenUnits
@@ -863,7 +864,7 @@ class GradSampleHooks:
         tags = [self._tracker.get(t) for t in outputs] if self._tracker is not None else [None] * len(outputs)
         if self._token_tracker is not None:
             replay = self._token_replay(layer, [call_leaves[i] for i in tensor_positions], outputs)
-            on_backward = partial(replay, params, call_leaves, call_spec, tensor_positions, positions)
+            on_backward = partial(replay, params, call, call_leaves, call_spec, tensor_positions, positions)
         else:
             on_backward = partial(self._replay_backward, layer, params, call, call_leaves, call_spec, tensor_positions, positions)
         tapped = tap(outputs, [call_leaves[i] for i in tensor_positions], on_backward)
@@ -1135,7 +1136,9 @@ class GradSampleHooks:
         """The backward of a packed forward's call of a layer with no grad sampler (an MoE router): replayed one
         token at a time by the torch.func fallback, each unit's gradient the sum of its tokens'. Only when the
         token tracker followed the call's own operations and found every input and output (flattened or not)
-        keeping each token apart: then each output token depends on its input token and the parameters alone."""
+        keeping each token apart: then each output token depends on its input token and the parameters alone.
+        A layer whose one parameter is a weight read once by ``F.linear`` on its input (``linear_head``) is
+        sampled as a bias-free linear layer instead, from the gradient at the linear's output."""
         tokens = self._token_tracker
         layouts = [tokens.layout(t) for t in (*inputs, *outputs)]
         if None in layouts:
@@ -1145,9 +1148,13 @@ class GradSampleHooks:
                 "when they all do)")
         return partial(self._token_replay_backward, layer, tokens.units, layouts[: len(inputs)], layouts[len(inputs):])
 
-    def _token_replay_backward(self, layer: _Layer, units: TokenUnits, in_layouts, out_layouts, params, call_leaves,
-                               call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
+    def _token_replay_backward(self, layer: _Layer, units: TokenUnits, in_layouts, out_layouts, params, call: CallBatch,
+                               call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:
+            return
+        if self.grad_sample_mode != "functorch" and len(params) == 1 and self._linear_head_backward(
+                layer, units, next(iter(params.values())), params, call, call_leaves, call_spec, tensor_positions,
+                out_positions, saved, grad_outputs):
             return
         self._begin_round()
         self._enter_round_units(units)
@@ -1172,6 +1179,30 @@ class GradSampleHooks:
         grads = {p: g.new_zeros((units.num_units, *g.shape[1:])).index_add_(0, tokens[real], g[real])
                  for p, g in per_token.items()}
         self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), next(iter(grads.values()))), grads)
+
+    def _linear_head_backward(self, layer: _Layer, units: TokenUnits, weight, params, call: CallBatch, call_leaves,
+                              call_spec, tensor_positions, out_positions, saved, grad_outputs) -> bool:
+        """The call as a bias-free linear layer's (``linear_head``): False where it is not one."""
+        leaves = list(call_leaves)
+        for i, t in zip(tensor_positions, saved):
+            leaves[i] = t
+        grads = [(pos, g) for pos, g in zip(out_positions, grad_outputs) if g is not None]
+        self._replaying = True
+        try:
+            head = linear_head(layer.module, weight, leaves, call_spec, grads)
+        finally:
+            self._replaying = False
+        if head is None:
+            return False
+        x, backprops = head
+        rows, tokens = units.shape
+        flat = x.dim() == 2 and x.shape[0] == rows * tokens
+        if not flat and tuple(x.shape[:2]) != (rows, tokens):
+            return False
+        norm_sampler = HEAD_NORM_SAMPLER if self.grad_sample_mode in ("bk", "ghost") else None
+        head_layer = _Layer(layer.name, layer.module, params, HEAD_SAMPLER, norm_sampler, True)
+        self._layer_backward(head_layer, params, call, units, flat, (x,), (backprops,))
+        return True
 
     def _enter_round_units(self, units: Optional[TokenUnits]) -> None:
         """This backward pass's calls all come from forwards with the same privacy units."""

@@ -108,3 +108,72 @@ def test_a_moe_block_that_mixes_flattened_tokens_is_refused(how, match):
         assert all(p.grad is None for p in model.parameters())
     finally:
         hooks.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch, mode):
+    """The router's weight gradient is a linear layer's over (tokens, hidden) rows (``linear_head``): the per-token
+    replay, which would hold a (hidden x experts) gradient per token, never runs."""
+    import dptorch.grad_sample.hooks as hooks_module
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the router was replayed per token")
+
+    monkeypatch.setattr(hooks_module, "functorch_per_sample_grads", no_replay)
+    items = examples([5, 3, 4, 2])
+    assert_matches(moe("olmoe"), PackingCollator(pad_token_id=0, max_length=8)(items), items, mode)
+
+
+def _router(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8)
+    router = transformers.models.mixtral.modeling_mixtral.MixtralTopKRouter(config)
+    nn.init.normal_(router.weight)
+    return router
+
+
+def _head(router: nn.Module, x: torch.Tensor, grads):
+    from torch.utils._pytree import tree_flatten
+
+    from dptorch.grad_sample.linear_head import linear_head
+
+    leaves, spec = tree_flatten(((x,), {}))
+    return linear_head(router, router.weight, leaves, spec, grads)
+
+
+def test_linear_head_finds_the_gradient_at_the_routers_logits():
+    router, x = _router(), torch.randn(2, 5, 8)
+    g_logits, g_scores = torch.randn(10, 4), torch.randn(10, 2)
+    head = _head(router, x, [(0, g_logits), (1, g_scores)])
+    assert head is not None and head[0].shape == (10, 8)
+    logits = nn.functional.linear(x.reshape(-1, 8), router.weight).detach().requires_grad_()
+    scores = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1).values
+    scores = scores / scores.sum(-1, keepdim=True)
+    (want,) = torch.autograd.grad((logits * g_logits).sum() + (scores * g_scores).sum(), logits)
+    torch.testing.assert_close(head[1], want)
+
+
+class _ReadsTwice(nn.Module):
+    def __init__(self, router):
+        super().__init__()
+        self.weight = router.weight
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) + self.weight.sum()
+
+
+class _Noisy(_ReadsTwice):
+    def forward(self, x):
+        return nn.functional.dropout(nn.functional.linear(x, self.weight), 0.5)
+
+
+class _Rolled(_ReadsTwice):
+    def forward(self, x):
+        return nn.functional.linear(x.roll(1, 0), self.weight)
+
+
+@pytest.mark.parametrize("kind", [_ReadsTwice, _Noisy, _Rolled])
+def test_linear_head_declines_what_is_not_one_linear_of_its_input(kind):
+    """A weight read twice, a random operation, a linear input that is not the call's input row by row."""
+    x = torch.randn(6, 8)
+    assert _head(kind(_router()), x, [(0, torch.randn(6, 4))]) is None

@@ -1,0 +1,103 @@
+"""Layers whose one parameter is a weight read once by ``F.linear`` on their input (an MoE router).
+
+A mixture-of-experts router computes ``logits = F.linear(x, W)`` and then, without parameters, its
+scores and choices (softmax, top-k, renormalisation). Its weight's gradient is a linear layer's:
+``sum_t G_t x_t^T`` with ``G_t`` the gradient at the logits. ``linear_head`` recomputes the call's
+forward once, with the logits as a leaf, to find ``G`` for every token at once; the layer's per-unit
+norms and clipped sums are then those of a bias-free linear layer (``HEAD_SAMPLER``,
+``HEAD_NORM_SAMPLER``), on ``(tokens, d)`` rows instead of a per-token replay's ``(tokens, out, d)``.
+
+It applies only where it is exact: the forward reads the weight nowhere but in that one ``F.linear``,
+draws no random numbers, and the linear's input is the call's input itself, or a row-major view of it
+(``x.view(-1, d)``), so that its rows are the input's tokens in order. That each output token depends
+on its own logits row alone is the token tracker's finding in the forward (``hooks._token_replay``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dptorch.grad_sample.layers.linear import linear_map_grad_samples, linear_norms, linear_sums
+from dptorch.grad_sample.linear_forms import LinearForm, flatten_middle_dims
+from dptorch.grad_sample.registry import NormSampler
+
+Tensors = Tuple[torch.Tensor, ...]
+_RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "cauchy", "geometric")
+
+
+class _LinearReads(TorchFunctionMode):
+    """Replaces ``F.linear(x, weight)`` by a leaf computed from detached factors; notes any other read of
+    ``weight`` and any random operation."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+        self.calls: list = []  # (x, leaf) per F.linear of the weight
+        self.other = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        reads = any(t is self.weight for t in tree_flatten((args, kwargs))[0])
+        if reads and func is F.linear and len(args) == 2 and not kwargs and args[1] is self.weight:
+            x = args[0]
+            leaf = func(x.detach(), self.weight.detach()).requires_grad_()
+            self.calls.append((x, leaf))
+            return leaf
+        name = getattr(func, "__name__", "")
+        if reads or any(word in name for word in _RANDOM):
+            self.other = True
+        return func(*args, **kwargs)
+
+
+def _row_aligned(x: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether ``x`` is one of ``inputs``, or a row-major view of one (same memory, both contiguous)."""
+    return any(x is t or (x.data_ptr() == t.data_ptr() and x.numel() == t.numel() and x.is_contiguous()
+                          and t.is_contiguous() and x.dtype == t.dtype) for t in inputs)
+
+
+def linear_head(module: nn.Module, weight: torch.Tensor, call_leaves: list, call_spec: Any,
+                grads: Sequence[Tuple[int, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """``(x, G)``: the linear's input and the gradient at its output, for the recorded call whose output
+    leaves at the positions of ``grads`` received those gradients; None where the call is not such a head."""
+    if weight.dim() != 2:
+        return None
+    args, kwargs = tree_unflatten(list(call_leaves), call_spec)
+    inputs = [t for t in call_leaves if isinstance(t, torch.Tensor)]
+    reads = _LinearReads(weight)
+    with torch.enable_grad():  # backward runs without grad mode
+        with reads:
+            out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
+        if reads.other or len(reads.calls) != 1 or not _row_aligned(reads.calls[0][0], inputs):
+            return None
+        x, leaf = reads.calls[0]
+        total = sum((out_leaves[pos] * g).sum() for pos, g in grads if out_leaves[pos].requires_grad)
+        if not isinstance(total, torch.Tensor):
+            return x.detach(), torch.zeros_like(leaf)
+        (backprops,) = torch.autograd.grad(total, leaf, allow_unused=True)
+    return x.detach(), torch.zeros_like(leaf) if backprops is None else backprops
+
+
+def _head_grad_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor, empty=None, scale=1.0):
+    return linear_map_grad_samples(module.weight, None, activations[0], backprops, empty=empty, scale=scale)
+
+
+def _head_norms(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+    return linear_norms(module.weight, None, activations[0], backprops)
+
+
+def _head_sums(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor):
+    return linear_sums(module.weight, None, activations[0], scaled_backprops)
+
+
+def _head_form(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, LinearForm]:
+    return {module.weight: LinearForm(flatten_middle_dims(backprops), flatten_middle_dims(activations[0]))}
+
+
+HEAD_SAMPLER = _head_grad_sampler
+HEAD_NORM_SAMPLER = NormSampler(_head_norms, _head_sums, True, _head_form)
