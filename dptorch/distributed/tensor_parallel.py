@@ -220,16 +220,24 @@ def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
 _TRANSFORMERS_STYLES = {"ColwiseParallel", "RowwiseParallel", "EmbeddingParallel"}
 
 
+def _made_by_a_style(fn: Any) -> bool:
+    return ".install_forward." in str(getattr(fn, "__qualname__", "")) and str(getattr(fn, "__module__", "")).startswith("transformers.")
+
+
 def transformers_style(module: nn.Module) -> Optional[Any]:
     """The transformers tensor-parallel style on ``module`` (which transformers marks ``_is_hooked`` and
-    whose ``forward`` it replaces by the style's wrapper): the style object where the wrapper holds it,
-    else the name of the class whose ``install_forward`` made the wrapper; None for a layer it did not
-    touch."""
+    whose ``forward`` it replaces by the style's wrapper, or, for some styles from transformers 5.25 on,
+    hooks with a forward pre-hook): the style object where the wrapper holds it, else the name of the
+    class whose ``install_forward`` made the wrapper (or the pre-hook); None for a layer it did not touch."""
     forward = vars(module).get("forward")
     qualname = str(getattr(forward, "__qualname__", ""))
-    made_by_a_style = ".install_forward." in qualname and str(getattr(forward, "__module__", "")).startswith("transformers.")
+    made_by_a_style = _made_by_a_style(forward)
     if not (vars(module).get("_is_hooked") is True or made_by_a_style):
         return None
+    if not made_by_a_style:
+        hook = next((h for h in module._forward_pre_hooks.values() if _made_by_a_style(h)), None)
+        if hook is not None:
+            return str(hook.__qualname__).split(".", 1)[0]
     for cell in getattr(forward, "__closure__", None) or ():
         try:
             value = cell.cell_contents

@@ -609,3 +609,23 @@ def test_tp_x_fsdp_refusals(tp_fsdp):
         assert "rank of a tensor-parallel group trains on the same batch" in message
         assert "of 4 shards" in message and "of 2 here" in message
         assert "in a model FSDP2 shards too" in tp_fsdp("tp-and-fsdp-apart-refused", rank)
+
+
+def test_a_style_installed_as_a_forward_pre_hook_is_recognised():
+    """transformers 5.25 hooks ``ReplicatedWithGradAllReduce`` (Qwen3's q/k norms) with a forward pre-hook made by
+    its ``install_forward``, where 5.24 replaced ``forward``: the style is found either way (the Qwen3 plan test
+    above ran under both versions); a pre-hook of anyone else's is no style."""
+    from dptorch.distributed.tensor_parallel import transformers_style
+
+    def tp_forward_pre_hook(module, args):
+        return None
+
+    norm = nn.LayerNorm(4)
+    norm._is_hooked = True
+    norm.register_forward_pre_hook(lambda module, args: None)
+    assert transformers_style(norm) == "an unknown style"
+    tp_forward_pre_hook.__module__ = "transformers.distributed.tensor_parallel"
+    tp_forward_pre_hook.__qualname__ = "ReplicatedWithGradAllReduce.install_forward.<locals>.tp_forward_pre_hook"
+    norm.register_forward_pre_hook(tp_forward_pre_hook)
+    assert transformers_style(norm) == "ReplicatedWithGradAllReduce"
+    assert transformers_style(nn.LayerNorm(4)) is None
