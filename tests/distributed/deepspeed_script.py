@@ -281,6 +281,10 @@ def main(out: Path) -> None:
         "zero2-bk-round-robin": train(2, "bk", physical=3, bucket=8,
                                       zero_optimization={"stage": 2, "round_robin_gradients": True}),
         "zero2-bf16-bk": train(2, "bk", physical=3, bf16={"enabled": True}),
+        "zero1-bf16-hooks": train(1, "hooks", bf16={"enabled": True}),
+        # fp32 gradient accumulation: ZeRO-2 keeps its own gradient partition buffer, which the step reads past
+        "zero2-bf16-fp32-accumulation-bk": train(2, "bk", physical=3, bf16={"enabled": True},
+                                                 data_types={"grad_accum_dtype": "fp32"}),
         "noise-zero2": noise_only(2),
         "zero1-with-epsilon": with_epsilon(1),
         "refused-clipping": refusal(2, gradient_clipping=1.0),

@@ -41,10 +41,12 @@ def test_zero_ends_where_one_process_ends(ranks, name, mode):
     assert (reference["params"] - start).abs().max() > 1e-2  # the runs moved: the comparison means something
 
 
-@pytest.mark.parametrize("name", ["zero2-bf16-bk", "zero3-bf16-bk"])
-def test_bf16_zero_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks, name):
-    """DeepSpeed's bf16 (the model cast to bf16, fp32 master weights): the same update to bf16 rounding."""
-    reference = workers.reference("bk")["params"]
+@pytest.mark.parametrize("name, mode", [("zero1-bf16-hooks", "hooks"), ("zero2-bf16-bk", "bk"),
+                                        ("zero2-bf16-fp32-accumulation-bk", "bk"), ("zero3-bf16-bk", "bk")])
+def test_bf16_zero_ends_where_one_fp32_process_ends_to_bf16_rounding(ranks, name, mode):
+    """DeepSpeed's bf16 (the model cast to bf16, fp32 master weights; ZeRO-2 also with fp32 gradient accumulation):
+    the same update to bf16 rounding."""
+    reference = workers.reference(mode)["params"]
     runs = [torch.tensor(rank[name]["params"]) for rank in ranks]
     torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
     # the weights are read back in bf16 (8 significant bits): a few units of 2**-8 of their size
@@ -82,6 +84,7 @@ def test_zero3_runs_with_released_parameters_and_empty_micro_batches(ranks):
 
 @pytest.mark.parametrize("name, writer", [
     ("zero1-hooks", "Zero12Partitions"), ("zero2-bk", "Zero12Partitions"), ("zero2-bf16-bk", "Zero12Partitions"),
+    ("zero1-bf16-hooks", "Zero12Partitions"), ("zero2-bf16-fp32-accumulation-bk", "Zero12Partitions"),
     ("zero1-hooks-buckets", "Zero12Partitions"), ("zero2-bk-round-robin", "Zero12Partitions"),
     ("zero3-hooks", "Zero3Partitions"), ("zero3-bk", "Zero3Partitions"), ("zero3-bf16-bk", "Zero3Partitions"),
     ("zero3-llama-hooks", "Zero3Partitions"), ("zero3-llama-bk", "Zero3Partitions")])
