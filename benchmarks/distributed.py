@@ -8,8 +8,9 @@ A small transformer-shaped model (token embedding, ``--layers`` blocks of LayerN
 of width ``4 * --width``, LM head; no attention, which has no parameters to clip) trained on random
 tokens. The *global* batch is ``--batch`` sequences of ``--seq`` tokens: one process takes all of
 it, two or four processes split it (DDP; FSDP2 with ``fully_shard`` on every block and the
-root; HSDP: the same on a 2 x 2 ``(replicate, shard)`` mesh); under tensor parallelism (TP: every
-block's MLP split column-wise then row-wise) every process runs the whole batch. Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
+root; HSDP: the same on a 2 x 2 ``(replicate, shard)`` mesh; ZeRO-1, 2, 3: DeepSpeed's engine, its loop
+``engine(x)``, ``engine.backward(loss)``, ``engine.step()``, made private as ``make_private`` makes it); under tensor
+parallelism (TP: every block's MLP split column-wise then row-wise) every process runs the whole batch. Every configuration runs in fresh processes (gloo on loopback for 2 CPU processes, one
 intra-op thread each); the step is forward, backward and optimizer step (plus clipping and noise
 when private), median of ``--steps`` steps after two warm-up steps.
 
@@ -23,6 +24,9 @@ step (added to the figure, marked ``+reducer``); private DDP switches it off and
 clipped sums through the Python API (counted). Tensor parallelism's own all-reduces of activations go
 through functional collectives and are not counted either (``plain TP`` shows 0); ``private TP`` shows
 what DP adds: the partial per-sample norms, rank 0's step key and the replicated parameters' gradients.
+DeepSpeed's collectives go through ``torch.distributed`` too; for its rows the functions it calls besides
+(``reduce``, ``reduce_scatter``, ``all_gather``, ``distributed_c10d._all_gather_base``) are counted as well, wrapped
+before DeepSpeed's backend caches them.
 
 Peak memory per rank: on CPU the growth of the process's peak RSS over the step loop (the model
 and optimizer state are built before, so what shows is activations, gradients and what DP adds);
@@ -74,17 +78,30 @@ CONFIGS = [
     ("private TP", 2, "tp", True),
     ("plain TP x4", 4, "tp", False),
     ("private TP x4", 4, "tp", True),
+    ("plain ZeRO-1", 2, "zero1", False),
+    ("private ZeRO-1", 2, "zero1", True),
+    ("plain ZeRO-2", 2, "zero2", False),
+    ("private ZeRO-2", 2, "zero2", True),
+    ("plain ZeRO-3", 2, "zero3", False),
+    ("private ZeRO-3", 2, "zero3", True),
 ]
+DEEPSPEED = ("zero1", "zero2", "zero3")
 
 #: The ``torch.distributed`` functions whose payload is counted, and the argument holding the full tensor
 #: (the one reduced, scattered from, or gathered into).
 COUNTED = {"all_reduce": 0, "broadcast": 0, "reduce_scatter_tensor": 1, "reduce_scatter_single": 1,
            "_reduce_scatter_base": 1, "all_gather_into_tensor": 0, "all_gather_single": 0, "_all_gather_base": 0}
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object")
+#: What DeepSpeed's ``deepspeed.comm`` calls besides (list arguments: their tensors' bytes added up); wrapped before
+#: DeepSpeed's backend caches ``all_gather_into_tensor`` and ``reduce_scatter_tensor``. ``_all_gather_base`` it calls
+#: on ``distributed_c10d``.
+DEEPSPEED_COUNTED = {"reduce": 0, "reduce_scatter": 1, "all_gather": 0, "all_reduce_coalesced": 0,
+                     "all_to_all_single": 1}
 
 
-def count_collective_bytes() -> dict:
-    """Wrap ``torch.distributed``'s collectives to add their payload bytes to the returned counter."""
+def count_collective_bytes(deepspeed: bool = False) -> dict:
+    """Wrap ``torch.distributed``'s collectives to add their payload bytes to the returned counter (``deepspeed``:
+    also those ``deepspeed.comm`` calls, :data:`DEEPSPEED_COUNTED`)."""
     import pickle
 
     counter = {"bytes": 0}
@@ -97,8 +114,9 @@ def count_collective_bytes() -> dict:
 
         def counted(*args, **kwargs):
             tensor = signature.bind_partial(*args, **kwargs).arguments.get(name)  # FSDP2 passes keywords
-            if isinstance(tensor, torch.Tensor):
-                counter["bytes"] += tensor.numel() * tensor.element_size()
+            for piece in tensor if isinstance(tensor, (list, tuple)) else [tensor]:
+                if isinstance(piece, torch.Tensor):
+                    counter["bytes"] += piece.numel() * piece.element_size()
             return function(*args, **kwargs)
         return counted
 
@@ -108,9 +126,12 @@ def count_collective_bytes() -> dict:
             return function(objects, *args, **kwargs)
         return counted
 
-    for name, position in COUNTED.items():
+    for name, position in {**COUNTED, **(DEEPSPEED_COUNTED if deepspeed else {})}.items():
         if hasattr(dist, name):
             setattr(dist, name, wrap(getattr(dist, name), position))
+    if deepspeed:
+        c10d = dist.distributed_c10d
+        c10d._all_gather_base = wrap(c10d._all_gather_base, 0)
     for name in OBJECT_COLLECTIVES:
         setattr(dist, name, wrap_objects(getattr(dist, name)))
     return counter
@@ -155,10 +176,15 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if opts["device"] == "cuda" else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=300))
+    counter = count_collective_bytes(parallel in DEEPSPEED) if world > 1 else {"bytes": 0}
     torch.manual_seed(0)
     vocab, width, layers, seq = opts["vocab"], opts["width"], opts["layers"], opts["seq"]
     model = TinyLM(vocab, width, layers).to(device)
-    if parallel == "ddp":
+    local_batch = opts["batch"] if parallel == "tp" else opts["batch"] // world
+    engine = None
+    if parallel in DEEPSPEED:
+        engine = deepspeed_engine(model, int(parallel[-1]), local_batch, rank, world, device)
+    elif parallel == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     elif parallel in ("fsdp", "hsdp"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -177,15 +203,20 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         mesh = init_device_mesh(device.type, (world,))
         for block in model.blocks:
             parallelize_module(block, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    local_batch = opts["batch"] if parallel == "tp" else opts["batch"] // world
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3) if engine is None else None
     if private:
         from dptorch.grad_sample import GradSampleHooks
         from dptorch.optim import DPOptimizer
 
+        if engine is not None:  # what make_private does with a DeepSpeed engine
+            from dptorch.distributed import deepspeed as ds_zero
+
+            optimizer = ds_zero.DeepSpeedHandOver(engine)
         hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0,
                                 expected_batch_size=float(opts["batch"]))
+        if engine is not None:
+            ds_zero.attach(engine, optimizer)  # engine.step() is the DP step
     generator = torch.Generator().manual_seed(0 if parallel == "tp" else rank)
     batches = [torch.randint(0, vocab, (local_batch, seq + 1), generator=generator).to(device)
                for _ in range(opts["steps"] + 2)]
@@ -194,15 +225,19 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = peak_rss_mib()
-    counter = count_collective_bytes() if world > 1 else {"bytes": 0}
     times, sent = [], []
     for ids in batches:
         counted = counter["bytes"]
         start = time.perf_counter()
-        logits = model(ids[:, :-1])
-        loss_fn(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        if engine is not None:  # DeepSpeed's loop
+            logits = engine(ids[:, :-1])
+            engine.backward(loss_fn(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)))
+            engine.step()
+        else:
+            logits = model(ids[:, :-1])
+            loss_fn(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
         if opts["device"] == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -218,6 +253,24 @@ def run(rank: int, world: int, port: int, opts: dict, parallel: str, private: bo
                      "comm_mib": (statistics.median(sent[2:]) + reducer) / 2**20, "reducer": bool(reducer)}
     if world > 1:
         dist.destroy_process_group()
+
+
+def deepspeed_engine(model: nn.Module, stage: int, local_batch: int, rank: int, world: int, device: torch.device):
+    """``model`` under DeepSpeed ZeRO ``stage`` (SGD, fp32, no gradient clipping, DeepSpeed's other defaults), on the
+    process group already initialised."""
+    import importlib
+
+    if device.type == "cpu":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    import deepspeed
+
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # inference only; minutes to build
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = {"train_micro_batch_size_per_gpu": local_batch, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    return deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), config=config)[0]
 
 
 def free_port() -> int:

@@ -21,9 +21,9 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
   and transformers' ``tp_plan``, alone or with FSDP2 on a (dp, tp) mesh: every rank of a
   tensor-parallel group runs the same batch, the ranks' partial per-sample norms are added up before
   clipping, each rank keeps its slice of the clipped sum and of the one noise stream.
-* ``deepspeed`` (and ``deepspeed_zero3``): ZeRO-1 and ZeRO-2, the DP optimizer's noised gradient
-  handed to ZeRO's reduction and DeepSpeed's step (``engine.step()`` is the DP step); ZeRO-3, the
-  clipped sums reduce-scattered into each rank's partition and noised there.
+* ``deepspeed`` (and ``deepspeed_zero12``, ``deepspeed_zero3``, ``partitions``): ZeRO-1, 2 and 3, the clipped
+  sums reduce-scattered into each rank's ZeRO partition after every backward pass, noised there and handed to
+  DeepSpeed's step (``engine.step()`` is the DP step).
 
 The HF Trainer on several processes (DDP, Accelerate's FSDP2) builds on these; what it adds (phantom
 micro-batches, metric gathers of any size) lives in ``dptorch.integrations.hf``.

@@ -1,29 +1,22 @@
-"""DeepSpeed ZeRO stages 1, 2 and 3 under DP-SGD: the noised gradient handed to ZeRO's own buffers.
+"""DeepSpeed ZeRO stages 1, 2 and 3 under DP-SGD: each rank's partition of the noised gradient handed to ZeRO.
 
-Under ZeRO-1 and ZeRO-2 every rank holds the model's full parameters (only the fp32 master
-weights, the optimizer state and, at stage 2, the reduced gradients are partitioned), and they are
-the very ``nn.Parameter`` objects of ``engine.module``. So a private step runs as under DDP:
+At every stage the controller keeps each hooked layer's own parameters out of autograd, so ``engine.backward``
+produces no ``p.grad``; ZeRO's gradient hooks are removed while the engine is private (a gradient by a path the
+controller does not see, which it refuses, never enters ZeRO's buckets) and DeepSpeed's reduction in backward is
+switched off (``engine.enable_backward_allreduce = False``, the flag its pipeline engine uses). The DP optimizer
+clips every sample and its gradient writer reduce-scatters the clipped sums into ZeRO's partition layout at the
+end of every backward pass (:mod:`dptorch.distributed.partitions`: each rank holds only its partition of them
+between micro-batches); at the step each rank adds its partition's slice of the noise (every element drawn once,
+by its owner, the values of one process's ``ShardedNoise`` stream), divides by the plan's divisor and hands the
+partition to ZeRO, which steps its partitioned fp32 master weights from it and all-gathers the weights:
 
-* the controller keeps each hooked layer's own parameters out of autograd, so ``engine.backward``
-  produces no ``p.grad``; ZeRO's gradient hooks are removed while the engine is private (a gradient
-  by a path the controller does not see, which it refuses, never enters ZeRO's buckets) and
-  DeepSpeed's reduction in backward is switched off (``engine.enable_backward_allreduce = False``,
-  the flag its pipeline engine uses), so no partition receives anything during backward;
-* the DP optimizer clips every sample, all-reduces the clipped sums of all ranks and draws the noise
-  once, on rank 0 (noise std ``sigma * C`` on the sum, once per element): every rank ends with the
-  same gradient ``g`` in ``p.grad``;
-* :class:`DeepSpeedHandOver` (the DP optimizer's inner optimizer) then replays DeepSpeed's
-  backward-time handling of those ``p.grad`` (``process_gradients`` per parameter, then
-  ``engine.allreduce_gradients()``): ZeRO averages them over the ranks, identical inputs averaging
-  to themselves up to fp32 rounding, and keeps each rank's partition; DeepSpeed's own
-  ``engine.step()`` then steps its fp32 master partitions and all-gathers the weights.
+* ZeRO-1 and ZeRO-2 (:mod:`dptorch.distributed.deepspeed_zero12`): each parameter group's flat buffer is
+  partitioned; the partition becomes ZeRO's ``averaged_gradients`` (what its backward epilogue would fill);
+* ZeRO-3 (:mod:`dptorch.distributed.deepspeed_zero3`): the parameters themselves are partitioned; each
+  parameter's partition is written with ZeRO-3's ``set_local_grad_for_param`` (layers whose samplers would read a
+  released parameter are refused).
 
-Under ZeRO-3 the parameters themselves are partitioned; the same controller, hooks removal and
-backward switch apply, and the DP optimizer's noise goes straight into ZeRO-3's partitions instead
-(:mod:`dptorch.distributed.deepspeed_zero3`, the DP optimizer's gradient writer there: each rank
-reduce-scatters the clipped sums after every backward pass, adds its partition's slice of the noise at the
-step, and writes the partition DeepSpeed steps from; layers whose samplers would read a released parameter
-are refused).
+Nothing is averaged and nothing full-size is drawn: the partition is the sum of the ranks' clipped sums plus noise.
 
 ``engine.step()`` on a private engine is the DP optimizer's step (an instance attribute that
 shadows DeepSpeed's method until ``detach``), so DeepSpeed's loop ``loss = engine(x);
@@ -41,10 +34,16 @@ partitioned over fewer ranks than the world (and, when the private engine is mad
 and modes of :mod:`~dptorch.distributed.deepspeed_zero3`, and bandmf noise). Checkpoints
 of the hand-over's state are refused too: DeepSpeed's partitioned state is saved by DeepSpeed.
 
-Memory: at stages 1 and 2 the clipped sums are held at full size on every rank (as under DDP), so a
-private ZeRO-2 run saves the optimizer state and master weights of the other partitions, not gradient
-memory; at stage 3 they are reduce-scattered at the end of every backward pass and each rank holds its
-partition only (``deepspeed_zero3``).
+Memory: at every stage the clipped sums are reduce-scattered at the end of every backward pass, and between the
+micro-batches of a step each rank holds its partition of them only (``1 / world`` of the trainable parameters,
+fp32); the price is one reduce-scatter of the trainable parameters' size per backward pass instead of one
+all-reduce per step.
+
+Why ``engine.step`` is replaced on the engine instance: DeepSpeed 0.19.8 has no hook before its step, and its
+``step()`` at a boundary always counts a global step and steps the learning-rate schedule (``_take_model_step``;
+an ``overflow`` flag skips the update, not the count), so a virtual step (``BatchMemoryManager``) can only stay
+invisible to DeepSpeed if its ``step()`` does not run; the optimizer ``step()`` consults (``engine.optimizer``)
+is DeepSpeed's own ZeRO optimizer, which would have to be replaced on the engine instead. ``detach`` restores it.
 """
 
 from __future__ import annotations
@@ -55,7 +54,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from dptorch.distributed import deepspeed_zero12 as zero12
 from dptorch.distributed import deepspeed_zero3 as zero3
+from dptorch.distributed.partitions import noise_problems
 
 
 def is_deepspeed_engine(module: Any) -> bool:
@@ -97,23 +98,21 @@ def engine_problems(engine: Any) -> List[str]:
     if managed is not None and not managed():
         problems.append('"managed_gradient_accumulation": false moves the gradient reduction into step(): '
                         "remove it (dptorch's BatchMemoryManager accumulates)")
-    parts = {1: _ZERO_PARTS, 2: _ZERO_PARTS, 3: zero3.ZERO3_PARTS}.get(stage, ())
+    parts = {1: zero12.ZERO12_PARTS, 2: zero12.ZERO12_PARTS, 3: zero3.ZERO3_PARTS}.get(stage, ())
     missing = [name for name in parts if not hasattr(engine.optimizer, name)]
     if missing:
         problems.append(f"this DeepSpeed's ZeRO optimizer ({type(engine.optimizer).__name__}) has no "
                         f"{', '.join(missing)}, through which dptorch hands it the noised gradient (tested with "
                         "deepspeed 0.19.8): install that version")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if stage in (1, 2) and not missing:
+        problems += zero12.engine_problems(engine.optimizer, world)
     if stage == 3 and not missing:
         problems += zero3.engine_problems(engine.optimizer, world)
     if int(getattr(engine, "dp_world_size", world)) != world:
         problems.append(f"the data-parallel group has {engine.dp_world_size} of {world} ranks (model, tensor or "
                         "sequence parallelism), which splits one sample's gradient: use data parallelism only")
     return problems
-
-
-#: What of ZeRO-1/2's optimizer (``DeepSpeedZeroOptimizer``) the hand-over uses.
-_ZERO_PARTS = ("bit16_groups", "process_gradients", "_grad_acc_hooks", "create_gradient_handling_hooks")
 
 
 def _offloads(engine: Any) -> bool:
@@ -140,18 +139,18 @@ def check_engine(engine: Any, optimizer: Any = None) -> None:
 
 
 class DeepSpeedHandOver(torch.optim.Optimizer):
-    """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's that ZeRO updates, and its
-    ``step()`` hands their ``p.grad`` (the privatised gradient, the same on every rank) to ZeRO's
-    reduction and runs DeepSpeed's own ``engine.step()``. Under ZeRO-3 (``partitioned``) the DP optimizer has
-    written each rank's partition already, and ``step()`` only runs ZeRO-3's epilogue and DeepSpeed's step.
+    """The DP optimizer's inner optimizer under DeepSpeed: its parameters are the model's that ZeRO steps. By its
+    ``step()`` the DP optimizer's gradient writer has handed ZeRO each rank's partition of the noised gradient
+    (``deepspeed_zero12``, ``deepspeed_zero3``); ``step()`` runs ZeRO-3's backward epilogue (which only points its
+    step at the partitions written; ZeRO-1/2's would overwrite them) and DeepSpeed's own ``engine.step()``.
 
     Learning rates and schedules are DeepSpeed's (its optimizer and scheduler); this optimizer has none.
     """
 
     def __init__(self, engine: Any) -> None:
         zero = engine.optimizer
-        self.partitioned = int(engine.zero_optimization_stage()) == 3  # ZeRO-3: the parameters are partitioned too
-        if self.partitioned:
+        self.stage = int(engine.zero_optimization_stage())
+        if self.stage == 3:
             params = zero3.trainable_params(zero)
         else:
             params = [p for group in zero.bit16_groups for p in group if p.requires_grad]  # what ZeRO steps
@@ -163,16 +162,9 @@ class DeepSpeedHandOver(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # noqa: D102 - see the class
         if closure is not None:
             raise ValueError("DeepSpeed's step takes no closure")
-        engine, zero = self.engine, self.engine.optimizer
-        if not self.partitioned:  # ZeRO-3: the DP optimizer wrote each rank's partition (write_noised_partitions)
-            for index, group in enumerate(zero.bit16_groups):  # what DeepSpeed's gradient hooks do in a backward
-                for param in group:
-                    if param.requires_grad and param.grad is not None:
-                        zero.process_gradients(param, index)
-        # the backward epilogue: ZeRO-1/2 average the ranks' gradients and keep each partition; ZeRO-3's buckets are
-        # empty, and its epilogue only points the step at the partitions written
-        engine.allreduce_gradients()
-        type(engine).step(engine, lr_kwargs=self._lr_kwargs)  # DeepSpeed's own step (the instance's is ours)
+        if self.stage == 3:  # its reduce-scatter buckets are empty
+            self.engine.allreduce_gradients()
+        type(self.engine).step(self.engine, lr_kwargs=self._lr_kwargs)  # DeepSpeed's own step (the instance's is ours)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for group in self.param_groups:
@@ -205,8 +197,18 @@ def attach(engine: Any, dp_optimizer: Any) -> None:
             hand_over._lr_kwargs = None
 
     zero = engine.optimizer
-    if hand_over.partitioned:  # before anything else on the engine changes
+    layers = zero3.layer_problems(dp_optimizer.hooks) if hand_over.stage == 3 else []
+    problems = layers + noise_problems(dp_optimizer)
+    if problems:  # before anything on the engine changes; the controller and the optimizer's listener removed
+        dp_optimizer.detach()
+        dp_optimizer.hooks.cleanup()
+        advice = ". Or use ZeRO stage 1 or 2, which keep whole parameters on every rank" if layers else ""
+        raise ValueError(f"private training under DeepSpeed ZeRO-{hand_over.stage} refuses this model: "
+                         + "; ".join(problems) + advice)
+    if hand_over.stage == 3:
         engine.__dict__["_dptorch_markers"] = zero3.attach(engine, dp_optimizer)
+    else:
+        dp_optimizer.use_gradient_writer(zero12.Zero12Partitions(zero))
     engine.__dict__["_dptorch_saved"] = (engine.enable_backward_allreduce, bool(zero._grad_acc_hooks))
     # ZeRO's gradient hooks would put any gradient autograd still gives a parameter (a path the controller does not
     # see, which it refuses at the end of that backward) into ZeRO's buckets, where a later step would add it raw

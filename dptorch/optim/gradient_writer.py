@@ -11,11 +11,12 @@ then does the two things that depend on how the parameters are laid out over the
   plan's std), divided by the plan's divisor under ``loss_reduction="mean"``, put where the inner optimizer steps
   from (``p.grad``, or the engine's own buffer).
 
-One writer per layout: :class:`WholeParameters` (one process, DDP, ZeRO-1/2: whole parameters on every rank),
+One writer per layout: :class:`WholeParameters` (one process, DDP: whole parameters on every rank),
 ``distributed.fsdp.ShardedParameters`` (FSDP2 and HSDP shards), ``distributed.tensor_parallel.TensorParallelSlices``
 (tensor-parallel slices, alone or with FSDP2), chosen by the optimizer from its parameters; and
-``distributed.deepspeed_zero3.Zero3Partitions`` (ZeRO-3's partitions, which no parameter shows), given to the
-optimizer by ``distributed.deepspeed.attach`` through ``DPOptimizer.use_gradient_writer``.
+``distributed.deepspeed_zero12.Zero12Partitions`` and ``distributed.deepspeed_zero3.Zero3Partitions`` (the
+partitions of ZeRO's flat groups and of ZeRO-3's parameters, which no parameter shows), given to the optimizer by
+``distributed.deepspeed.attach`` through ``DPOptimizer.use_gradient_writer``.
 """
 
 from __future__ import annotations

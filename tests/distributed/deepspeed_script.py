@@ -28,7 +28,7 @@ from torch import nn  # noqa: E402
 from dptorch import BatchMemoryManager, PrivacyEngine  # noqa: E402
 from dptorch.data import DPDataLoader  # noqa: E402
 from dptorch.distributed import ShardedNoise  # noqa: E402
-from dptorch.distributed import deepspeed_zero3 as zero3  # noqa: E402
+from dptorch.distributed import partitions  # noqa: E402
 from tests.distributed import workers  # noqa: E402
 
 # DeepSpeed compiles a shared-memory all-reduce for inference (minutes, once per machine); training never uses it.
@@ -80,16 +80,16 @@ def full_params(engine) -> torch.Tensor:
 def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None, model=workers.model_like,
           phantoms: bool = False, **extra) -> dict:
     """The distributed tests' epoch (``workers.train``: sum loss, physical batches of at most ``physical``) through
-    the DeepSpeed engine; ``extra``: more of DeepSpeed's config; ``bucket``: ZeRO-3's reduce-scatter bucket (in
-    elements of all ranks' partitions; default ``deepspeed_zero3.BUCKET``); ``model``: builds the model;
+    the DeepSpeed engine; ``extra``: more of DeepSpeed's config; ``bucket``: the clipped sums' reduce-scatter bucket
+    (in elements of all ranks' rows; default ``partitions.BUCKET``); ``model``: builds the model;
     ``phantoms``: an empty physical batch runs as a phantom (``DPOptimizer.phantom``), for a model that cannot take
     zero rows."""
     if bucket is not None:
-        zero3.BUCKET, default = bucket, zero3.BUCKET
+        partitions.BUCKET, default = bucket, partitions.BUCKET
         try:
             return train(stage, mode, physical, model=model, phantoms=phantoms, **extra)
         finally:
-            zero3.BUCKET = default
+            partitions.BUCKET = default
     engine = initialize(model(), stage, **extra)
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
                           distributed=True)
@@ -100,7 +100,7 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
         noise_generator=ShardedNoise(seed=workers.NOISE_SEED),
     )
     assert model is engine
-    empty, kept = 0, {"max_held": 0, "not_partition_sized": []}
+    empty, kept = 0, {"max_held": 0, "held_params": 0}
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as batches:
         for x, y in batches:
             empty += not len(x)  # every rank still runs its forward and backward (ZeRO-3 gathers in both)
@@ -110,8 +110,7 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
                     engine.backward((engine(x.new_zeros(1, x.shape[1]).to(dtype)) * 0).sum())
             else:
                 engine.backward(((engine(x.to(dtype)).float() - y) ** 2).sum())
-            if stage == 3:
-                kept = kept_state(optimizer, kept)
+            kept = kept_state(optimizer, kept)
             engine.step()
     try:
         privacy.save_checkpoint(os.path.join(tempfile.mkdtemp(prefix="dptorch-ds-"), "checkpoint.pt"), module=engine,
@@ -121,10 +120,9 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
         checkpoint = str(error)
     privacy.detach()
     whole = sum(p.numel() for p in engine.module.parameters())  # ZeRO-3: 0, every parameter released to partitions
-    if stage == 3:
-        kept.update(partitions=sum(int(p.partition_numel()) for p in optimizer.params),
-                    numels=[int(p.ds_numel) for p in optimizer.params],
-                    writer=type(optimizer.gradient_writer).__name__, add_noise_replaced="add_noise" in vars(optimizer))
+    kept.update(owned=owned_elements(engine.optimizer, stage), numels=[int(p.ds_numel if stage == 3 else p.numel())
+                                                                       for p in optimizer.params],
+                writer=type(optimizer.gradient_writer).__name__, add_noise_replaced="add_noise" in vars(optimizer))
     return {"params": full_params(engine).tolist(), "whole": whole, "epsilon": privacy.get_epsilon(workers.DELTA),
             "steps": privacy.plan.steps, "global_steps": engine.global_steps, "checkpoint": checkpoint, "empty": empty,
             "kept": kept}
@@ -132,11 +130,21 @@ def train(stage: int, mode: str, physical: int = 1, bucket: Optional[int] = None
 
 def kept_state(optimizer, kept: dict) -> dict:
     """``kept`` after one more backward pass: the most elements of clipped sums the DP optimizer held between the
-    passes, and the parameters whose held sum was not their ZeRO-3 partition's size."""
+    passes, and the most parameters it held a part of."""
     held = optimizer._summed
-    odd = [optimizer.hooks.parameter_name(p) for p, t in held.items() if t.numel() != p.partition_numel()]
     return {"max_held": max(kept["max_held"], sum(t.numel() for t in held.values())),
-            "not_partition_sized": sorted(set(kept["not_partition_sized"]) | set(odd))}
+            "held_params": max(kept["held_params"], len(held))}
+
+
+def owned_elements(zero, stage: int) -> int:
+    """The elements of trainable parameters in this rank's partitions, by DeepSpeed's own book-keeping: ZeRO-1/2's
+    partition size less its padding (``groups_padding``) per group; ZeRO-3's partition of each parameter, less the
+    last rank's padding."""
+    if stage == 3:
+        rank = torch.distributed.get_rank()
+        return sum(max(0, min(int(p.partition_numel()), int(p.ds_numel) - rank * int(p.partition_numel())))
+                   for group in zero.fp16_groups for p in group)
+    return sum(int(size) - int(padding) for size, padding in zip(zero.partition_size, zero.groups_padding))
 
 
 def with_epsilon(stage: int) -> dict:
@@ -267,7 +275,16 @@ def main(out: Path) -> None:
     report = {
         "zero1-hooks": train(1, "hooks"),
         "zero2-bk": train(2, "bk", physical=3),
+        # reduce-scatters of 4 columns per rank: a parameter's sum reaches several buckets, the first layer's bias
+        # lies in both ranks' partitions; round-robin gradients reorder ZeRO-2's flat buffer
+        "zero1-hooks-buckets": train(1, "hooks", bucket=8),
+        "zero2-bk-round-robin": train(2, "bk", physical=3, bucket=8,
+                                      zero_optimization={"stage": 2, "round_robin_gradients": True}),
         "zero2-bf16-bk": train(2, "bk", physical=3, bf16={"enabled": True}),
+        "zero1-bf16-hooks": train(1, "hooks", bf16={"enabled": True}),
+        # fp32 gradient accumulation: ZeRO-2 keeps its own gradient partition buffer, which the step reads past
+        "zero2-bf16-fp32-accumulation-bk": train(2, "bk", physical=3, bf16={"enabled": True},
+                                                 data_types={"grad_accum_dtype": "fp32"}),
         "noise-zero2": noise_only(2),
         "zero1-with-epsilon": with_epsilon(1),
         "refused-clipping": refusal(2, gradient_clipping=1.0),
@@ -289,6 +306,7 @@ def main(out: Path) -> None:
         "refused-zero3-functorch": refusal(3, mode="functorch"),
         "refused-zero3-leaf": refusal(3, leaf=True),
         "refused-zero3-bandmf": refusal(3, private={"noise_mechanism": "bandmf", "bands": 2}),
+        "refused-zero2-bandmf": refusal(2, private={"noise_mechanism": "bandmf", "bands": 2}),
         "refused-stage0": refusal(0),
         "refused-offload": refusal(2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
                                    zero_force_ds_cpu_optimizer=False),

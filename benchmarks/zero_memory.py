@@ -1,11 +1,11 @@
-"""Memory per rank of a private DeepSpeed ZeRO-3 step: the clipped sums held between micro-batches, and peaks.
+"""Memory per rank of a private DeepSpeed ZeRO step: the clipped sums held between micro-batches, and peaks.
 
-    python benchmarks/zero3_memory.py [--processes 2]
+    python benchmarks/zero_memory.py [--processes 2] [--stage 3]
 
-Trains 8 ``nn.Linear(2048, 2048)`` (33.6 M parameters, fp32) privately under ZeRO-3 (CPU, gloo, every parameter
-partitioned, ``grad_sample_mode="bk"``), Poisson batches of 32 expected rows split into physical batches of 4 rows
-per rank (3 or 4 micro-batches per step). DeepSpeed's own live-parameter bound is set to about one layer, as a model
-far larger than its defaults (1e9 elements) would see. Prints, per rank: the most bytes of clipped sums the DP
+Trains 8 ``nn.Linear(2048, 2048)`` (33.6 M parameters, fp32) privately under ZeRO-1, 2 or 3 (CPU, gloo; ZeRO-3:
+every parameter partitioned; ``grad_sample_mode="bk"``), Poisson batches of 32 expected rows split into physical
+batches of 4 rows per rank (3 or 4 micro-batches per step). Under ZeRO-3 DeepSpeed's own live-parameter bound is set
+to about one layer, as a model far larger than its defaults (1e9 elements) would see. Prints, per rank: the most bytes of clipped sums the DP
 optimizer held after a backward pass, the peak growth of live tensor bytes (``torch.profiler`` memory events) over
 one micro-batch's forward and backward, over ``step()``, and over a whole logical step. Memory figures only: the
 timings of a shared machine mean nothing.
@@ -35,7 +35,7 @@ def events_peak_mib(prof) -> float:
     return peak / 2**20
 
 
-def worker(out: Path) -> None:
+def worker(out: Path, stage: int) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
     import torch
@@ -51,7 +51,8 @@ def worker(out: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **LIVE},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **LIVE} if stage == 3 else
+              {"stage": stage},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
     engine = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                                   config=config)[0]
@@ -71,7 +72,7 @@ def worker(out: Path) -> None:
     def backward(x, y) -> None:
         engine.backward(((engine(x) - y) ** 2).sum())
 
-    report = {"parameters_mib": sum(p.ds_numel for p in optimizer.params) * 4 / 2**20, "held_mib": 0.0,
+    report = {"parameters_mib": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer.params) * 4 / 2**20, "held_mib": 0.0,
               "forward_backward_mib": 0.0}
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=PHYSICAL, optimizer=optimizer) as batches:
         batches = iter(batches)
@@ -104,15 +105,16 @@ def worker(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        return worker(args.worker)
-    out = Path(tempfile.mkdtemp(prefix="dptorch-bench-zero3-memory-"))
+        return worker(args.worker, args.stage)
+    out = Path(tempfile.mkdtemp(prefix=f"dptorch-bench-zero{args.stage}-memory-"))
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.processes}",
-                    __file__, "--worker", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+                    __file__, "--worker", str(out), "--stage", str(args.stage)], check=True, env=env, stdout=subprocess.DEVNULL)
     print("| rank | clipped sums held (MiB) | peak growth: forward+backward | step() | logical step (MiB) |")
     print("|---|---|---|---|---|")
     for rank in range(args.processes):
