@@ -83,6 +83,9 @@ class _UnflattenAnotherWay(nn.Module):
         out = self.block.experts(flat, index, weights)
         if self.how == "transposed":
             return out.view(tokens, rows, hidden).transpose(0, 1)
+        if self.how == "shaped":  # routes rows of the right count that are no token's: its shape, not its data
+            _, weights, index = self.block.gate(flat.new_ones(rows * tokens, hidden))
+            return self.block.experts(flat, index, weights).view(rows, tokens, hidden)
         return out.view(rows * tokens // 2, 2 * hidden).view(rows, tokens, hidden)
 
 
@@ -90,6 +93,7 @@ class _UnflattenAnotherWay(nn.Module):
     ("router", "do not keep each packed token apart"),
     ("transposed", "mixes or merges its samples|one packed example's data"),
     ("pairs", "flattened with their rows, other than its inverse"),
+    ("shaped", "do not keep each packed token apart"),
 ])
 def test_a_moe_block_that_mixes_flattened_tokens_is_refused(how, match):
     model = moe("mixtral")
