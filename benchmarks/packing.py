@@ -1,6 +1,6 @@
 """Packed against padded DP-SGD batches: real tokens per second, padding and loss at equal epsilon.
 
-    python benchmarks/packing.py [--arch gpt2|llama] [--steps 20] [--batch 16] [--max-length 128] [--nonprivate]
+    python benchmarks/packing.py [--arch gpt2|llama|qwen2-moe] [--steps 20] [--batch 16] [--max-length 128] [--nonprivate]
     python benchmarks/packing.py --width 256 --layers 4 --steps 30 --batch 32   # a bigger run
 
 The examples are the paragraphs of the repository's own docs (docs/*.md, real English text with a
@@ -96,11 +96,15 @@ def build_model(arch: str, vocab: int, width: int, layers: int, max_length: int)
                                          resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=EOS, eos_token_id=EOS,
                                          pad_token_id=PAD, attn_implementation="sdpa")
         return transformers.GPT2LMHeadModel(config)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1),
-                                      max_position_embeddings=max_length, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD,
-                                      tie_word_embeddings=False, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config)
+    common = dict(vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1), max_position_embeddings=max_length,
+                  bos_token_id=EOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
+                  attn_implementation="sdpa")
+    if arch == "qwen2-moe":  # four experts of half the MLP's width, top 2, a shared expert; no auxiliary loss
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=width, shared_expert_intermediate_size=width,
+            router_aux_loss_coef=0.0, **common))
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
 class Run:
@@ -253,7 +257,7 @@ def print_table(result: dict) -> None:
 
 def main(argv: Optional[List[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama"])
+    parser.add_argument("--arch", default="gpt2", choices=["gpt2", "llama", "qwen2-moe"])
     parser.add_argument("--mode", default="bk", choices=["bk", "ghost", "hooks"], help="dptorch's per-sample mode")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda (the loader and packing stay on the CPU)")
     parser.add_argument("--width", type=int, default=64)

@@ -68,3 +68,11 @@ def test_an_empty_draw_is_a_step_of_noise_only_in_both_runs(tmp_path, monkeypatc
     padded, packed = result["runs"]["padded"], result["runs"]["packed"]
     assert padded["examples_per_step"] == packed["examples_per_step"] and 0 in padded["examples_per_step"]
     assert len(packed["step_s"]) == 4 and packed["epsilon"] == padded["epsilon"]
+
+
+def test_a_mixture_of_experts_model_packs_with_each_example_clipped_as_when_padded(tmp_path, monkeypatch):
+    monkeypatch.setattr(packing, "doc_paragraphs", lambda: VARIED)
+    result = packing.main(TINY + ["--arch", "qwen2-moe", "--batch", "6", "--steps", "3", "--out-dir", str(tmp_path)])
+    padded, packed = result["runs"]["padded"], result["runs"]["packed"]
+    assert packed["epsilon"] == padded["epsilon"] and packed["padding_fraction"] < padded["padding_fraction"]
+    assert result["max_relative_unit_norm_difference"] < 1e-4
