@@ -1095,6 +1095,10 @@ class GradSampleHooks:
     def _replay_backward(self, layer: _Layer, params, call: CallBatch, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:
             return
+        if self.grad_sample_mode != "functorch" and len(params) == 1 and call.kind == "batched" and self._linear_head_backward(
+                layer, None, next(iter(params.values())), params, call, call_leaves, call_spec, tensor_positions,
+                out_positions, saved, grad_outputs):
+            return
         self._begin_round()
         leaves = list(call_leaves)
         for i, t in zip(tensor_positions, saved):
@@ -1180,13 +1184,16 @@ class GradSampleHooks:
                  for p, g in per_token.items()}
         self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), next(iter(grads.values()))), grads)
 
-    def _linear_head_backward(self, layer: _Layer, units: TokenUnits, weight, params, call: CallBatch, call_leaves,
-                              call_spec, tensor_positions, out_positions, saved, grad_outputs) -> bool:
-        """The call as a bias-free linear layer's (``linear_head``): False where it is not one."""
+    def _linear_head_backward(self, layer: _Layer, units: Optional[TokenUnits], weight, params, call: CallBatch,
+                              call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> bool:
+        """The call as a bias-free linear layer's (``linear_head``), on packed tokens (``units``) or on the batch's
+        rows: False where it is not one, or where its rows are not laid out as the rules below read them."""
         leaves = list(call_leaves)
         for i, t in zip(tensor_positions, saved):
             leaves[i] = t
         grads = [(pos, g) for pos, g in zip(out_positions, grad_outputs) if g is not None]
+        if units is None and any(call.output_dims[j] is None for j, g in enumerate(grad_outputs) if g is not None):
+            return False  # an output without the batch that got a gradient: the replay refuses it
         self._replaying = True
         try:
             head = linear_head(layer.module, weight, leaves, call_spec, grads)
@@ -1194,11 +1201,18 @@ class GradSampleHooks:
             self._replaying = False
         if head is None:
             return False
-        x, backprops = head
-        rows, tokens = units.shape
-        flat = x.dim() == 2 and x.shape[0] == rows * tokens
-        if not flat and tuple(x.shape[:2]) != (rows, tokens):
-            return False
+        index, x, backprops = head
+        if units is not None:
+            rows, tokens = units.shape
+            flat = x.dim() == 2 and x.shape[0] == rows * tokens
+            if not flat and tuple(x.shape[:2]) != (rows, tokens):
+                return False
+        else:  # a row-major view of an input batched along dim 0: the batch merged with x's rows (k per sample)
+            dim, n, flat = call.input_dims[index], call.n, False
+            if dim is None or dim % INNER or n < 1 or x.dim() < 2 or x.shape[0] % n:
+                return False
+            k = x.shape[0] // n
+            call = CallBatch("batched", n, (k * INNER if k > 1 else 0,), (k * INNER if k > 1 else 0,))
         norm_sampler = HEAD_NORM_SAMPLER if self.grad_sample_mode in ("bk", "ghost") else None
         head_layer = _Layer(layer.name, layer.module, params, HEAD_SAMPLER, norm_sampler, True)
         self._layer_backward(head_layer, params, call, units, flat, (x,), (backprops,))

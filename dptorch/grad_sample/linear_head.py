@@ -9,8 +9,9 @@ norms and clipped sums are then those of a bias-free linear layer (``HEAD_SAMPLE
 
 It applies only where it is exact: the forward reads the weight nowhere but in that one ``F.linear``,
 draws no random numbers, and the linear's input is the call's input itself, or a row-major view of it
-(``x.view(-1, d)``), so that its rows are the input's tokens in order. That each output token depends
-on its own logits row alone is the token tracker's finding in the forward (``hooks._token_replay``).
+(``x.view(-1, d)``), so that its rows are the input's rows (samples' or tokens') in order. That each
+sample's (or packed token's) outputs depend on its own logits rows alone is the batch (or token)
+tracker's finding in the forward, as for the torch.func replay it replaces (``hooks``).
 """
 
 from __future__ import annotations
@@ -55,16 +56,18 @@ class _LinearReads(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _row_aligned(x: torch.Tensor, inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether ``x`` is one of ``inputs``, or a row-major view of one (same memory, both contiguous)."""
-    return any(x is t or (x.data_ptr() == t.data_ptr() and x.numel() == t.numel() and x.is_contiguous()
-                          and t.is_contiguous() and x.dtype == t.dtype) for t in inputs)
+def _row_aligned(x: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Optional[int]:
+    """The index of the input ``x`` is, or is a row-major view of (same memory, both contiguous); None."""
+    return next((i for i, t in enumerate(inputs) if x is t or (
+        x.data_ptr() == t.data_ptr() and x.numel() == t.numel() and x.is_contiguous() and t.is_contiguous()
+        and x.dtype == t.dtype)), None)
 
 
 def linear_head(module: nn.Module, weight: torch.Tensor, call_leaves: list, call_spec: Any,
-                grads: Sequence[Tuple[int, torch.Tensor]]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """``(x, G)``: the linear's input and the gradient at its output, for the recorded call whose output
-    leaves at the positions of ``grads`` received those gradients; None where the call is not such a head."""
+                grads: Sequence[Tuple[int, torch.Tensor]]) -> Optional[Tuple[int, torch.Tensor, torch.Tensor]]:
+    """``(i, x, G)``: the linear's input ``x`` (a row-major view of the call's ``i``-th tensor argument) and the
+    gradient at its output, for the recorded call whose output leaves at the positions of ``grads`` received
+    those gradients; None where the call is not such a head."""
     if weight.dim() != 2:
         return None
     args, kwargs = tree_unflatten(list(call_leaves), call_spec)
@@ -73,14 +76,15 @@ def linear_head(module: nn.Module, weight: torch.Tensor, call_leaves: list, call
     with torch.enable_grad():  # backward runs without grad mode
         with reads:
             out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
-        if reads.other or len(reads.calls) != 1 or not _row_aligned(reads.calls[0][0], inputs):
+        index = _row_aligned(reads.calls[0][0], inputs) if len(reads.calls) == 1 and not reads.other else None
+        if index is None:
             return None
         x, leaf = reads.calls[0]
         total = sum((out_leaves[pos] * g).sum() for pos, g in grads if out_leaves[pos].requires_grad)
         if not isinstance(total, torch.Tensor):
-            return x.detach(), torch.zeros_like(leaf)
+            return index, x.detach(), torch.zeros_like(leaf)
         (backprops,) = torch.autograd.grad(total, leaf, allow_unused=True)
-    return x.detach(), torch.zeros_like(leaf) if backprops is None else backprops
+    return index, x.detach(), torch.zeros_like(leaf) if backprops is None else backprops
 
 
 def _head_grad_sampler(module: nn.Module, activations: Tensors, backprops: torch.Tensor, empty=None, scale=1.0):

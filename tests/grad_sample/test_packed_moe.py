@@ -128,6 +128,24 @@ def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch
     assert_matches(moe("olmoe"), PackingCollator(pad_token_id=0, max_length=8)(items), items, mode)
 
 
+@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
+def test_routers_of_row_units_are_sampled_as_linear_layers_too(monkeypatch, mode):
+    """Unpacked (one sample per row), the router is a bias-free linear layer on the (B * T, H) rows as well,
+    exact against each sample alone, with the torch.func replay disabled."""
+    import dptorch.grad_sample.hooks as hooks_module
+    from tests.grad_sample.oracle import assert_exact
+    from tests.models.zoo import ZOO
+
+    def no_replay(*args, **kwargs):
+        raise AssertionError("the router was replayed per sample")
+
+    monkeypatch.setattr(hooks_module, "functorch_per_sample_grads", no_replay)
+    torch.manual_seed(0)
+    model = ZOO["mixtral"].build()
+    inputs = ZOO["mixtral"].inputs(3, 5, torch.Generator().manual_seed(7))
+    assert_exact(model, inputs, {k: 0 for k in inputs}, ZOO["mixtral"].loss, mode, 3)
+
+
 def _router(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     config = transformers.MixtralConfig(hidden_size=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8)
@@ -149,12 +167,12 @@ def test_linear_head_finds_the_gradient_at_the_routers_logits():
     router, x = _router(), torch.randn(2, 5, 8)
     g_logits, g_scores = torch.randn(10, 4), torch.randn(10, 2)
     head = _head(router, x, [(0, g_logits), (1, g_scores)])
-    assert head is not None and head[0].shape == (10, 8)
+    assert head is not None and head[0] == 0 and head[1].shape == (10, 8)  # a view of the call's first input
     logits = nn.functional.linear(x.reshape(-1, 8), router.weight).detach().requires_grad_()
     scores = torch.topk(torch.softmax(logits.float(), -1), 2, dim=-1).values
     scores = scores / scores.sum(-1, keepdim=True)
     (want,) = torch.autograd.grad((logits * g_logits).sum() + (scores * g_scores).sum(), logits)
-    torch.testing.assert_close(head[1], want)
+    torch.testing.assert_close(head[2], want)
 
 
 class _ReadsTwice(nn.Module):
