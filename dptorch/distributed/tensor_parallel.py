@@ -342,6 +342,13 @@ def check_transformers_styles(module: nn.Module) -> None:
         )
 
 
+def torch_style_hooks(module: nn.Module, outputs: bool) -> bool:
+    """Whether torch's tensor-parallel styles (``parallelize_module``: ColwiseParallel, RowwiseParallel,
+    SequenceParallel, PrepareModuleInput / Output) hooked ``module``'s inputs (``outputs``: its output)."""
+    hooks = module._forward_hooks if outputs else module._forward_pre_hooks
+    return any(str(getattr(hook, "__module__", "")).startswith("torch.distributed.tensor") for hook in hooks.values())
+
+
 def whole_on_every_rank(module: nn.Module, layout: TensorParallelLayout, activations: Sequence[torch.Tensor],
                         backprops: torch.Tensor) -> bool:
     """Whether this call of a split layer yields each sample's *whole* gradient on every rank (from full
@@ -611,6 +618,7 @@ __all__ = [
     "tensor_parallel_group",
     "tensor_parallel_params",
     "token_split_part",
+    "torch_style_hooks",
     "transformers_style",
     "whole_on_every_rank",
 ]

@@ -43,6 +43,7 @@ from dptorch.distributed.tensor_parallel import (
     sum_partial_gradients,
     tensor_parallel_group,
     token_split_part,
+    torch_style_hooks,
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
@@ -259,15 +260,13 @@ class GradSampleHooks:
                 self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
                 continue
             if id(sub) in tensor_parallel:  # the output before tensor parallelism's output hook redistributes it
-                self._handles.append(sub.register_forward_hook(self._note_wrapper_output, prepend=True))
-                self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True,
-                                                               prepend=True))
-                self._handles.append(sub.register_forward_hook(self._tag_wrapper_output))
+                self._handles.append(sub.register_forward_hook(self._on_tensor_parallel_layer_forward, with_kwargs=True,
+                                                               always_call=True, prepend=True))
                 continue
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
             self._watch(param)
-        self._attach_wrapper_input_tags()
+        self._attach_wrapper_tags()
         if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
             self._handles.append(keep_out_of_gradient_sync(self.module, when=lambda: self._suppressing))
         _ATTACHED[self.module] = self
@@ -758,16 +757,21 @@ class GradSampleHooks:
         its child, as BERT's MLM bias and its decoder's): the inner call still captures it."""
         return any(p is param for held in self._suppressed.values() for p in held.values())
 
-    def _attach_wrapper_input_tags(self) -> None:
+    def _attach_wrapper_tags(self) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
-        (its post-backward Function), and a tensor-parallel layer's by DTensors wrapping them, which
-        the batch tracker never saw being made: hooks around it hand each input's batch tag to its
-        replacement."""
+        (its post-backward Function), and torch's tensor-parallel styles replace a module's inputs and
+        outputs by DTensors wrapping them, redistributed or unwrapped, which the batch tracker never saw
+        being made: hooks around them hand each input's (and the output's) batch tag to its replacement."""
         tensor_parallel = {id(m) for m in self._tensor_parallel_modules}
         for sub in self.module.modules():
-            if is_fully_sharded_module(sub) or id(sub) in tensor_parallel:
+            layer = id(sub) in tensor_parallel
+            if is_fully_sharded_module(sub) or layer or torch_style_hooks(sub, outputs=False):
                 self._handles.append(sub.register_forward_pre_hook(self._note_wrapper_inputs, prepend=True, with_kwargs=True))
                 self._handles.append(sub.register_forward_pre_hook(self._tag_wrapper_inputs, with_kwargs=True))
+            if layer or torch_style_hooks(sub, outputs=True):
+                if not (layer and sub in self._layers):  # (a tensor-parallel layer's capture notes its output)
+                    self._handles.append(sub.register_forward_hook(self._note_wrapper_output, prepend=True))
+                self._handles.append(sub.register_forward_hook(self._tag_wrapper_output))
 
     def _note_wrapper_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tracker = self._tracker
@@ -788,6 +792,13 @@ class GradSampleHooks:
         for t, (before, tag) in zip(leaves, noted):
             if t is not before and tag is not None and tracker.get(t) is None and _keeps_batch_dim(before, t, tag):
                 tracker.put(t, tag)
+
+    def _on_tensor_parallel_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """A tensor-parallel layer's capture, before torch's output hook redistributes its output (a row-wise
+        layer's sums scattered over the tokens): the output gradient there is every token's."""
+        tapped = self._on_layer_forward(module, args, kwargs, output)
+        self._note_wrapper_output(module, args, output if tapped is None else tapped)
+        return tapped
 
     def _note_wrapper_output(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self._tracker is not None:

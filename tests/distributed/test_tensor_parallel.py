@@ -55,17 +55,20 @@ class TokenModel(nn.Module):
         return self.head(self.norm2(h)).mean(1)
 
 
-def sequence_split(model: TokenModel, sequence_dim: int = 1) -> TokenModel:
-    """``model`` under tensor and sequence parallelism (torch's styles), on a 1-D mesh of the world."""
+def sequence_split(model: TokenModel, fsdp: bool = False) -> TokenModel:
+    """``model`` under tensor and sequence parallelism (torch's styles), on a 1-D mesh of the world, or
+    (``fsdp``) on the tp dim of a (dp, tp) mesh, FSDP2 sharding the whole model over dp."""
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    tokens = Shard(1)
-    parallelize_module(model, Split().mesh(), {
-        "embed": ColwiseParallel(output_layouts=tokens), "norm1": SequenceParallel(sequence_dim=sequence_dim),
+    tokens, mesh = Shard(1), Split(fsdp=fsdp).mesh()
+    parallelize_module(model, mesh["tp"] if fsdp else mesh, {
+        "embed": ColwiseParallel(output_layouts=tokens), "norm1": SequenceParallel(),
         "up": ColwiseParallel(input_layouts=tokens), "down": RowwiseParallel(output_layouts=tokens),
-        "norm2": SequenceParallel(sequence_dim=sequence_dim),
-        "head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate())})
+        "norm2": SequenceParallel(), "head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate())})
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
     return model
 
 
@@ -317,6 +320,8 @@ def llama_step(mode: str, how: str = "", arch: str = "llama") -> dict:
             parallelize_module(layer, Split().mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
     elif how == "transformers":
         model = from_pretrained_split(model)
+    elif how == "sequence":
+        sequence_split_llama(model)
     hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
                             max_grad_norm=0.3, expected_batch_size=3.0)
@@ -327,6 +332,33 @@ def llama_step(mode: str, how: str = "", arch: str = "llama") -> dict:
     optimizer.step()
     hooks.cleanup()
     return {"params": workers.flat_params(model), "start": start, "clipped": optimizer.last_clipped_fraction}
+
+
+def sequence_split_llama(model: nn.Module) -> nn.Module:
+    """torch's Megatron-style plan with sequence parallelism (as torchtitan splits its Llama): the embedding
+    split by rows, its output scattered over the tokens; every norm under SequenceParallel; attention and MLP
+    gather the tokens (PrepareModuleInput), their output projections scatter their sums over them; the LM
+    head gathers them. The residual stream between them is split along the tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh, tokens = Split().mesh(), Shard(1)
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens, use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate())})
+    gathered = Replicate()
+    for layer in model.model.layers:
+        plan = {name: ColwiseParallel() if kind == "col" else RowwiseParallel(output_layouts=tokens, use_local_output=False)
+                for name, kind in LLAMA_PLAN.items()}
+        plan.update({
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+                                            desired_input_kwarg_layouts={"hidden_states": gathered}),
+            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(gathered,))})
+        parallelize_module(layer, mesh, plan)
+    return model
 
 
 def from_pretrained_split(model: nn.Module) -> nn.Module:
@@ -463,6 +495,8 @@ def scenarios(rank: int):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, "torch")
         yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
         yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
+    for mode in ("hooks", "bk"):
+        yield f"sp-llama-{mode}", lambda mode=mode: llama_step(mode, "sequence")
     for mode in ("hooks", "bk"):  # Qwen3's per-head q/k norms: replicated, each rank part of their gradient
         yield f"tp-hf-qwen3-{mode}", lambda mode=mode: llama_step(mode, "transformers", arch="qwen3")
     yield "tp-style-refused", style_refusal
@@ -688,6 +722,18 @@ def test_a_sequence_parallel_run_ends_where_one_process_ends(tp, mode):
     for run in runs:
         assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
         assert run["steps"] == reference["steps"] and run["rows_per_step"] == reference["rows_per_step"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_a_sequence_parallel_llama_step_is_the_one_process_step(tp, mode):
+    """A tiny Llama under torch's plan with SequenceParallel on all its RMSNorms (the residual stream split
+    along the tokens, 7 of them: an uneven split): the clipped update equals the unsplit model's."""
+    reference = llama_step(mode)
+    assert reference["clipped"] == 1.0
+    for rank in range(WORLD):
+        run = tp(f"sp-llama-{mode}", rank)
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+        assert run["clipped"] == reference["clipped"]
 
 
 def alone_norms(model: nn.Module, x: torch.Tensor) -> dict:
