@@ -1094,7 +1094,8 @@ class GradSampleHooks:
         self._enter_round_units(units)
         packed = None
         if id(layer.module) in self._replicated_tensor_parallel:  # whole weights: all tokens, or this rank's
-            activations, grad_outputs = self._replicated_tensor_parallel_call(layer, params, call, activations, grad_outputs)
+            activations, grad_outputs = self._replicated_tensor_parallel_call(layer, params, call, units, activations,
+                                                                              grad_outputs)
         elif self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
             dims = call.input_dims if call.kind == "batched" else (None,) * len(activations)
             linear = isinstance(layer.module, nn.Linear)  # an embedding's ids must be whole
@@ -1125,7 +1126,8 @@ class GradSampleHooks:
         call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale, units=packed)
         self._strategy.on_call(call)
 
-    def _replicated_tensor_parallel_call(self, layer: _Layer, params, call: CallBatch, activations, grad_outputs):
+    def _replicated_tensor_parallel_call(self, layer: _Layer, params, call: CallBatch, units: Optional[TokenUnits],
+                                         activations, grad_outputs):
         """The local inputs and output gradients of a layer whose weights are whole on every rank; under
         ``SequenceParallel`` they hold this rank's tokens, so its per-sample gradients are this rank's part,
         summed over the group at the end of the pass (one answer per parameter and pass)."""
@@ -1147,6 +1149,11 @@ class GradSampleHooks:
                 "formed from each rank's tokens. Use SequenceParallel on norm layers only"
             )
         split = None not in splits
+        if split and units is not None:
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(layer.module).__name__}): privacy units of tokens (packed sequences) and "
+                "SequenceParallel, which gives each rank a slice of the tokens, are not supported together"
+            )
         for p in params.values():
             if self._token_split.setdefault(p, split) != split:
                 raise PerSampleGradientError(

@@ -541,6 +541,9 @@ def fsdp_scenarios(rank: int):
     yield "tpfsdp-whole-bk", lambda: fsdp_train("bk", per_layer=False)
     yield "tpfsdp-per-layer-hooks", lambda: fsdp_train("hooks", per_layer=True)
     yield "tpfsdp-per-layer-ghost", lambda: fsdp_train("ghost", per_layer=True)
+    for mode in ("hooks", "bk"):
+        yield f"tpfsdp-sp-{mode}", lambda mode=mode: workers.train(
+            sequence_split(TokenModel(), fsdp=True), mode, distributed=Split(fsdp=True).mesh()["dp"].get_group(), physical=3)
     torch.manual_seed(100 + rank)
     yield "tpfsdp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK),
                                              Split(fsdp=True, per_layer=True, names=("0", "1")))
@@ -795,6 +798,18 @@ def test_tp_x_fsdp_run_ends_where_one_process_ends(tp_fsdp, name):
     assert runs[0]["steps"] == reference["steps"]
     # ranks 0 and 1 (one tp group) share rows; 0 and 2 (dp ranks) split the logical batches between them
     assert runs[0]["rows_per_step"] == runs[1]["rows_per_step"]
+    assert [a + b for a, b in zip(runs[0]["rows_per_step"], runs[2]["rows_per_step"])] == reference["rows_per_step"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_tp_x_fsdp_with_sequence_parallel_ends_where_one_process_ends(tp_fsdp, mode):
+    """The token-split residual model under TP (with SequenceParallel norms) on tp and FSDP2 on dp: the norms'
+    partial per-sample gradients are summed over tp only, their clipped sums reduce-scattered over dp."""
+    runs = [tp_fsdp(f"tpfsdp-sp-{mode}", rank) for rank in range(2 * WORLD)]
+    reference = workers.train(TokenModel(), mode, distributed=False, physical=3)
+    for run in runs:
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+        assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
     assert [a + b for a, b in zip(runs[0]["rows_per_step"], runs[2]["rows_per_step"])] == reference["rows_per_step"]
 
 
