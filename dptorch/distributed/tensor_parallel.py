@@ -463,7 +463,6 @@ def local_shape(t: Any) -> torch.Size:
     return t.to_local().shape if is_sharded(t) else t.shape
 
 
-
 def complete_norms(norms: Dict[nn.Parameter, torch.Tensor], layouts: Dict[nn.Parameter, TensorParallelLayout],
                    whole: Any = ()) -> Dict[nn.Parameter, torch.Tensor]:
     """Per-sample norms of the whole parameters, the same on every rank, in one collective: a split

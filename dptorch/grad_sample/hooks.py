@@ -741,7 +741,7 @@ class GradSampleHooks:
         """Refuse a layer with replicated tensor-parallel weights (SequenceParallel) that no grad sampler
         covers: the ranks' parts of its per-sample gradients are summed only on the grad samplers' path."""
         for name, sub in self.module.named_modules():
-            if id(sub) not in self._replicated_tensor_parallel:
+            if id(sub) not in self._replicated_tensor_parallel or not any(p.requires_grad for p in sub.parameters(False)):
                 continue
             if self.grad_sample_mode in ("functorch", "ew") or find_grad_sampler(sub) is None:
                 raise ValueError(
@@ -1362,8 +1362,8 @@ class GradSampleHooks:
             raise PerSampleGradientError(
                 f"parameters {_name_list([self.parameter_name(p) for p in unsummed])} hold part of each sample's "
                 "gradient on every tensor-parallel rank (replicated_with_grad_allreduce, SequenceParallel), but this "
-                "backward pass formed "
-                "them where the parts cannot be summed before their norms; use grad_sample_mode='hooks'"
+                "backward pass formed them where the parts cannot be summed before their norms; use "
+                "grad_sample_mode='hooks'"
             )
         for param, grad in self._strategy.grads.items():
             param.__dict__["grad_sample"] = grad
