@@ -495,7 +495,7 @@ def scenarios(rank: int):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, "torch")
         yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
         yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
-    for mode in ("hooks", "bk"):
+    for mode in ("hooks", "bk", "ghost"):
         yield f"sp-llama-{mode}", lambda mode=mode: llama_step(mode, "sequence")
     for mode in ("hooks", "bk"):  # Qwen3's per-head q/k norms: replicated, each rank part of their gradient
         yield f"tp-hf-qwen3-{mode}", lambda mode=mode: llama_step(mode, "transformers", arch="qwen3")
@@ -727,7 +727,7 @@ def test_a_sequence_parallel_run_ends_where_one_process_ends(tp, mode):
         assert run["steps"] == reference["steps"] and run["rows_per_step"] == reference["rows_per_step"]
 
 
-@pytest.mark.parametrize("mode", ["hooks", "bk"])
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
 def test_a_sequence_parallel_llama_step_is_the_one_process_step(tp, mode):
     """A tiny Llama under torch's plan with SequenceParallel on all its RMSNorms (the residual stream split
     along the tokens, 7 of them: an uneven split): the clipped update equals the unsplit model's."""
