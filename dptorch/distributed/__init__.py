@@ -17,10 +17,11 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
 * ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
   element), whatever the sharding or the number of processes.
 * ``checkpoint``: engine checkpoints of sharded runs (a directory: DCP shards and rank 0's state).
-* ``tensor_parallel``: ``parallelize_module`` (ColwiseParallel / RowwiseParallel, row-split embeddings)
-  and transformers' ``tp_plan``, alone or with FSDP2 on a (dp, tp) mesh: every rank of a
-  tensor-parallel group runs the same batch, the ranks' partial per-sample norms are added up before
-  clipping, each rank keeps its slice of the clipped sum and of the one noise stream.
+* ``tensor_parallel``: ``parallelize_module`` (ColwiseParallel / RowwiseParallel, row-split embeddings,
+  SequenceParallel norms) and transformers' ``tp_plan``, alone or with FSDP2 on a (dp, tp) mesh: every
+  rank of a tensor-parallel group runs the same batch, the ranks' partial per-sample norms are added up
+  before clipping (a SequenceParallel norm's partial per-sample gradients first), each rank keeps its
+  slice of the clipped sum and of the one noise stream.
 * ``deepspeed`` (and ``deepspeed_zero12``, ``deepspeed_zero3``, ``partitions``): ZeRO-1, 2 and 3, the clipped
   sums reduce-scattered into each rank's ZeRO partition after every backward pass, noised there and handed to
   DeepSpeed's step (``engine.step()`` is the DP step).

@@ -24,11 +24,18 @@ gathers the slice for the layer's call, the clipped sums are reduce-scattered ov
 slice (``dptorch.distributed.fsdp.accumulate_sharded`` with ``data_parallel_shard_layout``), and the
 noise takes this rank's rows of its slice. The draws are sharded over dp and mirrored within tp.
 
+**SequenceParallel**: a layer whose parameters are all replicated over the group (torch's
+``SequenceParallel`` on a norm, ``replicated_layer``) sees this rank's slice of every sample's tokens
+(``token_split_part``): its per-sample gradients are this rank's part of each sample's, summed over the
+group (``sum_partial_gradients``) before any norm. Its neighbours' per-sample math is unchanged: a
+column-wise layer gathering the tokens computes with all of them; a row-wise one scattering its output
+over the tokens is tapped before that scatter, where its output gradient covers every token.
+
 Supported: ``nn.Linear`` layers split column-wise (weight and bias ``Shard(0)``) or row-wise (weight
-``Shard(1)``, bias ``Replicate()``), local inputs and outputs, on a 1-D mesh of the whole world or
-the tp dim of a (dp, tp) mesh. Refused when the controller attaches: any other layer with DTensor
-parameters (``SequenceParallel``'s norms, an embedding split by rows), other placements, TP and
-FSDP2 on separate meshes, TP x DDP; context parallelism at every forward (``context_parallel_active``).
+``Shard(1)``, bias ``Replicate()``), local inputs and outputs, an embedding split by rows, layers with
+only replicated parameters, on a 1-D mesh of the whole world or the tp dim of a (dp, tp) mesh. Refused
+when the controller attaches: any other layer with DTensor parameters, other placements, TP and FSDP2
+on separate meshes, TP x DDP; context parallelism at every forward (``context_parallel_active``).
 """
 
 from __future__ import annotations
@@ -126,12 +133,17 @@ def tensor_parallel_params(module: nn.Module, managed: Any = ()) -> Dict[nn.Para
         if not own:
             continue
         label = name or type(module).__name__
+        if _split_kind(sub) is None and replicated_layer(sub, own, managed):
+            for p_name, p in own.items():  # SequenceParallel's norms: whole weights, each rank some tokens
+                _check_whole_world(p.device_mesh, label)
+                layouts[p] = _layout(p, None, _tensor_parallel_dim(p, managed), f"{label}.{p_name}")
+            continue
         if _split_kind(sub) is None:
             raise ValueError(
                 f"{label} ({type(sub).__name__}) has tensor-parallel DTensor parameters {sorted(own)}: tensor "
-                "parallelism is supported for nn.Linear layers split column- or row-wise and nn.Embedding split by "
-                "rows (vocabulary) only: SequenceParallel splits the tokens of one sample across the ranks, and a "
-                "layer of another kind has no rule for its slices. Leave this layer replicated, or freeze its parameters"
+                "parallelism is supported for nn.Linear layers split column- or row-wise, nn.Embedding split by "
+                "rows (vocabulary) and layers whose parameters are all replicated (SequenceParallel's norms) only: "
+                "a layer of another kind has no rule for its slices. Leave this layer replicated, or freeze its parameters"
             )
         weight, bias = sub.weight, getattr(sub, "bias", None)
         dims, mesh_dims = [], []
@@ -163,19 +175,39 @@ def tensor_parallel_params(module: nn.Module, managed: Any = ()) -> Dict[nn.Para
                 f"{label}: weight and bias placements {tuple(dims)} (split dims; None: replicated) are neither "
                 "ColwiseParallel's (Shard(0), Shard(0)) nor RowwiseParallel's (Shard(1), Replicate())"
             )
-        mesh = weight.device_mesh
-        world = torch.distributed.get_world_size()
-        if mesh.size() != world:
-            raise ValueError(
-                f"{label}: its device mesh has {mesh.size()} of the {world} processes; tensor parallelism is "
-                "supported on a mesh of the whole world (TP alone, or a (dp, tp) mesh with FSDP2 over dp)"
-            )
+        _check_whole_world(weight.device_mesh, label)
         for p, dim, mesh_dim in zip((weight, bias), dims, mesh_dims):
             layouts[p] = _layout(p, dim, mesh_dim, f"{label}.{'weight' if p is weight else 'bias'}")
     meshes = {(tuple(layout.mesh.mesh.shape), tuple(layout.mesh.mesh.flatten().tolist())) for layout in layouts.values()}
     if len(meshes) > 1:
         raise ValueError("the tensor-parallel layers are on different device meshes; one mesh is supported")
     return layouts
+
+
+def _check_whole_world(mesh: Any, label: str) -> None:
+    world = torch.distributed.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(
+            f"{label}: its device mesh has {mesh.size()} of the {world} processes; tensor parallelism is "
+            "supported on a mesh of the whole world (TP alone, or a (dp, tp) mesh with FSDP2 over dp)"
+        )
+
+
+def replicated_layer(module: nn.Module, own: Dict[str, Any], managed: Any) -> bool:
+    """Whether every parameter of ``module`` is a tensor-parallel DTensor replicated over the group (torch's
+    ``SequenceParallel`` makes its norms so): each rank computes with the whole weights."""
+    from torch.distributed.tensor import Replicate
+
+    params = dict(module.named_parameters(recurse=False))
+    if set(own) != set(params):
+        return False
+    for p in params.values():
+        mesh_dim = _tensor_parallel_dim(p, managed)
+        if mesh_dim == 0 and (p.device_mesh.ndim != 1 or len(p.placements) != 1):
+            return False
+        if not isinstance(p.placements[mesh_dim], Replicate):
+            return False
+    return True
 
 
 def check_sharding(module: nn.Module) -> Dict[nn.Parameter, Any]:
@@ -310,6 +342,13 @@ def check_transformers_styles(module: nn.Module) -> None:
         )
 
 
+def torch_style_hooks(module: nn.Module, outputs: bool) -> bool:
+    """Whether torch's tensor-parallel styles (``parallelize_module``: ColwiseParallel, RowwiseParallel,
+    SequenceParallel, PrepareModuleInput / Output) hooked ``module``'s inputs (``outputs``: its output)."""
+    hooks = module._forward_hooks if outputs else module._forward_pre_hooks
+    return any(str(getattr(hook, "__module__", "")).startswith("torch.distributed.tensor") for hook in hooks.values())
+
+
 def whole_on_every_rank(module: nn.Module, layout: TensorParallelLayout, activations: Sequence[torch.Tensor],
                         backprops: torch.Tensor) -> bool:
     """Whether this call of a split layer yields each sample's *whole* gradient on every rank (from full
@@ -392,6 +431,31 @@ def local_part(t: Any, batch_dim: Optional[int], features_split: bool = True) ->
                 f"(the batch is dim {batch_dim}) whole on every rank"
             )
     return t.to_local()
+
+
+def token_split_part(t: Any, batch_dim: Optional[int], feature_dims: int) -> Tuple[Any, Optional[int]]:
+    """A replicated layer's input or output gradient as this rank computed with it, and the dim of the tokens
+    it holds a slice of (None: whole). Under ``SequenceParallel`` each rank holds every sample's rows for its
+    slice of the tokens (``Shard`` of a dim that is neither the batch nor one of the last ``feature_dims``,
+    which the layer's weights act on); anything else but a replicated tensor is refused."""
+    if not is_sharded(t):
+        return t, None
+    from torch.distributed.tensor import Replicate, Shard
+
+    split = None
+    for placement in t.placements:
+        if isinstance(placement, Replicate):
+            continue
+        dim = placement.dim % t.dim() if type(placement) is Shard else None
+        if dim is None or dim == batch_dim or dim >= t.dim() - feature_dims or split is not None:
+            raise ValueError(
+                f"a tensor-parallel layer with replicated weights has an input or output gradient with placements "
+                f"{tuple(t.placements)}: only a replicated one, or one split along the tokens (SequenceParallel: "
+                f"neither the batch, dim {batch_dim}, nor one of the last {feature_dims}, as many as its weights have), "
+                "gives each rank whole rows of every sample"
+            )
+        split = dim
+    return t.to_local(), split
 
 
 def local_shape(t: Any) -> torch.Size:
@@ -548,9 +612,12 @@ __all__ = [
     "local_part",
     "local_shape",
     "partial_gradient_params",
+    "replicated_layer",
     "sum_partial_gradients",
     "tensor_parallel_group",
     "tensor_parallel_params",
+    "token_split_part",
+    "torch_style_hooks",
     "transformers_style",
     "whole_on_every_rank",
 ]

@@ -42,6 +42,8 @@ from dptorch.distributed.tensor_parallel import (
     partial_gradient_params,
     sum_partial_gradients,
     tensor_parallel_group,
+    token_split_part,
+    torch_style_hooks,
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
@@ -60,6 +62,7 @@ from dptorch.grad_sample.tracking import (
     rows_to_dense,
 )
 from dptorch.grad_sample.tracking.reads import ParameterReads
+from dptorch.grad_sample.tracking.tags import DIM
 from dptorch.grad_sample.linear_head import HEAD_NORM_SAMPLER, HEAD_SAMPLER, linear_head
 from dptorch.grad_sample.tracking.tokens import TOKEN_DIM, TokenTracker, token_call
 from dptorch.grad_sample.tracking.tokens import refuse as refused_for_tokens
@@ -181,6 +184,7 @@ class GradSampleHooks:
         # Parameter a sharding wrapper (FSDP2's fully_shard) swaps in for the call -> registered one
         self._canonical: Dict[torch.Tensor, nn.Parameter] = {}
         self._wrapper_inputs: Dict[nn.Module, List[Any]] = {}  # FSDP2 modules: inputs (and tags) before its pre-hook
+        self._wrapper_outputs: Dict[nn.Module, Any] = {}  # tensor-parallel layers: the output tapped, before their hook
         self.uncaptured: List[str] = []  # parameters the last backward gave gradients but no capture
         self._listeners: List[Callable[["GradSampleHooks"], None]] = []
         self._batch_size: Optional[int] = None
@@ -209,6 +213,10 @@ class GradSampleHooks:
         self._partial_gradients = partial_gradient_params(self.module) if self.tensor_parallel else []
         self._tensor_parallel_modules = [m for m in self.module.modules()
                                          if any(p in self.tensor_parallel for p in m.parameters(recurse=False))]
+        self._replicated_tensor_parallel = {id(m) for m in self._tensor_parallel_modules  # SequenceParallel's norms
+                                            if not any(self.tensor_parallel[p].sharded for p in m.parameters(recurse=False))}
+        self._token_split: Dict[nn.Parameter, bool] = {}
+        self._check_replicated_tensor_parallel()
         if self.grad_sample_mode == "ew":
             unsupported = expanded_weights.unsupported_modules(self.module)
             if unsupported:
@@ -238,6 +246,7 @@ class GradSampleHooks:
         self._handles.append(self.module.register_forward_hook(self._tap_root_outputs))
         for name, param in self.module.named_parameters(remove_duplicate=True):
             self._param_names[param] = name
+        tensor_parallel = {id(m) for m in self._tensor_parallel_modules}
         for name, sub in self.module.named_modules():
             params = dict(sub.named_parameters(recurse=False))
             if not params:
@@ -250,10 +259,14 @@ class GradSampleHooks:
             if self.grad_sample_mode == "ew":
                 self._handles.append(sub.register_forward_pre_hook(self._check_expanded_batch, with_kwargs=True))
                 continue
+            if id(sub) in tensor_parallel:  # the output before tensor parallelism's output hook redistributes it
+                self._handles.append(sub.register_forward_hook(self._on_tensor_parallel_layer_forward, with_kwargs=True,
+                                                               always_call=True, prepend=True))
+                continue
             self._handles.append(sub.register_forward_hook(self._on_layer_forward, with_kwargs=True, always_call=True))
         for param in self._param_names:
             self._watch(param)
-        self._attach_wrapper_input_tags()
+        self._attach_wrapper_tags()
         if self._under_ddp:  # the DP optimizer reduces the clipped sums; DDP must not expect raw gradients
             self._handles.append(keep_out_of_gradient_sync(self.module, when=lambda: self._suppressing))
         _ATTACHED[self.module] = self
@@ -425,6 +438,7 @@ class GradSampleHooks:
         self._round_consumed = False
         self._round_units = None
         self._tensor_parallel_whole: Dict[nn.Parameter, bool] = {}  # split layers computed whole this round
+        self._token_split = {}  # replicated layers whose inputs were split along the tokens this round
 
     def _drop_kept_grad_samples(self) -> None:
         for param in self._kept_grad_samples:
@@ -723,21 +737,41 @@ class GradSampleHooks:
             p.requires_grad_(False)
         self._suppressed[module] = params
 
+    def _check_replicated_tensor_parallel(self) -> None:
+        """Refuse a layer with replicated tensor-parallel weights (SequenceParallel) that no grad sampler
+        covers: the ranks' parts of its per-sample gradients are summed only on the grad samplers' path."""
+        for name, sub in self.module.named_modules():
+            if id(sub) not in self._replicated_tensor_parallel or not any(p.requires_grad for p in sub.parameters(False)):
+                continue
+            if self.grad_sample_mode in ("functorch", "ew") or find_grad_sampler(sub) is None:
+                raise ValueError(
+                    f"{name} ({type(sub).__name__}) has weights replicated over the tensor-parallel group "
+                    f"(SequenceParallel) and no grad sampler in grad_sample_mode={self.grad_sample_mode!r}: each rank "
+                    "holds part of every sample's tokens, and only a grad sampler's per-sample gradients (of a layer "
+                    "that acts on each token on its own: LayerNorm, RMSNorm) are summed over the ranks. Register a "
+                    "grad sampler for it, use grad_sample_mode 'hooks', 'bk' or 'ghost', or leave it out of the plan"
+                )
+
     def _suppressed_around(self, param: nn.Parameter) -> bool:
         """Whether an enclosing call holds ``param`` out of autograd (a parameter shared by a module and
         its child, as BERT's MLM bias and its decoder's): the inner call still captures it."""
         return any(p is param for held in self._suppressed.values() for p in held.values())
 
-    def _attach_wrapper_input_tags(self) -> None:
+    def _attach_wrapper_tags(self) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
-        (its post-backward Function), and a tensor-parallel layer's by DTensors wrapping them, which
-        the batch tracker never saw being made: hooks around it hand each input's batch tag to its
-        replacement."""
+        (its post-backward Function), and torch's tensor-parallel styles replace a module's inputs and
+        outputs by DTensors wrapping them, redistributed or unwrapped, which the batch tracker never saw
+        being made: hooks around them hand each input's (and the output's) batch tag to its replacement."""
         tensor_parallel = {id(m) for m in self._tensor_parallel_modules}
         for sub in self.module.modules():
-            if is_fully_sharded_module(sub) or id(sub) in tensor_parallel:
+            layer = id(sub) in tensor_parallel
+            if is_fully_sharded_module(sub) or layer or torch_style_hooks(sub, outputs=False):
                 self._handles.append(sub.register_forward_pre_hook(self._note_wrapper_inputs, prepend=True, with_kwargs=True))
                 self._handles.append(sub.register_forward_pre_hook(self._tag_wrapper_inputs, with_kwargs=True))
+            if layer or torch_style_hooks(sub, outputs=True):
+                if not (layer and sub in self._layers):  # (a tensor-parallel layer's capture notes its output)
+                    self._handles.append(sub.register_forward_hook(self._note_wrapper_output, prepend=True))
+                self._handles.append(sub.register_forward_hook(self._tag_wrapper_output))
 
     def _note_wrapper_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         tracker = self._tracker
@@ -756,8 +790,30 @@ class GradSampleHooks:
         if len(leaves) != len(noted):
             return
         for t, (before, tag) in zip(leaves, noted):
-            if t is not before and tag is not None and tracker.get(t) is None and local_shape(t) == before.shape:
+            if t is not before and tag is not None and tracker.get(t) is None and _keeps_batch_dim(before, t, tag):
                 tracker.put(t, tag)
+
+    def _on_tensor_parallel_layer_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        """A tensor-parallel layer's capture, before torch's output hook redistributes its output (a row-wise
+        layer's sums scattered over the tokens): the output gradient there is every token's."""
+        tapped = self._on_layer_forward(module, args, kwargs, output)
+        self._note_wrapper_output(module, args, output if tapped is None else tapped)
+        return tapped
+
+    def _note_wrapper_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._tracker is not None:
+            self._wrapper_outputs[module] = output
+
+    def _tag_wrapper_output(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """A tensor-parallel layer's output hook redistributes (and unwraps) the output the controller tapped
+        (a row-wise layer's partial sums scattered over the tokens): the batch tag passes to the result."""
+        before = self._wrapper_outputs.pop(module, None)
+        if before is None or before is output or not isinstance(output, torch.Tensor):
+            return
+        for tracker in (self._tracker, self._token_tracker):
+            tag = None if tracker is None else tracker.get(before)
+            if tag is not None and tracker.get(output) is None and _keeps_batch_dim(before, output, tag):
+                tracker.put(output, tag)
 
     def _live_params(self, module: nn.Module, layer: _Layer) -> Dict[str, torch.Tensor]:
         """The parameter tensors this call of ``layer`` uses, by name: the registered ones, or the
@@ -1037,7 +1093,10 @@ class GradSampleHooks:
         self._begin_round()
         self._enter_round_units(units)
         packed = None
-        if self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
+        if id(layer.module) in self._replicated_tensor_parallel:  # whole weights: all tokens, or this rank's
+            activations, grad_outputs = self._replicated_tensor_parallel_call(layer, params, call, units, activations,
+                                                                              grad_outputs)
+        elif self._tensor_parallel_modules:  # each rank's slice: local inputs, local output gradients
             dims = call.input_dims if call.kind == "batched" else (None,) * len(activations)
             linear = isinstance(layer.module, nn.Linear)  # an embedding's ids must be whole
             activations = tuple(local_part(a, None if d is None else d % INNER, linear) for a, d in zip(activations, dims))
@@ -1066,6 +1125,42 @@ class GradSampleHooks:
                 )
         call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale, units=packed)
         self._strategy.on_call(call)
+
+    def _replicated_tensor_parallel_call(self, layer: _Layer, params, call: CallBatch, units: Optional[TokenUnits],
+                                         activations, grad_outputs):
+        """The local inputs and output gradients of a layer whose weights are whole on every rank; under
+        ``SequenceParallel`` they hold this rank's tokens, so its per-sample gradients are this rank's part,
+        summed over the group at the end of the pass (one answer per parameter and pass)."""
+        batched = call.kind == "batched"
+        in_dims = call.input_dims if batched else (self._batch_dim,) * len(activations)
+        out_dim = call.output_dims[0] if batched else self._batch_dim
+        width = max(len(p.shape) for p in params.values())
+        try:
+            split_in = [token_split_part(a, None if d is None else d % INNER, width) for a, d in zip(activations, in_dims)]
+            split_out = [token_split_part(g, None if out_dim is None else out_dim % INNER, width) for g in grad_outputs]
+        except ValueError as error:
+            raise PerSampleGradientError(f"{layer.name} ({type(layer.module).__name__}): {error}") from None
+        splits = {dim for (_, dim), d in zip(split_in, in_dims) if d is not None} | {split_out[0][1]}
+        if len(splits) > 1 or (None not in splits and not layer.token_wise):
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(layer.module).__name__}): its weights are replicated over the tensor-parallel "
+                f"group, but its input and output gradient are split along dims {sorted(splits, key=str)} (None: whole) "
+                "and the layer is not one that acts on each token on its own: its per-sample gradients cannot be "
+                "formed from each rank's tokens. Use SequenceParallel on norm layers only"
+            )
+        split = None not in splits
+        if split and units is not None:
+            raise PerSampleGradientError(
+                f"{layer.name} ({type(layer.module).__name__}): privacy units of tokens (packed sequences) and "
+                "SequenceParallel, which gives each rank a slice of the tokens, are not supported together"
+            )
+        for p in params.values():
+            if self._token_split.setdefault(p, split) != split:
+                raise PerSampleGradientError(
+                    f"{layer.name}: one backward pass reached calls of this layer with inputs split along the tokens "
+                    "and with whole inputs; its per-sample gradients need one layout per pass"
+                )
+        return tuple(t for t, _ in split_in), tuple(t for t, _ in split_out)
 
     def _note_tensor_parallel_call(self, layer: _Layer, params, activations, backprops) -> None:
         """Whether this call of a split layer gives each sample's whole gradient on every rank, or this
@@ -1271,17 +1366,18 @@ class GradSampleHooks:
                 "mode, or a weight read directly by another module's code (e.g. a fused LM head)."
             )
         summed = []
-        if self._partial_gradients:  # each rank holds part of these per-sample gradients: the sum is the gradient
-            summed = sum_partial_gradients(self._strategy.grads, self._partial_gradients,
-                                           tensor_parallel_group(self.tensor_parallel))
+        partial = self._partial_gradients + [p for p, split in self._token_split.items() if split]
+        if partial:  # each rank holds part of these per-sample gradients: the sum is the gradient
+            summed = sum_partial_gradients(self._strategy.grads, partial, tensor_parallel_group(self.tensor_parallel))
         self._strategy.finish_round(self._unit_ids if self._round_units is None else None)
-        unsummed = self._unsummed_partial_gradients(summed) if self._partial_gradients else []
+        unsummed = self._unsummed_partial_gradients(partial, summed) if partial else []
         if unsummed:  # held in a form the sum cannot reach (a weight shared by several calls): not the gradient
             self.clear()
             raise PerSampleGradientError(
                 f"parameters {_name_list([self.parameter_name(p) for p in unsummed])} hold part of each sample's "
-                "gradient on every tensor-parallel rank (replicated_with_grad_allreduce), but this backward pass formed "
-                "them where the parts cannot be summed before their norms; use grad_sample_mode='hooks'"
+                "gradient on every tensor-parallel rank (replicated_with_grad_allreduce, SequenceParallel), but this "
+                "backward pass formed them where the parts cannot be summed before their norms; use "
+                "grad_sample_mode='hooks'"
             )
         for param, grad in self._strategy.grads.items():
             param.__dict__["grad_sample"] = grad
@@ -1291,9 +1387,9 @@ class GradSampleHooks:
             self._round_consumed = True
 
 
-    def _unsummed_partial_gradients(self, summed: List[nn.Parameter]) -> List[nn.Parameter]:
+    def _unsummed_partial_gradients(self, partial: List[nn.Parameter], summed: List[nn.Parameter]) -> List[nn.Parameter]:
         covered, summed_ids = self._strategy.covers(), {id(p) for p in summed}
-        return [p for p in self._partial_gradients if p in covered and id(p) not in summed_ids]
+        return [p for p in partial if p in covered and id(p) not in summed_ids]
 
     def _collect_expanded_grad_samples(self) -> None:
         """Move the ``grad_sample`` torch wrote on each parameter into the strategy's table."""
@@ -1391,6 +1487,20 @@ def _has_rows(t: torch.Tensor, dim: int, n: int) -> bool:
 
 
 _TOKEN_WISE = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+
+
+def _keeps_batch_dim(before: torch.Tensor, after: torch.Tensor, tag: Any) -> bool:
+    """Whether ``after``, what a tensor-parallel hook made of ``before`` (wrapped in a DTensor, gathered or
+    scattered along the tokens or features, unwrapped), keeps ``before``'s batch tag: a batch dim (an int
+    tag) whole in both, of one size; a lost batch always; an origin's output only at the very same shape."""
+    if type(tag) is Lost:
+        return True
+    if type(tag) is not int:
+        return local_shape(after) == local_shape(before)
+    dim = tag & DIM
+    if before.dim() != after.dim() or dim >= before.dim():
+        return False
+    return len({before.shape[dim], local_shape(before)[dim], after.shape[dim], local_shape(after)[dim]}) == 1
 
 
 def _token_wise(module: nn.Module, norm_sampler: Optional[NormSampler]) -> bool:

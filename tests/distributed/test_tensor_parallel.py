@@ -28,6 +28,120 @@ def tp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2))
 
 
+TOKENS = 4  # SequenceParallel: each rank 2 of every sample's 4 tokens
+
+
+class TokenModel(nn.Module):
+    """The Megatron recipe at toy scale, the residual stream split along the tokens between the split layers:
+    each sample's row becomes TOKENS tokens; ``embed`` (column-wise, its output scattered over the tokens);
+    a block ``h + down(tanh(up(norm1(h))))`` (``norm1`` under SequenceParallel, ``up`` column-wise gathering
+    the tokens, ``down`` row-wise scattering its sums over them); ``norm2`` (SequenceParallel); ``head``
+    (column-wise gathering the tokens, its output replicated); the mean over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.register_buffer("positions", torch.linspace(0.5, 2.0, TOKENS))
+        self.embed, self.norm1, self.up, self.down = nn.Linear(5, 4), nn.LayerNorm(4), nn.Linear(4, 6), nn.Linear(6, 4)
+        self.norm2, self.head = nn.LayerNorm(4), nn.Linear(4, 2)
+        with torch.no_grad():  # norms that are not the identity at the start
+            for norm in (self.norm1, self.norm2):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        h = self.embed(x[:, None, :] * self.positions[None, :, None])
+        h = h + self.down(torch.tanh(self.up(self.norm1(h))))
+        return self.head(self.norm2(h)).mean(1)
+
+
+def sequence_split(model: TokenModel, fsdp: bool = False) -> TokenModel:
+    """``model`` under tensor and sequence parallelism (torch's styles), on a 1-D mesh of the world, or
+    (``fsdp``) on the tp dim of a (dp, tp) mesh, FSDP2 sharding the whole model over dp."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    tokens, mesh = Shard(1), Split(fsdp=fsdp).mesh()
+    parallelize_module(model, mesh["tp"] if fsdp else mesh, {
+        "embed": ColwiseParallel(output_layouts=tokens), "norm1": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=tokens), "down": RowwiseParallel(output_layouts=tokens),
+        "norm2": SequenceParallel(), "head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate())})
+    if fsdp:
+        fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def sequence_step(mode: str, split: bool) -> dict:
+    """One noiseless DP step of ``TokenModel`` on 5 samples: the per-sample norms over the group (those of
+    one process without ``split``) and the updated parameters."""
+    from dptorch.distributed.tensor_parallel import complete_norms
+
+    model = sequence_split(TokenModel()) if split else TokenModel()
+    hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=0.5, expected_batch_size=5.0)
+    x = torch.randn(5, 5, generator=torch.Generator().manual_seed(2))
+    model(x).pow(2).sum().backward()
+    norms = hooks.per_sample_norms()
+    if split:
+        norms = complete_norms(norms, hooks.tensor_parallel, hooks.tensor_parallel_whole)
+    norms = {hooks.parameter_name(p): value for p, value in norms.items()}
+    optimizer.step()
+    hooks.cleanup()
+    return {"params": workers.flat_params(model), "norms": norms, "clipped": optimizer.last_clipped_fraction}
+
+
+def sequence_empty_step(split: bool) -> dict:
+    """A noise-only step on an empty Poisson batch: every rank meets in every collective, and the noise is
+    the one-process stream. The forward is skipped, on every rank alike (the group runs one batch): torch's
+    DTensor cannot run a (0, T, H) batch through a tensor-parallel Linear (torch 2.13: an uneven unflatten)."""
+    model = sequence_split(TokenModel()) if split else TokenModel()
+    hooks = GradSampleHooks(model, loss_reduction="sum")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=workers.SIGMA,
+                            max_grad_norm=workers.CLIP, expected_batch_size=4.0,
+                            noise_generator=ShardedNoise(seed=workers.NOISE_SEED, chunk_size=workers.CHUNK))
+    optimizer.step()
+    hooks.cleanup()
+    return {"params": workers.flat_params(model)}
+
+
+class Gain(nn.Module):
+    """A per-feature gain with no grad sampler (the torch.func fallback would replay it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def sequence_refusal(kind: str) -> str:
+    """SequenceParallel where the ranks' parts of a per-sample gradient cannot be summed: on a layer with no
+    grad sampler (refused when the controller attaches), or splitting a convolution's length, a dim its
+    weights act on (refused in the backward pass); on every rank."""
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(0)
+    if kind == "no-sampler":
+        model, plan, x = nn.Sequential(nn.Linear(4, 4), Gain()), {"1": SequenceParallel()}, torch.randn(3, 4, 4)
+    else:
+        model, plan, x = nn.Sequential(nn.Conv1d(3, 3, 1)), {"0": SequenceParallel(sequence_dim=2)}, torch.randn(3, 3, 4)
+    parallelize_module(model, Split().mesh(), plan)
+    try:
+        hooks = GradSampleHooks(model, loss_reduction="sum")
+    except ValueError as error:
+        return f"attach: {error}"
+    try:
+        model(x).to_local().pow(2).sum().backward()
+    except Exception as error:  # noqa: BLE001 - the message says which
+        return f"{type(error).__name__}: {error}"
+    finally:
+        hooks.cleanup()
+    return "accepted"
+
+
 def noise_only(generator, split=None) -> dict:
     """Two noise-only steps (empty batches): every gradient is the noise / B (``split``: its tensor-parallel
     layout, None for one process)."""
@@ -78,9 +192,13 @@ def refusal(kind: str, split=None) -> str:
             loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=1, distributed=True)
             PrivacyEngine().make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
-        elif kind == "sequence-parallel":
+        elif kind == "sequence-parallel":  # accepted: a norm's weights replicated, each rank its tokens
             model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
             parallelize_module(model, split.mesh(), {"1": SequenceParallel()})
+            GradSampleHooks(model).cleanup()
+        elif kind == "sequence-parallel-linear":  # a Linear's weights replicated: neither column- nor row-wise
+            model = nn.Sequential(nn.Linear(4, 4))
+            parallelize_module(model, split.mesh(), {"0": SequenceParallel()})
             GradSampleHooks(model).cleanup()
         elif kind == "embedding":  # scale_grad_by_freq counts ids over the whole vocabulary
             model = nn.Sequential(nn.Embedding(10, 4, scale_grad_by_freq=True), nn.Linear(4, 2))
@@ -202,6 +320,8 @@ def llama_step(mode: str, how: str = "", arch: str = "llama") -> dict:
             parallelize_module(layer, Split().mesh(), {name: styles[kind]() for name, kind in LLAMA_PLAN.items()})
     elif how == "transformers":
         model = from_pretrained_split(model)
+    elif how == "sequence":
+        sequence_split_llama(model)
     hooks = GradSampleHooks(model, loss_reduction="sum", grad_sample_mode=mode)
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), hooks=hooks, noise_multiplier=0.0,
                             max_grad_norm=0.3, expected_batch_size=3.0)
@@ -212,6 +332,33 @@ def llama_step(mode: str, how: str = "", arch: str = "llama") -> dict:
     optimizer.step()
     hooks.cleanup()
     return {"params": workers.flat_params(model), "start": start, "clipped": optimizer.last_clipped_fraction}
+
+
+def sequence_split_llama(model: nn.Module) -> nn.Module:
+    """torch's Megatron-style plan with sequence parallelism (as torchtitan splits its Llama): the embedding
+    split by rows, its output scattered over the tokens; every norm under SequenceParallel; attention and MLP
+    gather the tokens (PrepareModuleInput), their output projections scatter their sums over them; the LM
+    head gathers them. The residual stream between them is split along the tokens."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    mesh, tokens = Split().mesh(), Shard(1)
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens, use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=tokens, output_layouts=Replicate())})
+    gathered = Replicate()
+    for layer in model.model.layers:
+        plan = {name: ColwiseParallel() if kind == "col" else RowwiseParallel(output_layouts=tokens, use_local_output=False)
+                for name, kind in LLAMA_PLAN.items()}
+        plan.update({
+            "input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": tokens},
+                                            desired_input_kwarg_layouts={"hidden_states": gathered}),
+            "mlp": PrepareModuleInput(input_layouts=(tokens,), desired_input_layouts=(gathered,))})
+        parallelize_module(layer, mesh, plan)
+    return model
 
 
 def from_pretrained_split(model: nn.Module) -> nn.Module:
@@ -348,6 +495,8 @@ def scenarios(rank: int):
         yield f"tp-llama-{mode}", lambda mode=mode: llama_step(mode, "torch")
         yield f"tp-hf-llama-{mode}", lambda mode=mode: llama_step(mode, "transformers")
         yield f"tp-embedding-{mode}", lambda mode=mode: embedding_step(mode, True)
+    for mode in ("hooks", "bk", "ghost"):
+        yield f"sp-llama-{mode}", lambda mode=mode: llama_step(mode, "sequence")
     for mode in ("hooks", "bk"):  # Qwen3's per-head q/k norms: replicated, each rank part of their gradient
         yield f"tp-hf-qwen3-{mode}", lambda mode=mode: llama_step(mode, "transformers", arch="qwen3")
     yield "tp-style-refused", style_refusal
@@ -357,7 +506,15 @@ def scenarios(rank: int):
     yield "tp-token-split", token_split_refusals
     yield "tp-unseen-refused", unseen_path_refusal
     yield "tp-resume", lambda: workers.sharded_resume(tensor_parallel=Split())
-    for kind in ("distributed-loader", "sequence-parallel", "embedding", "shuffled", "colwise-only"):
+    for mode in ("hooks", "bk", "ghost"):
+        yield f"sp-{mode}", lambda mode=mode: workers.train(sequence_split(TokenModel()), mode, distributed=False,
+                                                            physical=3)
+        yield f"sp-step-{mode}", lambda mode=mode: sequence_step(mode, True)
+    yield "sp-empty", lambda: sequence_empty_step(True)
+    for kind in ("no-sampler", "conv"):
+        yield f"sp-refused-{kind}", lambda kind=kind: sequence_refusal(kind)
+    for kind in ("distributed-loader", "sequence-parallel", "sequence-parallel-linear", "embedding", "shuffled",
+                 "colwise-only"):
         yield f"tp-refused-{kind}", lambda kind=kind: refusal(kind)
 
 
@@ -384,6 +541,9 @@ def fsdp_scenarios(rank: int):
     yield "tpfsdp-whole-bk", lambda: fsdp_train("bk", per_layer=False)
     yield "tpfsdp-per-layer-hooks", lambda: fsdp_train("hooks", per_layer=True)
     yield "tpfsdp-per-layer-ghost", lambda: fsdp_train("ghost", per_layer=True)
+    for mode in ("hooks", "bk"):
+        yield f"tpfsdp-sp-{mode}", lambda mode=mode: workers.train(
+            sequence_split(TokenModel(), fsdp=True), mode, distributed=Split(fsdp=True).mesh()["dp"].get_group(), physical=3)
     torch.manual_seed(100 + rank)
     yield "tpfsdp-noise", lambda: noise_only(ShardedNoise(seed=workers.NOISE_SEED + rank, chunk_size=workers.CHUNK),
                                              Split(fsdp=True, per_layer=True, names=("0", "1")))
@@ -514,7 +674,7 @@ def test_ranks_running_different_data_are_refused_on_every_rank(tp):
 
 @pytest.mark.parametrize("kind, words", [
     ("distributed-loader", "every rank of a tensor-parallel group trains on the same batch"),
-    ("sequence-parallel", "SequenceParallel splits the tokens"),
+    ("sequence-parallel-linear", "are neither ColwiseParallel's (Shard(0), Shard(0)) nor RowwiseParallel's"),
     ("embedding", "has no rule for its slices"),
     ("shuffled", "tensor parallelism is supported with Poisson sampling"),
 ])
@@ -546,6 +706,79 @@ def test_context_parallelism_is_refused_on_every_rank(tp):
 def test_one_split_layer_alone_is_accepted(tp):
     for rank in range(WORLD):
         assert tp("tp-refused-colwise-only", rank) == "accepted"
+        assert tp("tp-refused-sequence-parallel", rank) == "accepted"
+
+
+# ------------------------------------------------------------------ SequenceParallel: the tokens split between the split layers
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+def test_a_sequence_parallel_run_ends_where_one_process_ends(tp, mode):
+    """Norms under SequenceParallel (each rank part of every sample's tokens, so part of its norm weights'
+    gradient), the residual stream split along the tokens, row-wise outputs scattered over them: a whole
+    epoch of Poisson batches (empty ones too) with noise ends on both ranks where one process ends."""
+    runs = [tp(f"sp-{mode}", rank) for rank in range(WORLD)]
+    torch.testing.assert_close(runs[1]["params"], runs[0]["params"], rtol=0, atol=0)
+    reference = workers.train(TokenModel(), mode, distributed=False, physical=3)
+    torch.testing.assert_close(runs[0]["params"], reference["params"], rtol=1e-5, atol=1e-6)
+    assert (reference["params"] - workers.flat_params(TokenModel())).abs().max() > 1e-2
+    for run in runs:
+        assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
+        assert run["steps"] == reference["steps"] and run["rows_per_step"] == reference["rows_per_step"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+def test_a_sequence_parallel_llama_step_is_the_one_process_step(tp, mode):
+    """A tiny Llama under torch's plan with SequenceParallel on all its RMSNorms (the residual stream split
+    along the tokens, 7 of them: an uneven split): the clipped update equals the unsplit model's."""
+    reference = llama_step(mode)
+    assert reference["clipped"] == 1.0
+    for rank in range(WORLD):
+        run = tp(f"sp-llama-{mode}", rank)
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+        assert run["clipped"] == reference["clipped"]
+
+
+def alone_norms(model: nn.Module, x: torch.Tensor) -> dict:
+    """Each sample's gradient norm per parameter, from autograd on that sample alone."""
+    norms = {name: [] for name, _ in model.named_parameters()}
+    for row in x:
+        model.zero_grad()
+        model(row[None]).pow(2).sum().backward()
+        for name, p in model.named_parameters():
+            norms[name].append(p.grad.norm())
+    return {name: torch.stack(values) for name, values in norms.items()}
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk", "ghost"])
+def test_sequence_parallel_per_sample_norms_are_each_samples_alone(tp, mode):
+    """Every parameter's per-sample norm over the group (the norms' partial gradients summed over the ranks
+    first) is the norm of that sample's gradient alone; the clipped step is the one-process step."""
+    expected = alone_norms(TokenModel(), torch.randn(5, 5, generator=torch.Generator().manual_seed(2)))
+    reference = sequence_step(mode, False)
+    assert reference["clipped"] == 1.0  # every sample clipped: the norms matter
+    for rank in range(WORLD):
+        run = tp(f"sp-step-{mode}", rank)
+        assert set(run["norms"]) == set(expected)
+        for name, norms in expected.items():
+            torch.testing.assert_close(run["norms"][name], norms, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+
+
+def test_an_empty_sequence_parallel_batch_takes_the_one_process_noise(tp):
+    reference = sequence_empty_step(False)
+    assert (reference["params"] - workers.flat_params(TokenModel())).abs().max() > 1e-3  # the noise moved them
+    for rank in range(WORLD):
+        torch.testing.assert_close(tp("sp-empty", rank)["params"], reference["params"], rtol=1e-6, atol=1e-7)
+
+
+def test_sequence_parallel_it_cannot_sum_is_refused_on_every_rank(tp):
+    for rank in range(WORLD):
+        message = tp("sp-refused-no-sampler", rank)
+        assert message.startswith("attach: 1 (Gain) has weights replicated over the tensor-parallel group"), message
+        message = tp("sp-refused-conv", rank)
+        assert message.startswith("PerSampleGradientError: 0 (Conv1d)"), message
+        assert "only a replicated one, or one split along the tokens" in message, message
 
 
 # ------------------------------------------------------------------ TP x FSDP2: a 2 x 2 (dp, tp) mesh
@@ -565,6 +798,18 @@ def test_tp_x_fsdp_run_ends_where_one_process_ends(tp_fsdp, name):
     assert runs[0]["steps"] == reference["steps"]
     # ranks 0 and 1 (one tp group) share rows; 0 and 2 (dp ranks) split the logical batches between them
     assert runs[0]["rows_per_step"] == runs[1]["rows_per_step"]
+    assert [a + b for a, b in zip(runs[0]["rows_per_step"], runs[2]["rows_per_step"])] == reference["rows_per_step"]
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_tp_x_fsdp_with_sequence_parallel_ends_where_one_process_ends(tp_fsdp, mode):
+    """The token-split residual model under TP (with SequenceParallel norms) on tp and FSDP2 on dp: the norms'
+    partial per-sample gradients are summed over tp only, their clipped sums reduce-scattered over dp."""
+    runs = [tp_fsdp(f"tpfsdp-sp-{mode}", rank) for rank in range(2 * WORLD)]
+    reference = workers.train(TokenModel(), mode, distributed=False, physical=3)
+    for run in runs:
+        torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+        assert run["epsilon"] == pytest.approx(reference["epsilon"], rel=1e-12)
     assert [a + b for a, b in zip(runs[0]["rows_per_step"], runs[2]["rows_per_step"])] == reference["rows_per_step"]
 
 
