@@ -39,3 +39,9 @@ def hf_ddp(tmp_path_factory):
 def hf_fsdp(tmp_path_factory):
     """(reports, stdout) of ``hf_script.py fsdp``: the same under FSDP2 through Accelerate."""
     return _hf_launch(tmp_path_factory, "fsdp")
+
+
+@pytest.fixture(scope="session")
+def hf_offload(tmp_path_factory):
+    """(reports, stdout) of ``hf_script.py offload``: DPTrainer under FSDP2 with Accelerate's CPU offloading."""
+    return _hf_launch(tmp_path_factory, "offload")

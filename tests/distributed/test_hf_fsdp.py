@@ -4,6 +4,7 @@ The script (``hf_script.py fsdp``) trains the DDP test's run (same seeds, same n
 ``ShardedNoise``) with the LoRA parameters sharded, sharded checkpoints at step 2, and a resume.
 Micro-batches that Poisson sampling left empty run as phantoms: FSDP2 all-gathers in every forward
 and the clipped sums are reduce-scattered after every backward, so every rank must take part.
+``hf_script.py offload`` trains the same DPTrainer run with ``fsdp_config["cpu_offload"] = True``.
 """
 
 import pytest
@@ -90,3 +91,38 @@ def test_only_shards_clipped_sums_the_noise_key_and_logged_scalars_cross_ranks(h
     scatters = sum(name == "reduce_scatter_single" for name, _ in first["collectives"])
     assert scatters == backward_passes * len(first["params"])
     assert sum(name == "broadcast_object_list" for name, _ in first["collectives"]) == 4  # one noise key per step
+
+
+def test_cpu_offloading_through_accelerate_ends_where_fsdp2_ends(hf_offload, hf_fsdp, hf_ddp):
+    """``fsdp_config={"version": 2, "cpu_offload": True}``: Accelerate hands ``CPUOffloadPolicy`` to every
+    ``fully_shard``, and the DP optimizer's sharded path (clipped sums reduce-scattered where the layer
+    computes, each shard then moved to where FSDP2 keeps it, noised and stepped there) trains the FSDP2 run.
+
+    In CPU processes the compute device is the CPU too, so the run equals the FSDP2 run exactly (the same
+    arithmetic); it ends where DDP ends to fp32 rounding, with the same collectives as FSDP2 (offloading adds
+    none, and nothing shaped by a batch crosses)."""
+    offload, fsdp, ddp = hf_offload[0], hf_fsdp[0], hf_ddp[0]
+    for rank in range(WORLD):
+        run, plain = offload[rank]["full"], fsdp[rank]["full"]
+        assert run["offloaded"] and all(run["offloaded"]) and all(run["sharded"])  # every shard lives on the CPU
+        assert plain["offloaded"] and not any(plain["offloaded"])
+        assert run["params"] == plain["params"]
+        assert_close_params(run["params"], ddp[rank]["full"]["params"], rtol=1e-5, atol=1e-6)
+        assert [h["loss"] for h in run["logs"]] == [h["loss"] for h in plain["logs"]]
+        assert run["epsilon"] == plain["epsilon"] and run["steps"] == plain["steps"] == 4
+        assert run["tokens"] == plain["tokens"] and run["seen"] == plain["seen"]
+        assert run["phantoms"] == plain["phantoms"] > 0
+        assert run["collectives"] == plain["collectives"]
+    assert offload[0]["full"]["params"] == offload[1]["full"]["params"]
+
+
+def test_resume_from_an_offloaded_sharded_checkpoint(hf_offload):
+    reports, stdout = hf_offload
+    assert stdout.count("'epsilon'") == 5 + 3  # the full run and the resumed one, logged once, from rank 0
+    for report in reports:
+        assert {"optimizer_0", "pytorch_model_fsdp_0", "dp_privacy_state.pt"} <= set(report["checkpoint"])
+        full, resumed = report["full"], report["resumed"]
+        assert resumed["offloaded"] and all(resumed["offloaded"])
+        assert resumed["steps"] == 4 and resumed["epsilon"] == full["epsilon"]
+        assert resumed["logged"][:2] == full["logged"][:2]
+        assert_close_params(resumed["params"], full["params"], rtol=0, atol=1e-7)

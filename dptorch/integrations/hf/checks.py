@@ -49,10 +49,6 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (getattr(trainer, "is_fsdp_xla_enabled", False),
          "FSDP on XLA is not supported: its sharded parameters are not the DTensors the DP optimizer reduce-scatters "
          "and noises; use FSDP2 on GPUs"),
-        (fsdp is not None and _offloads(fsdp),
-         "FSDP2 CPU offloading (cpu_offload) is not supported: the DP optimizer forms each parameter's clipped sum "
-         "on the compute device and adds its noise where the shard lives, which offloading separates; unset "
-         "cpu_offload (shard over more processes instead)"),
         (getattr(args, "parallelism_config", None) is not None,
          "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
          "activations or gradient across ranks, and the per-sample norms would then be partial"),
@@ -97,15 +93,6 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     if deepspeed is not None:  # ZeRO-1, 2 and 3 train privately (.deepspeed); the rest is refused
         refusals += [(True, f"DeepSpeed: {problem}") for problem in config_problems(deepspeed)]
     return [message for refused, message in refusals if refused]
-
-
-def _offloads(fsdp_plugin: Any) -> bool:
-    """Whether an FSDP2 plugin offloads the parameters to the CPU."""
-    try:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-    except ImportError:
-        return False
-    return isinstance(getattr(fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
 
 
 def check_setup(trainer: Any, privacy_args: PrivacyArguments) -> None:
