@@ -16,7 +16,7 @@ from tests.distributed.launch import WORLD
 def expected_micro_batches(report, rank):
     """Rank ``rank``'s micro-batches: its units ``rank::world_size`` of each global Poisson draw, in GA parts."""
     sampler = PoissonBatchSampler(len(report["rows"]), report["sample_rate"], steps=report["steps_per_epoch"],
-                                  seed=report["seed"], rank=rank, world_size=report["world_size"])
+                                  seed=report["seed"], rank=rank, world_size=report.get("world_size", WORLD))
     return [[report["rows"][i] for i in part] for _, units in sampler.draws()
             for part in np.array_split(np.asarray(units, dtype=np.int64), report["micro_batches"])]
 
