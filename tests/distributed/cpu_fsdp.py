@@ -4,13 +4,15 @@ Accelerate turns a ``fsdp_plugin`` into ``DistributedType.FSDP`` only on acceler
 ...); in CPU processes (``MULTI_CPU``, gloo) it drops the plugin. FSDP2 itself runs on CPU with
 gloo, so for the tests the state is switched to FSDP after Accelerate set it up; everything after
 that (``fully_shard`` in ``prepare``, the sharded checkpoints) is Accelerate's and the Trainer's own
-code path.
+code path. Under CPU offloading (``cpu_offload``) the plugin's ``CPUOffloadPolicy`` is told not to pin
+memory, which needs an accelerator (the engine's own offloading test does the same).
 """
 
 from __future__ import annotations
 
 import accelerate.state as accelerate_state
 from accelerate.utils import DistributedType
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 
 def allow_fsdp_on_cpu() -> None:
@@ -21,6 +23,8 @@ def allow_fsdp_on_cpu() -> None:
         if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
             self.distributed_type = DistributedType.FSDP
             self.fsdp_plugin = fsdp_plugin
+            if isinstance(fsdp_plugin.cpu_offload, CPUOffloadPolicy) and fsdp_plugin.cpu_offload.pin_memory:
+                fsdp_plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
             accelerate_state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
     accelerate_state.AcceleratorState.__init__ = init

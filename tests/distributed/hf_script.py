@@ -1,11 +1,16 @@
-"""The private HF trainers under ``torchrun --nproc-per-node 2`` (gloo, CPU), launched by the test_hf_*.py tests.
+"""The private HF trainers under ``torchrun`` (2 or 4 processes, gloo, CPU), launched by the test_hf_*.py tests.
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/hf_script.py OUT ddp|fsdp
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed/hf_script.py OUT ddp|fsdp|offload
+    python -m torch.distributed.run --nproc-per-node 4 tests/distributed/hf_script.py OUT hsdp|ddp-only
 
 ``ddp``: DDP. ``fsdp``: FSDP2 through Accelerate, sharded checkpoints: for DPTrainer from
 ``TrainingArguments(fsdp=True, fsdp_config={"version": 2, ...})``, for the TRL trainers from the
 environment ``accelerate launch --config_file examples/accelerate_fsdp2.yaml`` sets (``cpu_fsdp``
-lets Accelerate take its FSDP path in CPU processes). Runs, one after the other, 4 steps each,
+lets Accelerate take its FSDP path in CPU processes). ``offload``: DPTrainer only, as ``fsdp`` with
+``fsdp_config["cpu_offload"] = True`` (Accelerate's ``CPUOffloadPolicy`` on every ``fully_shard``).
+``hsdp`` (4 processes): DPTrainer only, as ``fsdp`` with Accelerate's
+``ParallelismConfig(dp_replicate_size=2, dp_shard_size=2)`` (a 2 x 2 ``(replicate, shard)`` mesh);
+``ddp-only``: DPTrainer only under DDP, its reference. Runs, one after the other, 4 steps each,
 micro-batches of 1 unit per device on average (some empty on one rank, one on both):
 
 * ``full``: DPTrainer, LoRA Llama, a checkpoint at step 2; ``resumed``: resumed from it;
@@ -59,6 +64,17 @@ PRIVACY = dict(noise_multiplier=0.8, target_delta=1e-3, per_sample_max_grad_norm
 TRAINING = dict(max_steps=4, per_device_train_batch_size=1, gradient_accumulation_steps=2, optim="sgd",
                 lr_scheduler_type="constant", learning_rate=0.5, max_grad_norm=0.0)
 SHARDED = dict(fsdp=True, fsdp_config={"version": 2, "state_dict_type": "SHARDED_STATE_DICT"})
+OFFLOADED = dict(fsdp=True, fsdp_config={**SHARDED["fsdp_config"], "cpu_offload": True})
+DPTRAINER_ONLY = ("offload", "hsdp", "ddp-only")
+
+
+def mode_args(mode: str) -> dict:
+    """The TrainingArguments a mode adds."""
+    if mode == "hsdp":
+        from accelerate import ParallelismConfig
+
+        return dict(**SHARDED, parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
+    return {"fsdp": SHARDED, "offload": OFFLOADED}.get(mode, {})
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce", "broadcast", "all_gather",
                "all_gather_object", "broadcast_object_list", "all_gather_into_tensor", "reduce_scatter_tensor",
                "reduce_scatter", "scatter", "gather", "send", "recv")
@@ -153,7 +169,8 @@ def dp_trainer(output_dir: Path, tokenizer, mode: str, seed=SAMPLING_SEED) -> Ob
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     model = get_peft_model(without_dropout(tiny_llama(tokenizer)), config)
     args = cpu_training_args(
-        str(output_dir), save_strategy="steps", save_steps=2, **TRAINING, **(SHARDED if mode == "fsdp" else {}),
+        str(output_dir), save_strategy="steps", save_steps=2, **TRAINING,
+        **mode_args(mode),
         include_num_input_tokens_seen="all",  # gathers over the ranks for every micro-batch, empty ones too
     )
     return ObservedDPTrainer(model=model, args=args, train_dataset=lm_dataset(tokenizer, ROWS),
@@ -207,12 +224,23 @@ def summary(trainer) -> dict:
         "tokens": trainer.state.num_input_tokens_seen, "seen": trainer.seen, "phantoms": trainer.phantoms,
         "collectives": list(trainer.collectives),
         "sharded": [type(p).__name__ == "DTensor" for p in trainer.model.parameters() if p.requires_grad],
+        "offloaded": offloaded(trainer.model),
+        "meshes": sorted({(p.device_mesh.mesh_dim_names, tuple(map(str, p.placements)), p.device_mesh.size())
+                          for p in trainer.model.parameters() if p.requires_grad and hasattr(p, "device_mesh")}),
     }
+
+
+def offloaded(model) -> list:
+    """For each parameter ``fully_shard`` manages, whether FSDP2 keeps its shard offloaded to the CPU."""
+    from dptorch.distributed.fsdp import is_fully_sharded_module
+
+    return [fsdp_param.offload_to_cpu for sub in model.modules() if is_fully_sharded_module(sub)
+            for group in sub._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
 
 
 def main(out: Path, mode: str) -> None:
     torch.set_num_threads(1)
-    if mode == "fsdp":
+    if mode in ("fsdp", "offload", "hsdp"):
         from tests.distributed.cpu_fsdp import allow_fsdp_on_cpu
 
         allow_fsdp_on_cpu()
@@ -242,7 +270,7 @@ def main(out: Path, mode: str) -> None:
     except ImportError:
         pass
     else:
-        for kind in ("sft", "dpo"):
+        for kind in () if mode in DPTRAINER_ONLY else ("sft", "dpo"):
             trainer = trl_trainer(kind, out / kind, tokenizer, mode)
             trainer.train()
             report[kind] = summary(trainer)

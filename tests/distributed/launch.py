@@ -16,13 +16,13 @@ WORLD = 2
 TIMEOUT_S = 240  # a hang (unpaired collectives) fails the test instead of blocking the suite
 
 
-def torchrun(script: str, out: Path, *args: str, reports: str) -> Tuple[List[dict], str]:
-    """Run ``tests/distributed/<script> OUT *args`` on WORLD processes; return the ranks'
+def torchrun(script: str, out: Path, *args: str, reports: str, world: int = WORLD) -> Tuple[List[dict], str]:
+    """Run ``tests/distributed/<script> OUT *args`` on ``world`` processes; return the ranks'
     ``OUT/<reports>-rank<r>.json`` and the stdout (the Trainer prints its logs from rank 0 only)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # an optional extra's folder stays
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     # --standalone: torchrun binds a free port itself (no race with another run picking the same one)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(Path(__file__).with_name(script)), str(out), *args]
     try:
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -30,4 +30,4 @@ def torchrun(script: str, out: Path, *args: str, reports: str) -> Tuple[List[dic
         pytest.fail(f"{script} {' '.join(args)} did not finish within {TIMEOUT_S} s:\n{str(error.stderr)[-4000:]}")
     if done.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return [json.loads((out / f"{reports}-rank{rank}.json").read_text()) for rank in range(WORLD)], done.stdout
+    return [json.loads((out / f"{reports}-rank{rank}.json").read_text()) for rank in range(world)], done.stdout

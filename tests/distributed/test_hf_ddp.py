@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from dptorch.data.poisson import PoissonBatchSampler
+from dptorch.plan import PrivacyPlan
 from tests.distributed.launch import WORLD
 
 
 def expected_micro_batches(report, rank):
-    """Rank ``rank``'s micro-batches: its units ``rank::WORLD`` of each global Poisson draw, in GA parts."""
+    """Rank ``rank``'s micro-batches: its units ``rank::world_size`` of each global Poisson draw, in GA parts."""
     sampler = PoissonBatchSampler(len(report["rows"]), report["sample_rate"], steps=report["steps_per_epoch"],
-                                  seed=report["seed"], rank=rank, world_size=WORLD)
+                                  seed=report["seed"], rank=rank, world_size=report.get("world_size", WORLD))
     return [[report["rows"][i] for i in part] for _, units in sampler.draws()
             for part in np.array_split(np.asarray(units, dtype=np.int64), report["micro_batches"])]
 
@@ -24,6 +25,41 @@ def assert_close_params(got, expected, **tolerance):
     assert got.keys() == expected.keys() and got
     for name, values in expected.items():
         np.testing.assert_allclose(got[name], values, err_msg=name, **tolerance)
+
+
+def assert_same_run(run, reference):
+    """``run`` (a rank's summary) trained ``reference``'s run: its parameters to fp32 rounding of the summation
+    order, its losses, epsilon, steps, tokens. The noise moves the LoRA weights by about 0.1 per step here (the
+    reference must have moved that far), so an element noised twice or not at all would end far from it."""
+    assert_close_params(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
+    assert [h["loss"] for h in run["logs"]] == pytest.approx([h["loss"] for h in reference["logs"]], rel=1e-6)
+    assert run["epsilon"] == reference["epsilon"] and run["steps"] == reference["steps"] == 4
+    assert run["tokens"] == reference["tokens"]
+    assert max(abs(v) for values in reference["params"].values() for v in values) > 0.1
+
+
+def assert_draws_accounted(reports, expected_batch_size):
+    """Each rank saw its units of each Poisson draw, every empty micro-batch ran as a phantom, and every draw
+    is one accounted step of rate q (the phantoms count nothing)."""
+    for rank, report in enumerate(reports):
+        full = report["full"]
+        assert full["seen"] == expected_micro_batches(report, rank)[:8]
+        assert full["phantoms"] == sum(not batch for batch in full["seen"])
+    plan = PrivacyPlan(noise_multiplier=reports[0]["noise_multiplier"], sample_rate=reports[0]["sample_rate"],
+                       num_units=len(reports[0]["rows"]), accountant="pld")
+    for report in reports:
+        assert report["full"]["steps"] == 4 and report["full"]["epsilon"] == plan.epsilon_after(4, 1e-3)
+        assert report["expected_batch_size"] == report["sample_rate"] * len(report["rows"]) == expected_batch_size
+
+
+def assert_resumed(report):
+    """The run resumed from the sharded checkpoint at step 2 ends where the uninterrupted one ends (the noise
+    generator's state travels in dp_privacy_state.pt: with noise_seed, a restarted stream would differ)."""
+    assert {"optimizer_0", "pytorch_model_fsdp_0", "dp_privacy_state.pt"} <= set(report["checkpoint"])
+    full, resumed = report["full"], report["resumed"]
+    assert resumed["steps"] == 4 and resumed["epsilon"] == full["epsilon"]
+    assert resumed["logged"][:2] == full["logged"][:2]
+    assert_close_params(resumed["params"], full["params"], rtol=0, atol=1e-7)
 
 
 def test_each_rank_samples_its_own_shard_of_one_poisson_batch(hf_ddp):

@@ -79,6 +79,33 @@ def test_trainer_refusals_say_why():
     TrlLike.__module__ = "trl.trainer.sft_trainer"
     assert setup_problems(TrlLike(**vars(fake_trainer(world_size=2))), privacy) == []  # TRL on several processes
 
+
+def test_parallelism_config_is_refused_unless_it_is_hsdp_under_fsdp2():
+    """Accelerate's ParallelismConfig: data-parallel sizes under FSDP2 (HSDP, test_hf_hsdp.py trains it) pass;
+    tensor / context / sequence parallelism split a sample and are refused, as is the config without FSDP2."""
+    pytest.importorskip("transformers")
+    from dptorch.integrations.hf import PrivacyArguments
+    from dptorch.integrations.hf.checks import setup_problems
+
+    privacy = PrivacyArguments(noise_multiplier=1.0)
+
+    def problems(version, **sizes):
+        names = ("dp_replicate", "dp_shard", "tp", "cp", "sp")
+        config = SimpleNamespace(**{f"{name}_size": sizes.get(name, 1) for name in names})
+        trainer = fake_trainer(world_size=4, parallelism_config=config)
+        if version is not None:
+            trainer.is_fsdp_enabled = True
+            trainer.accelerator = SimpleNamespace(state=SimpleNamespace(
+                fsdp_plugin=SimpleNamespace(fsdp_version=version), parallelism_config=config))
+        return " ".join(setup_problems(trainer, privacy))
+
+    assert problems(2, dp_replicate=2, dp_shard=2) == ""
+    assert problems(2, dp_shard=4) == ""
+    for name in ("tp", "cp", "sp"):
+        assert "splits one sample's" in problems(2, dp_shard=2, **{name: 2})
+    assert "without FSDP2" in problems(None, dp_replicate=4)
+    assert "without FSDP2" in problems(1, dp_replicate=2, dp_shard=2) and "FlatParameter" in problems(1, dp_shard=4)
+
 def test_ddp_switch_needs_ddp_and_is_found_through_wrappers():
     with pytest.raises(TypeError):
         keep_out_of_gradient_sync(torch.nn.Linear(2, 2))

@@ -34,6 +34,7 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     state = getattr(getattr(trainer, "accelerator", None), "state", None)
     fsdp = getattr(state, "fsdp_plugin", None) if getattr(trainer, "is_fsdp_enabled", False) else None
     optimizer_name = str(getattr(args.optim, "value", args.optim)).lower()
+    parallelism = getattr(state, "parallelism_config", None) or getattr(args, "parallelism_config", None)
     refusals = [
         (dataset is None,
          "train_dataset is required at construction: the sampling rate and the noise depend on its size"),
@@ -49,13 +50,13 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (getattr(trainer, "is_fsdp_xla_enabled", False),
          "FSDP on XLA is not supported: its sharded parameters are not the DTensors the DP optimizer reduce-scatters "
          "and noises; use FSDP2 on GPUs"),
-        (fsdp is not None and _offloads(fsdp),
-         "FSDP2 CPU offloading (cpu_offload) is not supported: the DP optimizer forms each parameter's clipped sum "
-         "on the compute device and adds its noise where the shard lives, which offloading separates; unset "
-         "cpu_offload (shard over more processes instead)"),
-        (getattr(args, "parallelism_config", None) is not None,
-         "parallelism_config (tensor / context / sequence parallelism) is not supported: it splits one sample's "
-         "activations or gradient across ranks, and the per-sample norms would then be partial"),
+        (parallelism is not None and _splits_samples(parallelism),
+         "parallelism_config with tensor / context / sequence parallelism (tp_size, cp_size or sp_size > 1) is not "
+         "supported: it splits one sample's activations or gradient across ranks, and the per-sample norms would "
+         "then be partial. Data parallelism only (dp_replicate_size, dp_shard_size) is supported under FSDP2"),
+        (parallelism is not None and not _splits_samples(parallelism) and getattr(fsdp, "fsdp_version", None) != 2,
+         "parallelism_config without FSDP2 is not supported (untested); for HSDP set dp_replicate_size and "
+         "dp_shard_size with fsdp_config={'version': 2}, for DDP leave parallelism_config unset"),
         (_tensor_parallel(trainer.model),
          "a tensor-parallel model (from_pretrained(tp_plan=...), parallelize_module) is not supported in the private "
          "Trainer yet: its sampler deals each rank other samples, while tensor parallelism needs one batch on every "
@@ -99,13 +100,10 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     return [message for refused, message in refusals if refused]
 
 
-def _offloads(fsdp_plugin: Any) -> bool:
-    """Whether an FSDP2 plugin offloads the parameters to the CPU."""
-    try:
-        from torch.distributed.fsdp import CPUOffloadPolicy
-    except ImportError:
-        return False
-    return isinstance(getattr(fsdp_plugin, "cpu_offload", None), CPUOffloadPolicy)
+def _splits_samples(parallelism_config: Any) -> bool:
+    """Whether Accelerate's ``ParallelismConfig`` splits a sample over ranks (any size but the data-parallel ones
+    above 1; HSDP's ``dp_replicate_size`` x ``dp_shard_size`` splits none)."""
+    return any((getattr(parallelism_config, f"{name}_size", 1) or 1) > 1 for name in ("tp", "cp", "sp"))
 
 
 def check_setup(trainer: Any, privacy_args: PrivacyArguments) -> None:
