@@ -165,7 +165,9 @@ class GradSampleHooks:
         self._param_names: Dict[nn.Parameter, str] = {}
         self._buffers = BufferPool()  # per-sample gradient memory, lent again each round (CPU)
         self._strategy = self._new_strategy()
-        self._suspended = False
+        self._suspending = False  # inside _capture_suspended: our own operations
+        self._paused = False  # disable_hooks(): no capture at all until enable_hooks()
+        self._paused_gradients: Dict[nn.Parameter, None] = {}  # parameters a paused backward gave a gradient
         self._suppressed: Dict[nn.Module, Dict[str, nn.Parameter]] = {}
         self._expanded: Optional[Any] = None
         self._received: Dict[nn.Parameter, None] = {}
@@ -357,11 +359,52 @@ class GradSampleHooks:
 
     @contextlib.contextmanager
     def _capture_suspended(self):
-        self._suspended = True
+        self._suspending = True
         try:
             yield
         finally:
-            self._suspended = False
+            self._suspending = False
+
+    @property
+    def _suspended(self) -> bool:
+        """Whether backward-side capture is off: our own operations, or capture paused."""
+        return self._suspending or self._paused
+
+    # ------------------------------------------------------------------ pausing (Opacus' names)
+
+    @property
+    def hooks_enabled(self) -> bool:
+        """Whether forwards and backwards are captured (Opacus' name); ``disable_hooks()`` pauses."""
+        return self._attached and not self._paused
+
+    def disable_hooks(self) -> None:
+        """Pause capture: forwards and backwards from now on capture nothing, as in an unhooked model.
+
+        The gradients a paused backward gives reach ``p.grad`` unclipped, and no DP step ever uses them:
+        the DP optimizer writes every parameter's gradient from the clipped sums of captured backward
+        passes plus noise, and refuses a step that has only paused passes behind it. ``enable_hooks()``
+        resumes exact per-sample capture from the next forward.
+        """
+        self._set_paused(True)
+
+    def enable_hooks(self) -> None:
+        """Resume capture after :meth:`disable_hooks` (capture is on from attach)."""
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        if self._root_depth or self._in_backward or torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("disable_hooks() / enable_hooks() inside a forward or backward pass: pause or resume "
+                               "between passes, so that every pass is captured whole or not at all")
+        self._paused = paused
+
+    @property
+    def paused_gradients(self) -> List[nn.Parameter]:
+        """Parameters paused backward passes gave gradients since :meth:`forget_paused_gradients`."""
+        return list(self._paused_gradients)
+
+    def forget_paused_gradients(self) -> None:
+        """The paused passes' gradients are gone (the DP optimizer's ``zero_grad()`` or step)."""
+        self._paused_gradients = {}
 
     def parameter_name(self, param: nn.Parameter) -> str:
         if param in self._param_names:
@@ -456,11 +499,11 @@ class GradSampleHooks:
                 )
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
-            if module.training and torch.is_grad_enabled() and self._batch_size is not None:
+            if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size)
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
-            if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size:
+            if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
 
@@ -640,7 +683,7 @@ class GradSampleHooks:
         """Tap the model's outputs, so that a second backward through this forward is refused
         even where it reaches no hooked layer twice (two heads on a frozen trunk). Under expanded
         weights, where torch writes p.grad_sample itself, the tap also tells us when backward starts."""
-        if module is not self.module or self._replaying or not (torch.is_grad_enabled() and module.training):
+        if module is not self.module or self._replaying or self._paused or not (torch.is_grad_enabled() and module.training):
             return None
         leaves, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -682,7 +725,7 @@ class GradSampleHooks:
             )
 
     def _capturing(self, module: nn.Module) -> bool:
-        return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
+        return not (self._replaying or self._paused) and torch.is_grad_enabled() and module.training and module in self._layers
 
     @property
     def _suppressing(self) -> bool:
@@ -1134,6 +1177,9 @@ class GradSampleHooks:
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         param = self._canonical.get(param, param)  # FSDP2: a gathered parameter stands for its shard
+        if self._paused and param.requires_grad and param in self._param_names:
+            self._paused_gradients[param] = None  # never used by a DP step (DPOptimizer.pre_step)
+            return
         if param.requires_grad and param in self._param_names and not self._suspended:
             self._begin_round()
             self._received[param] = None
