@@ -486,7 +486,8 @@ class GradSampleHooks:
                 self._buffers.reclaim()
             if torch._C._current_graph_task_id() == -1:  # outside backward, where the stack is the caller's
                 remove_finished_trackers()  # other controllers' too: they only pass calls through
-            self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
+            bags = _bag_offsets(module, args, kwargs)
+            self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim) if bags is None else bags.shape[0]
             self.last_batch_size = self._batch_size
             units, self._token_units = self._token_units, None  # token units hold for one forward
             self._packed_forward = None
@@ -531,7 +532,8 @@ class GradSampleHooks:
             for t in drawn.latest():
                 if t.dim() and t.shape[0] == n and tracker.get(t) is None:
                     tracker.put(t, 0)
-        primary = _primary_input(args, kwargs, dim)
+        primary = _bag_offsets(self.module, args, kwargs)
+        primary = _primary_input(args, kwargs, dim) if primary is None else primary
         named = [(None, a) for a in args] + list(kwargs.items())
         for name, value in named:
             strong = value is primary or (dim == 0 and name in _PER_SAMPLE_KEYS)
@@ -1039,6 +1041,9 @@ class GradSampleHooks:
                                  tuple(OriginCall(layer.name, held.n) for _ in outputs))
             return held
         # Called directly, outside any forward of the model: its own arguments are the batch, along batch_dim.
+        bags = _bag_offsets(layer.module, tuple(tensors[:2]), {})
+        if bags is not None:  # an EmbeddingBag's 1-D input and offsets: one bag (offset) per sample
+            return CallBatch("batched", bags.shape[0], (None, 0) + (None,) * (len(tensors) - 2), (0,) * len(outputs))
         dim = self._batch_dim
         first = next((t for t in tensors if t.dim() > dim), None)
         if first is None:
@@ -1305,6 +1310,18 @@ _NOT_THE_MODEL = (
 def is_attached(module: nn.Module) -> bool:
     """Whether a controller is attached to ``module`` (as its root)."""
     return module in _ATTACHED
+
+
+def _bag_offsets(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The offsets of an ``nn.EmbeddingBag`` called as the root with 1-D input and offsets: its batch, one bag per
+    sample; None for any other call (``include_last_offset`` too: its batch is then not told here)."""
+    if not isinstance(module, nn.EmbeddingBag) or module.include_last_offset:
+        return None
+    given = args[0] if args else kwargs.get("input")
+    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+    if not (isinstance(given, torch.Tensor) and given.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
+        return None
+    return offsets
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:
