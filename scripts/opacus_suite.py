@@ -37,6 +37,9 @@ import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+#: The checkout this script belongs to: its dptorch is the one tested (not another one installed).
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
 #: The package name the renamed ``opacus.tests`` gets.
 LOCAL_PACKAGE = "opacus_tests"
 
@@ -124,7 +127,8 @@ def write_renamed_suite(tests: Path, destination: Path, max_examples: Optional[i
 
 def run_pytest(root: Path, junit: Path, deps_path: Optional[Path], timeout: int, extra: List[str]) -> int:
     """pytest over the renamed suite in ``root``; its exit status."""
-    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), str(deps_path or "")])))
+    paths = [str(root), str(PROJECT_ROOT), str(deps_path or ""), os.environ.get("PYTHONPATH", "")]
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=*_test.py",
                f"--timeout={timeout}", f"--junitxml={junit}", "-rN", "--continue-on-collection-errors", LOCAL_PACKAGE, *extra]
     return subprocess.run(command, cwd=root, env=environment).returncode

@@ -225,7 +225,7 @@ def get_noise_multiplier(
     epochs: Optional[float] = None,
     steps: Optional[int] = None,
     accountant: str = DEFAULT_ACCOUNTANT,
-    epsilon_tolerance: float = 0.01,
+    epsilon_tolerance: float = 1e-3,
 ) -> float:
     """Smallest noise multiplier whose epsilon does not exceed ``target_epsilon``.
 

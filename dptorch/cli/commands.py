@@ -292,9 +292,9 @@ def add_noise_command(subparsers: Any) -> None:
         "'gdp' is an approximation and cannot calibrate",
     )
     parser.add_argument(
-        "--tolerance", type=float, default=0.01, metavar="T",
-        help="how far below the target the epsilon may land, as a fraction of it, in (0, 1) (default 0.01: "
-        "the noise multiplier's epsilon is within 1%% below the target, never above)",
+        "--tolerance", type=float, default=1e-3, metavar="T",
+        help="how far below the target the epsilon may land, as a fraction of it, in (0, 1) (default 0.001: "
+        "the noise multiplier's epsilon is within 0.1%% below the target, never above)",
     )
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw the noise multiplier against epsilon (same q, steps, delta) to this file")

@@ -102,8 +102,9 @@ def gradient_noise_multiplier(noise_multiplier: float, unclipped_num_std: Option
     count_multiplier = 2.0 * float(unclipped_num_std)
     if not count_multiplier > sigma:
         raise ValueError(
-            f"adaptive clipping (or private clipping statistics) with noise_multiplier={sigma:g} needs "
-            f"unclipped_num_std > noise_multiplier / 2 = {sigma / 2:g}, got {unclipped_num_std:g}: the noised count "
+            f"noise_multiplier must be smaller than 2 * unclipped_num_std: adaptive clipping (or private clipping "
+            f"statistics) with noise_multiplier={sigma:g} needs unclipped_num_std > noise_multiplier / 2 = {sigma / 2:g}, "
+            f"got {unclipped_num_std:g}: the noised count "
             f"of unclipped units (sensitivity 1/2) alone would spend a step's whole budget. Raise unclipped_num_std "
             "(default: expected batch size / 20, so a larger batch), or lower the noise multiplier"
         )

@@ -169,7 +169,9 @@ class GradSampleHooks:
         self._param_names: Dict[nn.Parameter, str] = {}
         self._buffers = BufferPool()  # per-sample gradient memory, lent again each round (CPU)
         self._strategy = self._new_strategy()
-        self._suspended = False
+        self._suspending = False  # inside _capture_suspended: our own operations
+        self._paused = False  # disable_hooks(): no capture at all until enable_hooks()
+        self._paused_gradients: Dict[nn.Parameter, None] = {}  # parameters a paused backward gave a gradient
         self._suppressed: Dict[nn.Module, Dict[str, nn.Parameter]] = {}
         self._expanded: Optional[Any] = None
         self._received: Dict[nn.Parameter, None] = {}
@@ -371,11 +373,52 @@ class GradSampleHooks:
 
     @contextlib.contextmanager
     def _capture_suspended(self):
-        self._suspended = True
+        self._suspending = True
         try:
             yield
         finally:
-            self._suspended = False
+            self._suspending = False
+
+    @property
+    def _suspended(self) -> bool:
+        """Whether backward-side capture is off: our own operations, or capture paused."""
+        return self._suspending or self._paused
+
+    # ------------------------------------------------------------------ pausing (Opacus' names)
+
+    @property
+    def hooks_enabled(self) -> bool:
+        """Whether forwards and backwards are captured (Opacus' name); ``disable_hooks()`` pauses."""
+        return self._attached and not self._paused
+
+    def disable_hooks(self) -> None:
+        """Pause capture: forwards and backwards from now on capture nothing, as in an unhooked model.
+
+        The gradients a paused backward gives reach ``p.grad`` unclipped, and no DP step ever uses them:
+        the DP optimizer writes every parameter's gradient from the clipped sums of captured backward
+        passes plus noise, and refuses a step that has only paused passes behind it. ``enable_hooks()``
+        resumes exact per-sample capture from the next forward.
+        """
+        self._set_paused(True)
+
+    def enable_hooks(self) -> None:
+        """Resume capture after :meth:`disable_hooks` (capture is on from attach)."""
+        self._set_paused(False)
+
+    def _set_paused(self, paused: bool) -> None:
+        if self._root_depth or self._in_backward or torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("disable_hooks() / enable_hooks() inside a forward or backward pass: pause or resume "
+                               "between passes, so that every pass is captured whole or not at all")
+        self._paused = paused
+
+    @property
+    def paused_gradients(self) -> List[nn.Parameter]:
+        """Parameters paused backward passes gave gradients since :meth:`forget_paused_gradients`."""
+        return list(self._paused_gradients)
+
+    def forget_paused_gradients(self) -> None:
+        """The paused passes' gradients are gone (the DP optimizer's ``zero_grad()`` or step)."""
+        self._paused_gradients = {}
 
     def parameter_name(self, param: nn.Parameter) -> str:
         if param in self._param_names:
@@ -458,7 +501,8 @@ class GradSampleHooks:
                 self._buffers.reclaim()
             if torch._C._current_graph_task_id() == -1:  # outside backward, where the stack is the caller's
                 remove_finished_trackers()  # other controllers' too: they only pass calls through
-            self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim)
+            bags = _bag_offsets(module, args, kwargs)
+            self._batch_size = _infer_batch_size(args, kwargs, self._batch_dim) if bags is None else bags.shape[0]
             self.last_batch_size = self._batch_size
             units, self._token_units = self._token_units, None  # token units hold for one forward
             self._packed_forward = None
@@ -471,11 +515,11 @@ class GradSampleHooks:
                 )
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
-            if module.training and torch.is_grad_enabled() and self._batch_size is not None:
+            if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size)
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
-            if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size:
+            if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
 
@@ -503,7 +547,8 @@ class GradSampleHooks:
             for t in drawn.latest():
                 if t.dim() and t.shape[0] == n and tracker.get(t) is None:
                     tracker.put(t, 0)
-        primary = _primary_input(args, kwargs, dim)
+        primary = _bag_offsets(self.module, args, kwargs)
+        primary = _primary_input(args, kwargs, dim) if primary is None else primary
         named = [(None, a) for a in args] + list(kwargs.items())
         for name, value in named:
             strong = value is primary or (dim == 0 and name in _PER_SAMPLE_KEYS)
@@ -655,7 +700,7 @@ class GradSampleHooks:
         """Tap the model's outputs, so that a second backward through this forward is refused
         even where it reaches no hooked layer twice (two heads on a frozen trunk). Under expanded
         weights, where torch writes p.grad_sample itself, the tap also tells us when backward starts."""
-        if module is not self.module or self._replaying or not (torch.is_grad_enabled() and module.training):
+        if module is not self.module or self._replaying or self._paused or not (torch.is_grad_enabled() and module.training):
             return None
         leaves, spec = tree_flatten(output)
         positions = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -697,7 +742,7 @@ class GradSampleHooks:
             )
 
     def _capturing(self, module: nn.Module) -> bool:
-        return not self._replaying and torch.is_grad_enabled() and module.training and module in self._layers
+        return not (self._replaying or self._paused) and torch.is_grad_enabled() and module.training and module in self._layers
 
     @property
     def _suppressing(self) -> bool:
@@ -1056,6 +1101,9 @@ class GradSampleHooks:
                                  tuple(OriginCall(layer.name, held.n) for _ in outputs))
             return held
         # Called directly, outside any forward of the model: its own arguments are the batch, along batch_dim.
+        bags = _bag_offsets(layer.module, tuple(tensors[:2]), {})
+        if bags is not None:  # an EmbeddingBag's 1-D input and offsets: one bag (offset) per sample
+            return CallBatch("batched", bags.shape[0], (None, 0) + (None,) * (len(tensors) - 2), (0,) * len(outputs))
         dim = self._batch_dim
         first = next((t for t in tensors if t.dim() > dim), None)
         if first is None:
@@ -1327,6 +1375,9 @@ class GradSampleHooks:
 
     def _on_grad_accumulated(self, param: nn.Parameter) -> None:
         param = self._canonical.get(param, param)  # FSDP2: a gathered parameter stands for its shard
+        if self._paused and param.requires_grad and param in self._param_names:
+            self._paused_gradients[param] = None  # never used by a DP step (DPOptimizer.pre_step)
+            return
         if param.requires_grad and param in self._param_names and not self._suspended:
             self._begin_round()
             self._received[param] = None
@@ -1453,6 +1504,18 @@ _NOT_THE_MODEL = (
 def is_attached(module: nn.Module) -> bool:
     """Whether a controller is attached to ``module`` (as its root)."""
     return module in _ATTACHED
+
+
+def _bag_offsets(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """The offsets of an ``nn.EmbeddingBag`` called as the root with 1-D input and offsets: its batch, one bag per
+    sample; None for any other call (``include_last_offset`` too: its batch is then not told here)."""
+    if not isinstance(module, nn.EmbeddingBag) or module.include_last_offset:
+        return None
+    given = args[0] if args else kwargs.get("input")
+    offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+    if not (isinstance(given, torch.Tensor) and given.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
+        return None
+    return offsets
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

@@ -39,6 +39,19 @@ class GradSampleModule(nn.Module):
     def grad_samples(self) -> Dict[nn.Parameter, torch.Tensor]:
         return self.hooks.grad_samples
 
+    @property
+    def hooks_enabled(self) -> bool:
+        """Whether the controller captures (Opacus' name)."""
+        return self.hooks.hooks_enabled
+
+    def disable_hooks(self) -> None:
+        """Pause capture (:meth:`GradSampleHooks.disable_hooks`)."""
+        self.hooks.disable_hooks()
+
+    def enable_hooks(self) -> None:
+        """Resume capture (:meth:`GradSampleHooks.enable_hooks`)."""
+        self.hooks.enable_hooks()
+
     def remove_hooks(self) -> None:
         """Detach the controller (Opacus' name); the wrapped model is exactly as it was."""
         self.hooks.cleanup()

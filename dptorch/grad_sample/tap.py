@@ -59,7 +59,8 @@ class _Tap(torch.autograd.Function):
             raise PerSampleGradientError(
                 "a second backward pass went through the same forward pass. Each pass would be clipped to "
                 "max_grad_norm on its own, so every sample would count up to twice in one step. Add the losses "
-                "and call backward() once per forward (loss = main_loss + aux_loss; loss.backward())."
+                "and call backward() once per forward (loss = main_loss + aux_loss; loss.backward()). Opacus' "
+                "fast-gradient-clipping second backward (with disable_hooks()) is not needed: dptorch clips in the first."
             )
         ctx.fired = True
         grad_outputs = tuple(

@@ -557,6 +557,15 @@ class DPOptimizer(torch.optim.Optimizer):
         otherwise); then the noise is added and the plan accounts the step (one per draw handed out
         since the last step, at least one).
         """
+        paused = getattr(self.hooks, "paused_gradients", [])
+        if paused and not self._accumulated:
+            raise PerSampleGradientError(
+                f"optimizer.step(): the backward passes since the last step gave gradients to "
+                f"{_name_list([self.hooks.parameter_name(p) for p in paused])} with capture paused (disable_hooks()), "
+                "and none was captured, so there is no clipped gradient to privatise; a paused pass's gradients are "
+                "never used by a DP step. Call enable_hooks() before the forward (dptorch clips in the first backward "
+                "pass: Opacus' second backward with hooks disabled is not needed), or zero_grad() to drop them"
+            )
         if self._step_skip_queue and self._step_skip_queue.pop(0):
             self._last_step_skipped = True
             self._rounds_since_call = 0
@@ -569,6 +578,10 @@ class DPOptimizer(torch.optim.Optimizer):
             self._last_step_skipped = False  # a refused step is no virtual step: zero_grad() drops what it held
             raise
         self.hooks.clear(keep_grad_samples=True)  # the round is consumed: its kept tensors make room for the noise
+        if paused:  # a paused pass's raw gradients: never the step's, whatever writes it
+            for p in self.params:
+                p.grad = None
+            self.hooks.forget_paused_gradients()
         self.add_noise()
         self._release_clipping_step()
         self.plan.record_steps(count)
@@ -601,6 +614,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """Clear gradients and per-sample state; the accumulator survives a skipped step."""
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.hooks.clear()
+        if hasattr(self.hooks, "forget_paused_gradients"):
+            self.hooks.forget_paused_gradients()
         if not self._last_step_skipped:
             self._summed = {}
             self._accumulated = 0

@@ -62,3 +62,17 @@ def test_the_tests_come_from_the_wheel_too(suite, tmp_path):
     assert "from dptorch.privacy_engine" in (tmp_path / "suite" / "opacus_tests" / "helpers.py").read_text()
     with pytest.raises(SystemExit, match="opacus/tests"):
         suite.opacus_tests_from(tmp_path / "nowhere", None, tmp_path / "scratch")
+
+
+def test_the_suite_tests_this_checkouts_dptorch(suite, tmp_path, capsys):
+    """Not an installed dptorch of another checkout (an editable install elsewhere, a wheel)."""
+    root = tmp_path / "installed"
+    tests = root / "opacus" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "__init__.py").write_text("")
+    (tests / "where_test.py").write_text(
+        "import opacus\n\n"
+        # reversed: the rename must not touch this checkout's path (it may hold the word)
+        f"def test_checkout():\n    assert opacus.__file__.startswith({str(SCRIPT.parents[1] / 'dptorch')[::-1]!r}[::-1])\n")
+    suite.main(["--opacus-path", str(root)])
+    assert "tests collected: 1, passed 1, failed 0" in capsys.readouterr().out
