@@ -84,6 +84,12 @@ CONFIGS = [
     ("private ZeRO-2", 2, "zero2", True),
     ("plain ZeRO-3", 2, "zero3", False),
     ("private ZeRO-3", 2, "zero3", True),
+    ("plain ZeRO-1 x4", 4, "zero1", False),
+    ("private ZeRO-1 x4", 4, "zero1", True),
+    ("plain ZeRO-2 x4", 4, "zero2", False),
+    ("private ZeRO-2 x4", 4, "zero2", True),
+    ("plain ZeRO-3 x4", 4, "zero3", False),
+    ("private ZeRO-3 x4", 4, "zero3", True),
 ]
 DEEPSPEED = ("zero1", "zero2", "zero3")
 
