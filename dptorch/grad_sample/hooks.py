@@ -372,6 +372,15 @@ class GradSampleHooks:
         return self._strategy.batch_size()
 
     @contextlib.contextmanager
+    def _replay(self):
+        """Our own re-run of a recorded layer call in backward: the hooked layers inside it capture nothing."""
+        self._replaying = True
+        try:
+            yield
+        finally:
+            self._replaying = False
+
+    @contextlib.contextmanager
     def _capture_suspended(self):
         self._suspending = True
         try:
@@ -1238,14 +1247,11 @@ class GradSampleHooks:
     def _replay_backward(self, layer: _Layer, params, call: CallBatch, call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:
             return
-        if self.grad_sample_mode != "functorch" and len(params) == 1 and call.kind == "batched" and self._linear_head_backward(
-                layer, None, next(iter(params.values())), params, call, call_leaves, call_spec, tensor_positions,
-                out_positions, saved, grad_outputs):
+        if call.kind == "batched" and self._linear_head_backward(layer, None, params, call, call_leaves, call_spec,
+                                                                 tensor_positions, out_positions, saved, grad_outputs):
             return
         self._begin_round()
-        leaves = list(call_leaves)
-        for i, t in zip(tensor_positions, saved):
-            leaves[i] = t
+        leaves = _recorded_leaves(call_leaves, tensor_positions, saved)
         n = call.n
         positions, per_sample, out_dims = [], [], []
         for j, (pos, grad) in enumerate(zip(out_positions, grad_outputs)):
@@ -1268,15 +1274,11 @@ class GradSampleHooks:
             self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), grad_outputs[0]), grads)
             return
         tensor_dims = call.input_dims if call.kind == "batched" else (None,) * len(tensor_positions)
-        self._replaying = True
-        try:
-            with torch.enable_grad():
-                grads = functorch_per_sample_grads(
-                    layer.module, params, leaves, call_spec, positions, per_sample,
-                    batch_size=n, tensor_dims=tensor_dims, output_dims=out_dims,
-                )
-        finally:
-            self._replaying = False
+        with self._replay(), torch.enable_grad():
+            grads = functorch_per_sample_grads(
+                layer.module, params, leaves, call_spec, positions, per_sample,
+                batch_size=n, tensor_dims=tensor_dims, output_dims=out_dims,
+            )
         self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), per_sample[0]), grads)
 
     def _token_replay(self, layer: _Layer, inputs: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]) -> Callable:
@@ -1299,49 +1301,41 @@ class GradSampleHooks:
                                call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> None:
         if self._suspended:
             return
-        if self.grad_sample_mode != "functorch" and len(params) == 1 and self._linear_head_backward(
-                layer, units, next(iter(params.values())), params, call, call_leaves, call_spec, tensor_positions,
-                out_positions, saved, grad_outputs):
+        if self._linear_head_backward(layer, units, params, call, call_leaves, call_spec, tensor_positions,
+                                      out_positions, saved, grad_outputs):
             return
         self._begin_round()
         self._enter_round_units(units)
         one_row_per_token = lambda t, layout: t if layout == "flat" else t.flatten(0, 1).unsqueeze(1)  # noqa: E731
-        leaves = list(call_leaves)
-        for i, t, layout in zip(tensor_positions, saved, in_layouts):
-            leaves[i] = one_row_per_token(t, layout)
+        leaves = _recorded_leaves(call_leaves, tensor_positions,
+                                  [one_row_per_token(t, layout) for t, layout in zip(saved, in_layouts)])
         scale = float(units.num_units) if self.loss_reduction == "mean" else 1.0
         kept = [(pos, one_row_per_token(g, layout) * scale)
                 for pos, g, layout in zip(out_positions, grad_outputs, out_layouts) if g is not None]
         tokens = units.index.to(saved[0].device if saved else units.index.device)
-        self._replaying = True
-        try:
-            with torch.enable_grad():
-                per_token = functorch_per_sample_grads(
-                    layer.module, params, leaves, call_spec, [pos for pos, _ in kept], [g for _, g in kept],
-                    batch_size=tokens.numel(), tensor_dims=(0,) * len(saved), output_dims=(0,) * len(kept),
-                ) if kept else {p: p.new_zeros((tokens.numel(), *p.shape)) for p in params.values()}
-        finally:
-            self._replaying = False
+        with self._replay(), torch.enable_grad():
+            per_token = functorch_per_sample_grads(
+                layer.module, params, leaves, call_spec, [pos for pos, _ in kept], [g for _, g in kept],
+                batch_size=tokens.numel(), tensor_dims=(0,) * len(saved), output_dims=(0,) * len(kept),
+            ) if kept else {p: p.new_zeros((tokens.numel(), *p.shape)) for p in params.values()}
         real = tokens >= 0
         grads = {p: g.new_zeros((units.num_units, *g.shape[1:])).index_add_(0, tokens[real], g[real])
                  for p, g in per_token.items()}
         self._strategy.add(LayerCall(layer.name, layer.module, params, None, None, (), next(iter(grads.values()))), grads)
 
-    def _linear_head_backward(self, layer: _Layer, units: Optional[TokenUnits], weight, params, call: CallBatch,
+    def _linear_head_backward(self, layer: _Layer, units: Optional[TokenUnits], params, call: CallBatch,
                               call_leaves, call_spec, tensor_positions, out_positions, saved, grad_outputs) -> bool:
-        """The call as a bias-free linear layer's (``linear_head``), on packed tokens (``units``) or on the batch's
-        rows: False where it is not one, or where its rows are not laid out as the rules below read them."""
-        leaves = list(call_leaves)
-        for i, t in zip(tensor_positions, saved):
-            leaves[i] = t
-        grads = [(pos, g) for pos, g in zip(out_positions, grad_outputs) if g is not None]
+        """The call of a layer with no grad sampler as a bias-free linear layer's (``linear_head``), on packed
+        tokens (``units``) or on the batch's rows: False where it is not one (functorch mode: never), or where
+        its rows are not laid out as the rules below read them."""
+        if self.grad_sample_mode == "functorch" or len(params) != 1:
+            return False
         if units is None and any(call.output_dims[j] is None for j, g in enumerate(grad_outputs) if g is not None):
             return False  # an output without the batch that got a gradient: the replay refuses it
-        self._replaying = True
-        try:
-            head = linear_head(layer.module, weight, leaves, call_spec, grads)
-        finally:
-            self._replaying = False
+        grads = [(pos, g) for pos, g in zip(out_positions, grad_outputs) if g is not None]
+        with self._replay():
+            head = linear_head(layer.module, next(iter(params.values())),
+                               _recorded_leaves(call_leaves, tensor_positions, saved), call_spec, grads)
         if head is None:
             return False
         index, x, backprops = head
@@ -1516,6 +1510,14 @@ def _bag_offsets(module: nn.Module, args: tuple, kwargs: dict) -> Optional[torch
     if not (isinstance(given, torch.Tensor) and given.dim() == 1 and isinstance(offsets, torch.Tensor) and offsets.dim() == 1):
         return None
     return offsets
+
+
+def _recorded_leaves(call_leaves: Sequence[Any], tensor_positions: Sequence[int], tensors: Sequence[torch.Tensor]) -> list:
+    """A recorded call's flattened arguments with its tensors (at ``tensor_positions``) replaced by ``tensors``."""
+    leaves = list(call_leaves)
+    for i, t in zip(tensor_positions, tensors):
+        leaves[i] = t
+    return leaves
 
 
 def _infer_batch_size(args: tuple, kwargs: dict, batch_dim: int) -> Optional[int]:

@@ -162,7 +162,8 @@ def token_call(tracker: TokenTracker, name: str, module: nn.Module, token_wise: 
     for t in tensors:
         g, layout = tracker.get(t), tracker.layout(t)
         if layout is not None and first in (None, layout):
-            tag, first = (g, layout) if tag is None else (tag, first)
+            if first is None:
+                tag, first = g, layout
             continue
         why = (g.reason if type(g) is Lost else "its dims 0 and 1 are not the packed batch's rows and tokens"
                if layout is None else "its tokens are laid out unlike the call's other inputs")
