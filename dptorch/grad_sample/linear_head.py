@@ -8,7 +8,8 @@ norms and clipped sums are then those of a bias-free linear layer (``HEAD_SAMPLE
 ``HEAD_NORM_SAMPLER``), on ``(tokens, d)`` rows instead of a per-token replay's ``(tokens, out, d)``.
 
 It applies only where it is exact: the forward reads the weight nowhere but in that one ``F.linear``,
-draws no random numbers, and the linear's input is the call's input itself, or a row-major view of it
+draws no random numbers (no random operation by name, no ``torch.Generator`` argument, the default
+generators' states unchanged: a recomputation could not redraw the forward's), and the linear's input is the call's input itself, or a row-major view of it
 (``x.view(-1, d)``), so that its rows are the input's rows (samples' or tokens') in order. That each
 sample's (or packed token's) outputs depend on its own logits rows alone is the batch (or token)
 tracker's finding in the forward, as for the torch.func replay it replaces (``hooks``).
@@ -16,6 +17,7 @@ tracker's finding in the forward, as for the torch.func replay it replaces (``ho
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -44,16 +46,30 @@ class _LinearReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        reads = any(t is self.weight for t in tree_flatten((args, kwargs))[0])
+        leaves = tree_flatten((args, kwargs))[0]
+        reads = any(t is self.weight for t in leaves)
         if reads and func is F.linear and len(args) == 2 and not kwargs and args[1] is self.weight:
             x = args[0]
             leaf = func(x.detach(), self.weight.detach()).requires_grad_()
             self.calls.append((x, leaf))
             return leaf
         name = getattr(func, "__name__", "")
-        if reads or any(word in name for word in _RANDOM):
+        if reads or any(word in name for word in _RANDOM) or any(isinstance(t, torch.Generator) for t in leaves):
             self.other = True
         return func(*args, **kwargs)
+
+
+def _rng_states(device: torch.device) -> list:
+    """The default generators' states a random operation on ``device`` (or the CPU) would advance."""
+    states = [torch.random.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+#: modules a recomputation found not to be such a head: replayed by the torch.func fallback from then on
+#: (exact whatever the reason), without recomputing their forward again first
+_DECLINED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
 def _row_aligned(x: torch.Tensor, inputs: Sequence[torch.Tensor]) -> Optional[int]:
@@ -68,16 +84,20 @@ def linear_head(module: nn.Module, weight: torch.Tensor, call_leaves: list, call
     """``(i, x, G)``: the linear's input ``x`` (a row-major view of the call's ``i``-th tensor argument) and the
     gradient at its output, for the recorded call whose output leaves at the positions of ``grads`` received
     those gradients; None where the call is not such a head."""
-    if weight.dim() != 2:
+    if weight.dim() != 2 or module in _DECLINED:
         return None
     args, kwargs = tree_unflatten(list(call_leaves), call_spec)
     inputs = [t for t in call_leaves if isinstance(t, torch.Tensor)]
     reads = _LinearReads(weight)
+    before = _rng_states(weight.device)
     with torch.enable_grad():  # backward runs without grad mode
         with reads:
             out_leaves, _ = tree_flatten(module.forward(*args, **kwargs))
-        index = _row_aligned(reads.calls[0][0], inputs) if len(reads.calls) == 1 and not reads.other else None
+        drew = any(not torch.equal(a, b) for a, b in zip(before, _rng_states(weight.device)))
+        one_read = len(reads.calls) == 1 and not reads.other and not drew
+        index = _row_aligned(reads.calls[0][0], inputs) if one_read else None
         if index is None:
+            _DECLINED.add(module)
             return None
         x, leaf = reads.calls[0]
         total = sum((out_leaves[pos] * g).sum() for pos, g in grads if out_leaves[pos].requires_grad)

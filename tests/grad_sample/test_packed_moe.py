@@ -194,8 +194,32 @@ class _Rolled(_ReadsTwice):
         return nn.functional.linear(x.roll(1, 0), self.weight)
 
 
-@pytest.mark.parametrize("kind", [_ReadsTwice, _Noisy, _Rolled])
+class _PoissonNoise(_ReadsTwice):
+    """A random operation no name lists, drawing from the default generator."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) + torch.poisson(x.abs())[:, :4]
+
+
+class _OwnGenerator(_ReadsTwice):
+    """A random operation drawing from a generator of its own (the default generators untouched)."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight) + torch.poisson(x.abs(), generator=torch.Generator())[:, :4]
+
+
+@pytest.mark.parametrize("kind", [_ReadsTwice, _Noisy, _Rolled, _PoissonNoise, _OwnGenerator])
 def test_linear_head_declines_what_is_not_one_linear_of_its_input(kind):
-    """A weight read twice, a random operation, a linear input that is not the call's input row by row."""
+    """A weight read twice, random operations (by name, by the default generator's state, by a generator
+    argument), a linear input that is not the call's input row by row."""
     x = torch.randn(6, 8)
     assert _head(kind(_router()), x, [(0, torch.randn(6, 4))]) is None
+
+
+def test_a_declined_module_is_not_recomputed_again():
+    module, calls = _ReadsTwice(_router()), []
+    forward = module.forward
+    module.forward = lambda x: (calls.append(1), forward(x))[1]
+    x = torch.randn(6, 8)
+    assert _head(module, x, [(0, torch.randn(6, 4))]) is None and len(calls) == 1
+    assert _head(module, x, [(0, torch.randn(6, 4))]) is None and len(calls) == 1
