@@ -164,7 +164,7 @@ class GradSampleHooks:
         self._batch_dim = 0 if batch_first else 1
         self._handles: List[Any] = []
         self._restore_param_hooks: List[Tuple[nn.Parameter, Any]] = []
-        self._watched: Dict[nn.Parameter, None] = {}  # parameters with our post-accumulate-grad hook
+        self._watched: Dict[int, nn.Parameter] = {}  # parameters with our post-accumulate-grad hook, by id
         self._layers: Dict[nn.Module, _Layer] = {}
         self._param_names: Dict[nn.Parameter, str] = {}
         self._buffers = BufferPool()  # per-sample gradient memory, lent again each round (CPU)
@@ -658,10 +658,10 @@ class GradSampleHooks:
     def _enter_leaf_layer(self, module: nn.Module, args: tuple) -> None:
         if self._tracker is None or self._tracking_off or not self._capturing(module):
             return
-        for p in self._layers[module].params.values():
-            if p.requires_grad:
-                self._suspend_tracking()
-                return
+        # Off first: with the tracker on torch's mode stack, reading p.requires_grad goes through it.
+        self._suspend_tracking()
+        if not any(p.requires_grad for p in self._layers[module].params.values()):
+            self._resume_tracking()
 
     def _suspend_tracking(self) -> None:
         """Take the tracker (and the token tracker above it) off torch's mode stack, if they are on top,
@@ -766,9 +766,9 @@ class GradSampleHooks:
 
     def _watch(self, param: nn.Parameter) -> None:
         """Register the post-accumulate-grad hook that notices gradients arriving at ``param``."""
-        if param in self._watched or not param.requires_grad:
+        if id(param) in self._watched or not param.requires_grad:
             return
-        self._watched[param] = None
+        self._watched[id(param)] = param
         self._restore_param_hooks.append((param, param._post_accumulate_grad_hooks))
         self._handles.append(param.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
@@ -809,7 +809,7 @@ class GradSampleHooks:
     def _suppressed_around(self, param: nn.Parameter) -> bool:
         """Whether an enclosing call holds ``param`` out of autograd (a parameter shared by a module and
         its child, as BERT's MLM bias and its decoder's): the inner call still captures it."""
-        return any(p is param for held in self._suppressed.values() for p in held.values())
+        return bool(self._suppressed) and any(p is param for held in self._suppressed.values() for p in held.values())
 
     def _attach_wrapper_tags(self) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
@@ -1462,14 +1462,33 @@ class GradSampleHooks:
         """Parameters without our hook (added, or unfrozen and never called through a module since)
         whose gradient changed since last seen."""
         changed = []
-        for name, param in self.module.named_parameters():
-            if param in self._watched or not param.requires_grad or param.grad is None:
+        watched = self._watched
+        for param in _all_parameters(self.module):
+            if id(param) in watched or not param.requires_grad or param.grad is None:
                 continue
             version = (id(param.grad), param.grad._version)
             if self._unhooked_grad_versions.get(param) != version and param not in covered:
                 changed.append(param)
             self._unhooked_grad_versions[param] = version
         return changed
+
+
+def _all_parameters(module: nn.Module) -> List[nn.Parameter]:
+    """Every parameter of ``module`` and its submodules, each once: ``module.parameters()`` without its
+    names, generators and hashing of tensors (run after every backward pass)."""
+    params: List[nn.Parameter] = []
+    seen_params, seen_modules, stack = set(), set(), [module]
+    while stack:
+        sub = stack.pop()
+        if sub is None or sub in seen_modules:
+            continue
+        seen_modules.add(sub)
+        for param in sub._parameters.values():
+            if param is not None and id(param) not in seen_params:
+                seen_params.add(id(param))
+                params.append(param)
+        stack.extend(reversed(sub._modules.values()))  # named_parameters' order
+    return params
 
 
 def _name_list(names: List[str], shown: int = 5) -> str:

@@ -98,12 +98,13 @@ def _write_one_process(optimizer: Any, params: Sequence[nn.Parameter], sizes: Se
 
 def _sharing_memory(tensors: Sequence[torch.Tensor]) -> List[int]:
     """Indices of the tensors whose memory overlaps an earlier one's (the same tensor twice, overlapping views)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i) for i, t in enumerate(tensors) if t.numel())
+    spans = sorted([(start := t.data_ptr(), start + t.nbytes, i) for i, t in enumerate(tensors) if t.nbytes])
     shared, end = [], -1
     for start, stop, i in spans:
         if start < end:
             shared.append(i)
-        end = max(end, stop)
+        if stop > end:
+            end = stop
     return shared
 
 

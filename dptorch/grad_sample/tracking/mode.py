@@ -253,13 +253,16 @@ class BatchTracker(TorchFunctionMode):
         """End of the root forward: origins drop the graph edge they held for the meetings, and the
         tensors derived only from them are shared again (their uses past the forward are checked
         against the layer's total gradient); batch tags stay, for the loss."""
+        self._release_origins()
+        for key, (ref, tag) in list(self._table.items()):
+            if type(tag) is tuple or ref() is None:
+                del self._table[key]
+
+    def _release_origins(self) -> None:
         self.forward_done = True
         for origin in self._origins:
             origin.edge = None
         self._origins.clear()
-        for key, (ref, tag) in list(self._table.items()):
-            if type(tag) is tuple or ref() is None:
-                del self._table[key]
 
     def adopt(self, other: "BatchTracker") -> None:
         """Continue ``other``'s loss phase in this root forward (a second forward before backward)."""
@@ -270,7 +273,7 @@ class BatchTracker(TorchFunctionMode):
 
     def close(self) -> None:
         """The end of this tracker: nothing is followed any more."""
-        self.end_forward()
+        self._release_origins()
         self._table.clear()
         self.writes.clear()
         self.done = True
