@@ -9,7 +9,7 @@ batch and sampled once by the first call's module; each call then takes its own 
 
 That is exact only for samplers that work row by row and read no parameter data (their results
 depend on the module's configuration, never on its weights): the layers of
-``layers.reads_no_parameter_data``. Any other call, a packed one, an empty batch or a large one is
+``layers.samples_from_shapes_alone``. Any other call, a packed one, an empty batch or a large one is
 sampled alone, at once; a run is sampled when it would hold more than ``STACK_LIMIT`` elements, so
 what waits is bounded by the model's number of configurations.
 """
@@ -22,14 +22,14 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from dptorch.grad_sample.layers import reads_no_parameter_data
+from dptorch.grad_sample.layers import samples_from_shapes_alone
 from dptorch.grad_sample.linear_forms import STACK_LIMIT
 
 
 def stack_key(call: Any) -> Optional[tuple]:
     """The configuration calls must share to be sampled together, or None when ``call`` goes alone."""
     module = call.module
-    if call.units is not None or call.sampler is None or not reads_no_parameter_data(module):
+    if call.units is not None or call.sampler is None or not samples_from_shapes_alone(module):
         return None
     if not call.backprops.dim() or call.backprops.shape[0] == 0:
         return None

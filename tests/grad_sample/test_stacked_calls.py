@@ -86,3 +86,48 @@ def test_only_one_configuration_stacks():
     joined = merged(run)
     assert joined.module is run[0].module
     assert torch.equal(joined.activations[0], torch.cat([x, x + 1])) and torch.equal(joined.backprops, torch.cat([b, b - 1]))
+
+
+class Conv1DBlocks(nn.Module):
+    """transformers' Conv1D (GPT-2's projections) repeated: one configuration, four weights of their own."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.projs = nn.ModuleList([Conv1D(6, 6) for _ in range(4)])
+        for p in self.parameters():
+            nn.init.normal_(p)
+
+    def forward(self, x):
+        for proj in self.projs:
+            x = torch.tanh(proj(x)) + x
+        return x
+
+
+def test_conv1d_calls_stack_exactly(monkeypatch):
+    """HF Conv1D's rules are the Linear ones (no parameter data read): its calls stack in hooks mode, with the
+    per-sample gradients of every call sampled alone and of each sample run alone."""
+    import dptorch.grad_sample.stacked_calls as stacked_calls
+    import dptorch.grad_sample.strategies as strategies
+
+    torch.manual_seed(0)
+    model, x = Conv1DBlocks(), torch.randn(5, 3, 6)
+    check_per_sample_grads(model, (x,), grad_sample_mode="hooks", loss_reduction="sum")
+
+    def grad_samples():
+        hooks = GradSampleHooks(model, grad_sample_mode="hooks", loss_reduction="sum")
+        projection_loss(model(x)).sum().backward()
+        result = hooks.grad_samples
+        hooks.cleanup()
+        return result
+
+    runs = []
+    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    together = grad_samples()
+    assert runs == [4]
+    monkeypatch.setattr(stacked_calls, "STACK_LIMIT", 0)
+    alone = grad_samples()
+    assert runs == [4] and together.keys() == alone.keys() and len(alone) == 8
+    for p in alone:
+        torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)

@@ -17,3 +17,11 @@ def reads_no_parameter_data(module: nn.Module) -> bool:
     (``LlamaRMSNorm``, ...)."""
     exact = (nn.Linear, nn.Embedding, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
     return isinstance(module, exact) or norms.looks_like_hf_rms_norm(module)
+
+
+def samples_from_shapes_alone(module: nn.Module) -> bool:
+    """Whether ``module``'s samplers read no parameter data, so that one module of a configuration can sample
+    the calls of others (``stacked_calls``): ``reads_no_parameter_data``'s layers and HF's ``Conv1D``, whose
+    rules are the Linear ones (it stays out of ``reads_no_parameter_data``, which also decides what ZeRO-3
+    accepts, a setting where ``Conv1D`` is not tested)."""
+    return reads_no_parameter_data(module) or hf_conv1d.looks_like_hf_conv1d(module)
