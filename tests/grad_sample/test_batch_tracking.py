@@ -348,3 +348,14 @@ def test_weak_batch_dim_gives_way_to_a_strong_one():
         assert tracker.get(x @ x.transpose(1, 2) + mask) == 0
         assert tracker.get(x.softmax(-1) + mask.T.softmax(0)[None]) == 0  # a weak lost dim gives way too
         assert isinstance(tracker.get(mask.softmax(0)), Lost)
+
+
+@pytest.mark.parametrize("tag", [0, 1, 2 | WEAK, 1 + 3 * INNER, (1 + 3 * INNER) | WEAK])
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_call_with_one_batched_argument_is_classified_as_with_others(tag, n):
+    """The one-argument shortcut of ``classify`` gives what the general rule gives that argument beside an
+    untagged one: batched along the tag's dim (weak or not), that tag primary."""
+    from dptorch.grad_sample.tracking.tags import classify
+
+    assert classify([tag], n) == ("batched", (tag & ~WEAK,), tag)
+    assert classify([tag, None], n) == ("batched", (tag & ~WEAK, None), tag)
