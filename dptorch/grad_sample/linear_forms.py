@@ -29,6 +29,10 @@ CLIP_ROUNDINGS = 4
 #: calls, not their arithmetic (the blocks of a narrow model). Larger ones run alone: nothing is copied.
 STACK_LIMIT = 1 << 18
 
+#: Float64 copies made for certified norms hold at most this many elements (16 MiB) at a time: larger
+#: operands are taken a block of samples at a time (``shared_inputs``), not copied whole.
+WIDE_BLOCK = 1 << 21
+
 
 def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
