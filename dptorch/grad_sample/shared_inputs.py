@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import wide_dtype
+from dptorch.grad_sample.certified import magnitudes, wide_dtype
 from dptorch.grad_sample.linear_forms import (
     STACK_LIMIT,
     WIDE_BLOCK,
@@ -137,11 +137,11 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
 
 def _wide_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     """Certified squared norms of ``sum_t b_t a_t^T`` for each ``(b, dtype of its clipped sum)`` in
-    ``parts``, by the input Gram (``gram_norms_sq``), in float64 a block of samples at a time: no
-    float64 copy of a block's ``a`` or ``b`` exceeds ``WIDE_BLOCK`` elements (a ``(B, T, vocab)``
-    output gradient is never copied whole). Each sample's arithmetic is its own, whatever the block (a
-    float64 batched matmul may round a block as it would not the whole batch, by float64 rounding: the
-    certification holds for any order of summation)."""
+    ``parts``, by the input Gram (``gram_norms_sq``). The float64 copies are made a block of samples at
+    a time, none over ``WIDE_BLOCK`` elements (a ``(B, T, vocab)`` output gradient is never copied
+    whole); the Gram sums and magnitudes are per sample, the certification then runs once on all.
+    A float64 batched matmul may round a block as it would not the whole batch (float64 rounding at
+    odd sizes; the certification holds for any order of summation)."""
     if not parts:
         return []
     wide = wide_dtype(a.device)
@@ -149,16 +149,19 @@ def _wide_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> lis
     rows = max(1, WIDE_BLOCK // max(1, tokens * max(a.shape[2], *(b.shape[2] for b, _ in parts))))
     blocks = []
     for start in range(0, max(a.shape[0], 1), rows):
-        a_rows = a[start:start + rows]
-        a_wide = _as(a_rows, wide)
+        a_wide = _as(a[start:start + rows], wide)
         gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if tokens > 1 else None
         block = []
-        for b, dtype in parts:
-            b_rows = b[start:start + rows]
-            computed, terms = gram_norms_sq(a_wide, gram, _as(b_rows, wide))
-            block.append(certify_linear(computed, a_rows, b_rows, terms, wide, dtype, sum_tokens))
+        for b, _ in parts:
+            b_wide = _as(b[start:start + rows], wide)
+            block.append((*gram_norms_sq(a_wide, gram, b_wide), magnitudes(a_wide, b_wide)))
         blocks.append(block)
-    return blocks[0] if len(blocks) == 1 else [torch.cat(column) for column in zip(*blocks)]
+    out = []
+    for (b, dtype), column in zip(parts, zip(*blocks)):
+        computed, terms, magnitude = zip(*column)
+        computed, magnitude = (torch.cat(x) if len(x) > 1 else x[0] for x in (computed, magnitude))
+        out.append(certify_linear(computed, a, b, terms[0], wide, dtype, sum_tokens, magnitude=magnitude))
+    return out
 
 
 def shared_affine_clipped_sums(uses, factors) -> list:
