@@ -29,6 +29,10 @@ CLIP_ROUNDINGS = 4
 #: calls, not their arithmetic (the blocks of a narrow model). Larger ones run alone: nothing is copied.
 STACK_LIMIT = 1 << 18
 
+#: Float64 copies made for certified norms hold at most this many elements (16 MiB) at a time: larger
+#: operands are taken a block of samples at a time (``shared_inputs``), not copied whole.
+WIDE_BLOCK = 1 << 21
+
 
 def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
@@ -150,14 +154,16 @@ def gram_norms_sq(a: torch.Tensor, gram: Optional[torch.Tensor], b: torch.Tensor
 
 
 def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, norm_terms: int, norm_dtype: torch.dtype,
-                   sum_dtype: Optional[torch.dtype] = None, sum_tokens: Optional[int] = None) -> torch.Tensor:
+                   sum_dtype: Optional[torch.dtype] = None, sum_tokens: Optional[int] = None,
+                   magnitude: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``certified_norms_sq`` of ``sum_t b_t a_t^T`` (``a=None``: a bias) whose clipped sum is a
     matmul over the tokens in ``sum_dtype`` (default: float32 or the factors' wider dtype);
-    ``sum_tokens`` (default: ``b``'s tokens) is what the clipped sum's roundings are counted for."""
+    ``sum_tokens`` (default: ``b``'s tokens) is what the clipped sum's roundings are counted for;
+    ``magnitude``: ``magnitudes(a, b)``, where already formed."""
     if sum_dtype is None:
         sum_dtype = at_least_float32_dtype(b.dtype if a is None else torch.promote_types(a.dtype, b.dtype))
     return certified_norms_sq(
-        computed, magnitudes(a, b), norm_terms=norm_terms, norm_dtype=norm_dtype,
+        computed, magnitudes(a, b) if magnitude is None else magnitude, norm_terms=norm_terms, norm_dtype=norm_dtype,
         sum_terms=max(b.shape[1], sum_tokens or 0) + CLIP_ROUNDINGS, sum_dtype=sum_dtype,
     )
 

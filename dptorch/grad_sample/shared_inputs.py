@@ -15,9 +15,10 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import wide_dtype
+from dptorch.grad_sample.certified import magnitudes, wide_dtype
 from dptorch.grad_sample.linear_forms import (
     STACK_LIMIT,
+    WIDE_BLOCK,
     at_least_float32,
     at_least_float32_dtype,
     certify_linear,
@@ -112,19 +113,17 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
         a = at_least_float32(a)
     tokens, d = a.shape[1], a.shape[2]
     ghost = ghost_is_cheaper(tokens, d, [b.shape[-1] for b, use in parts if use.weight is not None])
+    dtypes = [torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype)) for b, _ in parts]
+    parts = [(_as(b, dtype) if use.weight is not None else b, use) for (b, use), dtype in zip(parts, dtypes)]
     # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
-    wide = wide_dtype(a.device)
-    a_wide = _as(a, wide) if weighted and (ghost or tokens == 1) else None
-    gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if ghost and weighted else None
+    certified = [(b, dtype) for (b, use), dtype in zip(parts, dtypes) if use.weight is not None] if ghost or tokens == 1 else []
+    certified_sq = iter(_wide_weight_norms(a, certified, sum_tokens))
     out = []
-    for b, use in parts:
+    for (b, use), dtype in zip(parts, dtypes):
         weight_sq = weight_grad = bias_sq = bias_grad = None
         if use.weight is not None:
-            dtype = torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype))
-            b = _as(b, dtype)
-            if a_wide is not None:
-                computed, terms = gram_norms_sq(a_wide, gram, _as(b, wide))
-                weight_sq = certify_linear(computed, a, b, terms, wide, dtype, sum_tokens)
+            if certified:
+                weight_sq = next(certified_sq)
             else:
                 a_cast = _as(a, dtype)
                 weight_grad = torch.bmm(a_cast.transpose(1, 2), b) if use.in_by_out else torch.bmm(b.transpose(1, 2), a_cast)
@@ -133,6 +132,35 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
             bias_grad = b.sum(1, dtype=at_least_float32_dtype(b.dtype))
             bias_sq = squared_norms(bias_grad)
         out.append((weight_sq, weight_grad, bias_sq, bias_grad))
+    return out
+
+
+def _wide_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
+    """Certified squared norms of ``sum_t b_t a_t^T`` for each ``(b, dtype of its clipped sum)`` in
+    ``parts``, by the input Gram (``gram_norms_sq``). The float64 copies are made a block of samples at
+    a time, none over ``WIDE_BLOCK`` elements (a ``(B, T, vocab)`` output gradient is never copied
+    whole); the Gram sums and magnitudes are per sample, the certification then runs once on all.
+    A float64 batched matmul may round a block as it would not the whole batch (float64 rounding at
+    odd sizes; the certification holds for any order of summation)."""
+    if not parts:
+        return []
+    wide = wide_dtype(a.device)
+    tokens = a.shape[1]
+    rows = max(1, WIDE_BLOCK // max(1, tokens * max(a.shape[2], *(b.shape[2] for b, _ in parts))))
+    blocks = []
+    for start in range(0, max(a.shape[0], 1), rows):
+        a_wide = _as(a[start:start + rows], wide)
+        gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if tokens > 1 else None
+        block = []
+        for b, _ in parts:
+            b_wide = _as(b[start:start + rows], wide)
+            block.append((*gram_norms_sq(a_wide, gram, b_wide), magnitudes(a_wide, b_wide)))
+        blocks.append(block)
+    out = []
+    for (b, dtype), column in zip(parts, zip(*blocks)):
+        computed, terms, magnitude = zip(*column)
+        computed, magnitude = (torch.cat(x) if len(x) > 1 else x[0] for x in (computed, magnitude))
+        out.append(certify_linear(computed, a, b, terms[0], wide, dtype, sum_tokens, magnitude=magnitude))
     return out
 
 

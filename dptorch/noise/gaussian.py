@@ -43,10 +43,12 @@ constant-time by construction). The cost is 2.4x to 3.0x the default path on a q
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
+import queue
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -94,29 +96,86 @@ def gaussian_noise(
     return noise.mul_(std)
 
 
+def add_gaussian_noise_(targets: Sequence[torch.Tensor], std: float, generator: Optional[torch.Generator] = None) -> None:
+    """Add to ``targets`` (contiguous, of one device and float dtype) the noise ``gaussian_noise`` draws for
+    their flat concatenation, in place: the same values, added element by element.
+
+    A CPU draw of more than ``_CPU_CHUNK`` values is drawn and added chunk by chunk on the threads, so
+    the noise never takes memory of the targets' size (a model-sized buffer at the step).
+    """
+    std = _check_std(std)
+    flats = [t.view(-1) for t in targets]
+    numel = sum(t.numel() for t in flats)
+    if not flats:
+        return
+    if flats[0].device.type != "cpu" or numel <= _CPU_CHUNK:
+        reference = torch.zeros(1, dtype=flats[0].dtype, device=flats[0].device).expand(numel)
+        add_flat_noise_(flats, gaussian_noise(reference, std, generator))
+        return
+    starts = [0]
+    for flat in flats:
+        starts.append(starts[-1] + flat.numel())
+    # One chunk buffer per worker, made here: what a worker thread allocates stays in its own malloc arena,
+    # resident after the step.
+    buffers: "queue.SimpleQueue[torch.Tensor]" = queue.SimpleQueue()
+    for _ in range(_workers(numel)):
+        buffers.put(torch.empty(_CPU_CHUNK, dtype=noise_dtype(flats[0].dtype)))
+
+    def add(span: slice, chunk_generator: torch.Generator) -> None:
+        buffer = buffers.get()
+        noise = torch.randn(span.stop - span.start, generator=chunk_generator, out=buffer[:span.stop - span.start]).mul_(std)
+        k = bisect.bisect_right(starts, span.start) - 1  # the first target the chunk reaches
+        while k < len(flats) and starts[k] < span.stop:
+            low, high = max(span.start, starts[k]), min(span.stop, starts[k + 1])
+            flats[k][low - starts[k]:high - starts[k]].add_(noise[low - span.start:high - span.start])
+            k += 1
+        buffers.put(buffer)
+
+    _for_each_chunk(numel, generator, add)
+
+
+def add_flat_noise_(targets: Sequence[torch.Tensor], noise: torch.Tensor) -> None:
+    """Add the flat ``noise`` to the flat ``targets``, in their order (one fused call)."""
+    if targets:
+        torch._foreach_add_(list(targets), list(noise.reshape(-1).split([t.numel() for t in targets])))
+
+
 def _chunked_cpu_normals(shape: torch.Size, dtype: torch.dtype, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Standard normals of ``shape`` on the CPU, in chunks of ``_CPU_CHUNK`` filled side by side.
+    """Standard normals of ``shape`` on the CPU, in chunks of ``_CPU_CHUNK`` filled side by side (``_for_each_chunk``)."""
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    _for_each_chunk(flat.numel(), generator,
+                    lambda span, chunk_generator: torch.randn(span.stop - span.start, generator=chunk_generator, out=flat[span]))
+    return out
+
+
+def _for_each_chunk(numel: int, generator: Optional[torch.Generator], draw: Callable[[slice, torch.Generator], Any]) -> None:
+    """``draw(span, chunk_generator)`` for each ``_CPU_CHUNK``-value span of ``range(numel)``, side by side on the threads.
 
     torch's CPU ``randn`` runs on one core; a model-sized draw was 10% of a private step. Each chunk
     gets its own generator, seeded by one draw of 62-bit seeds from ``generator`` (or torch's global
     generator), so the values depend on the generator's state and the size only, not on the number
     of threads, and a checkpointed generator replays them exactly.
     """
-    out = torch.empty(shape, dtype=dtype)
-    chunks = out.view(-1).split(_CPU_CHUNK)
-    seeds = torch.randint(0, 2**62, (len(chunks),), generator=generator).tolist()
+    count = -(-numel // _CPU_CHUNK)
+    seeds = torch.randint(0, 2**62, (count,), generator=generator).tolist()
 
-    def fill(index: int) -> None:
-        torch.randn(chunks[index].shape, generator=torch.Generator().manual_seed(seeds[index]), out=chunks[index])
+    def run(index: int) -> None:
+        span = slice(index * _CPU_CHUNK, min(numel, (index + 1) * _CPU_CHUNK))
+        draw(span, torch.Generator().manual_seed(seeds[index]))
 
-    workers = max(1, min(torch.get_num_threads(), len(chunks)))
+    workers = _workers(numel)
     if workers == 1:
-        for index in range(len(chunks)):
-            fill(index)
+        for index in range(count):
+            run(index)
     else:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(fill, range(len(chunks))))
-    return out
+            list(pool.map(run, range(count)))
+
+
+def _workers(numel: int) -> int:
+    """Threads a chunked draw of ``numel`` values runs on."""
+    return max(1, min(torch.get_num_threads(), -(-numel // _CPU_CHUNK)))
 
 
 def secure_summands(dtype: torch.dtype) -> int:
@@ -231,6 +290,23 @@ class NoiseGenerator:
         self.generator.set_state(state["rng_state"].cpu())  # Accelerate may have moved it to the device
 
 
+def add_noise_(targets: Sequence[torch.Tensor], std: float, source: Any) -> None:
+    """Add ``source.noise_like(reference, std)`` for the flat concatenation of ``targets`` to them in place.
+
+    A ``NoiseGenerator`` whose ``noise_like`` is its own (not overridden) draws with
+    ``add_gaussian_noise_`` where its generator lives: the same values, and on the CPU no buffer of the
+    targets' size. Any other source's ``noise_like`` is called once, for all of them.
+    """
+    if not targets:
+        return
+    own = isinstance(source, NoiseGenerator) and getattr(source.noise_like, "__func__", None) is NoiseGenerator.noise_like
+    if own and targets[0].device.type == source.generator.device.type:
+        add_gaussian_noise_(targets, std, source.generator)
+        return
+    reference = torch.zeros(1, dtype=targets[0].dtype, device=targets[0].device).expand(sum(t.numel() for t in targets))
+    add_flat_noise_([t.view(-1) for t in targets], source.noise_like(reference, std))
+
+
 def as_noise_generator(source: Any) -> Any:
     """``source`` as an object with ``noise_like``/``state_dict``/``load_state_dict``.
 
@@ -281,6 +357,8 @@ class SecureNoiseGenerator:
 
 __all__ = [
     "NoiseGenerator",
+    "add_gaussian_noise_",
+    "add_noise_",
     "SecureNoiseGenerator",
     "as_noise_generator",
     "gaussian_noise",

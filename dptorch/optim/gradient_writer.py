@@ -28,6 +28,7 @@ from torch import nn
 
 from dptorch.distributed.fsdp import add_noise_per_parameter
 from dptorch.distributed.noise import ShardedNoise
+from dptorch.noise.gaussian import add_noise_
 
 Factors = Dict[nn.Parameter, torch.Tensor]
 
@@ -54,12 +55,12 @@ class WholeParameters:
         sizes = [p.numel() for p in params]
         device = params[0].device
         std = optimizer.noise_std
+        if optimizer._world_size == 1:
+            return _write_one_process(optimizer, params, sizes, std)
         noise = None
         if std > 0 and optimizer._rank == 0:  # the noise of the whole flat vector, one draw; the sums go into it
             shape_only = torch.zeros(1, dtype=torch.float32, device=device).expand(sum(sizes))
             noise = optimizer.noise_generator.noise_like(shape_only, std).reshape(-1)
-        if optimizer._world_size == 1:
-            return _write_one_process(optimizer, params, sizes, noise)
         flat = noise if noise is not None else torch.zeros(sum(sizes), dtype=torch.float32, device=device)
         held = [(part, optimizer._summed[p]) for p, part in zip(params, flat.split(sizes)) if p in optimizer._summed]
         if held:  # z + s (the same bits as s + z), one fused call for all parameters
@@ -70,27 +71,26 @@ class WholeParameters:
         _set_grads(params, flat.split(sizes))
 
 
-def _write_one_process(optimizer: Any, params: Sequence[nn.Parameter], sizes: Sequence[int],
-                       noise: Optional[torch.Tensor]) -> None:
+def _write_one_process(optimizer: Any, params: Sequence[nn.Parameter], sizes: Sequence[int], std: float) -> None:
     """``WholeParameters.write`` on one process: each held clipped sum becomes its parameter's gradient in place
-    (``s += z``, ``s /= divisor``: the same bits as the flat vector's ``z + s``), with no flat buffer to fill and
-    copy. The held sums are the optimizer's own (``state_dict`` hands out copies; one that shares memory with
+    (``s += z``, ``s /= divisor``: the same bits as the flat vector's ``z + s``), with no flat buffer: the noise
+    of the flat vector is added part by part (``add_noise_``: on the CPU chunk by chunk, never model-sized).
+    The held sums are the optimizer's own (``state_dict`` hands out copies; one that shares memory with
     another is copied first). A parameter without a clipped sum gets its noise (or zeros)."""
     device = params[0].device
-    parts = noise.split(sizes) if noise is not None else None
     grads: List[torch.Tensor] = []
     held: List[int] = []
     for i, p in enumerate(params):
         summed = optimizer._summed.get(p)
-        if summed is None:
-            grads.append(parts[i] if parts is not None else torch.zeros(sizes[i], dtype=torch.float32, device=device))
+        if summed is None:  # -0.0 is the addition's identity: the gradient is the noise's own bits
+            grads.append(torch.full((sizes[i],), -0.0 if std > 0 else 0.0, dtype=torch.float32, device=device))
             continue
         grads.append(summed.to(device, torch.float32).contiguous())
         held.append(i)
     for i in _sharing_memory([grads[i] for i in held]):
         grads[held[i]] = grads[held[i]].clone()
-    if parts is not None and held:
-        torch._foreach_add_([grads[i] for i in held], [parts[i].view(grads[i].shape) for i in held])
+    if std > 0:
+        add_noise_(grads, std, optimizer.noise_generator)
     if optimizer.loss_reduction == "mean":  # the plan's constant, never the drawn batch's size (post-processing)
         torch._foreach_div_(grads, optimizer.plan.divisor)
     _set_grads(params, grads)

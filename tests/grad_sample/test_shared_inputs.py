@@ -201,3 +201,55 @@ def test_weighted_sums_equal_each_alone(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
             exact = torch.einsum("i,i...->...", factor.double(), per_sample.double())
             torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+
+
+class _LargestFloat64:
+    """The most elements of any float64 tensor an operation makes inside the block."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in out if isinstance(out, (tuple, list)) else (out,):
+                    if isinstance(t, torch.Tensor) and t.dtype == torch.float64:
+                        seen.largest = max(seen.largest, t.numel())
+                return out
+
+        self.largest, self._mode = 0, Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("t", [1, 8], ids=["one-token", "ghost"])
+def test_certified_norms_copy_to_float64_a_block_of_samples_at_a_time(monkeypatch, t):
+    """A wide output gradient (an LM head's ``(B, T, vocab)``) is never copied to float64 whole: the
+    certified norms take ``WIDE_BLOCK`` elements of the widest operand at a time, each sample's
+    arithmetic its own (the same norms as in one block, up to the float64 rounding of a batched matmul,
+    which may depend on the number of matrices)."""
+    import dptorch.grad_sample.shared_inputs as shared_inputs
+
+    torch.manual_seed(0)
+    x = torch.randn(6, t, 12)
+    head, other = nn.Linear(12, 40), nn.Linear(12, 30, bias=False)
+    uses = [AffineUse(x, torch.randn(6, t, 40), head.weight, head.bias), AffineUse(x, torch.randn(6, t, 30), other.weight, None)]
+    monkeypatch.setattr(shared_inputs, "WIDE_BLOCK", 1 << 30)
+    with _LargestFloat64() as whole:
+        want = shared_affine_norms_sq(uses)
+    assert whole.largest == 6 * t * 40  # the head's output gradient, whole
+    monkeypatch.setattr(shared_inputs, "WIDE_BLOCK", 2 * t * 40 + 1)  # two samples of it
+    with _LargestFloat64() as blocked:
+        got = shared_affine_norms_sq(uses)
+    assert blocked.largest == 2 * t * 40
+    exact = torch.einsum("itp,itd->ipd", uses[0].backprops.double(), x.double()).flatten(1).pow(2).sum(1)
+    assert (got[0][head.weight].double() >= exact).all()  # certified: never below
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for p in w:
+            torch.testing.assert_close(g[p], w[p], rtol=1e-12, atol=0)

@@ -112,3 +112,24 @@ def test_large_cpu_draws_are_parallel_chunks_that_replay_whatever_the_threads():
     assert abs(float(torch.corrcoef(chunks)[1, 2])) < 0.005
     sample = (first[::7] / 1.5).double().numpy()
     assert stats.kstest(sample, "norm").pvalue > 1e-3
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_added_noise_is_the_flat_draw_whatever_the_targets(monkeypatch, threads):
+    """``add_gaussian_noise_`` adds to each target its part of the flat draw, chunks straddling targets
+    (empty ones too), with the same values ``gaussian_noise`` returns for the concatenation."""
+    import dptorch.noise.gaussian as gaussian
+
+    monkeypatch.setattr(gaussian, "_CPU_CHUNK", 10)
+    torch.manual_seed(0)
+    targets = [torch.randn(3, 4), torch.randn(0), torch.randn(25), torch.randn(1), torch.randn(2, 3)]
+    held = [t.clone() for t in targets]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        gaussian.add_gaussian_noise_(targets, 0.3, torch.Generator().manual_seed(4))
+    finally:
+        torch.set_num_threads(before)
+    flat = gaussian_noise(torch.zeros(sum(t.numel() for t in targets)), 0.3, torch.Generator().manual_seed(4))
+    for t, h, z in zip(targets, held, flat.split([t.numel() for t in targets])):
+        assert torch.equal(t.reshape(-1), h.reshape(-1) + z)

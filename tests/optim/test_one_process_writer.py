@@ -76,3 +76,43 @@ def test_sums_sharing_memory_each_get_their_own_noise_and_a_loaded_state_stays()
     assert first.grad.data_ptr() != second.grad.data_ptr()
     for i, t in state["dp"]["summed"].items():
         assert torch.equal(t, loaded[i])  # load_state_dict took copies
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_draw_is_added_chunk_by_chunk_without_a_model_sized_buffer(monkeypatch, threads):
+    """Above ``_CPU_CHUNK`` values the noise is drawn and added a chunk at a time (chunks straddle
+    parameters): the gradient is the flat draw's ``(s + z) / divisor`` bit for bit, and no tensor of all
+    parameters' size is made at the step."""
+    import dptorch.noise.gaussian as gaussian
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(gaussian, "_CPU_CHUNK", 7)
+    torch.manual_seed(0)
+    model = WithUnused()
+    hooks = GradSampleHooks(model, loss_reduction="mean")
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), hooks=hooks, noise_multiplier=0.7,
+                            max_grad_norm=0.5, expected_batch_size=3, noise_generator=NoiseGenerator(seed=11))
+    model(torch.randn(3, 4)).pow(2).sum(1).mean().backward()
+    held = {p: s.clone() for p, s in optimizer._summed.items()}
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    largest = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            largest.extend(t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor))
+            return out
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with Largest():
+            optimizer.step()
+    finally:
+        torch.set_num_threads(before)
+    assert sum(sizes) > 2 * 7 and max(largest) < sum(sizes)  # chunks and parameters, never the flat vector
+    flat = NoiseGenerator(seed=11).noise_like(torch.zeros(1).expand(sum(sizes)), optimizer.noise_std).reshape(-1)
+    for p, z in zip(params, flat.split(sizes)):
+        s = held[p].reshape(-1) if p in held else torch.zeros_like(z)
+        assert torch.equal(p.grad.reshape(-1), (z + s) / 3.0)
