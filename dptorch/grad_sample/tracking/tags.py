@@ -94,8 +94,6 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
     batch-derived argument without its batch dim, or mixed with batched ones, has no per-sample
     gradient. Weak dims count only where no strong one exists, or where they agree with it.
     """
-    if len(tags) == 1 and type(tags[0]) is int:  # one batched argument (most layer calls): what the rest gives
-        return "batched", (tags[0] & ~WEAK,), tags[0]
     strong = [g for g in tags if type(g) is int and not g & WEAK]
     weak = [g for g in tags if type(g) is int and g & WEAK]
     losts = [g for g in tags if type(g) is Lost]
