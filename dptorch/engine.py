@@ -145,7 +145,7 @@ class PrivacyEngine:
         With ``criterion=`` (Opacus' argument) it returns ``(module, optimizer, criterion,
         data_loader)``, the criterion wrapped in :class:`~dptorch.grad_sample.dp_loss.DPLoss` (one loss per sample,
         ``loss.backward()`` is one backward pass), in every ``grad_sample_mode``; the mode alone
-        never changes the shape. ``grad_sample_mode="auto"`` (the default) runs the fastest exact
+        never changes the shape. ``grad_sample_mode="auto"`` (the default) runs an exact
         mode for the optimizer's parameters: ``"bk"`` when one of them is in a layer with a norm
         sampler, else ``"hooks"`` (:mod:`dptorch.grad_sample.auto`); the mode that ran is logged
         (logger ``dptorch.engine``, info), is ``engine.grad_sample_mode`` and is in ``privacy_report``.

@@ -1,13 +1,13 @@
-"""``grad_sample_mode="auto"``: the fastest exact mode for a model, chosen before attaching.
+"""``grad_sample_mode="auto"``: the exact mode chosen for a model before attaching.
 
 Every mode computes the same clipped sums (each is tested against the batch-of-one oracle); they
 differ in cost. Book-keeping (``"bk"``) forms the per-sample norms and the clipped sum of a layer
 that has a norm sampler (``nn.Linear``, transformers' ``Conv1D``, ``nn.Embedding``) from its inputs
 and output gradients, without instantiating one gradient per sample, and falls back to the
-instantiated per-sample gradients of ``"hooks"`` for every other layer: it is never slower than
-``"hooks"``, and it is faster (and needs less memory) as soon as one trainable parameter sits in
-such a layer. Measured on CPU, one private step: GPT-2 (2 layers, width 128, T 64, B 8) hooks 62 ms,
-bk 58 ms; Llama of the same size 65 / 58 ms; the digits CNN (conv, GroupNorm, linear) 7.6 / 6.8 ms.
+instantiated per-sample gradients of ``"hooks"`` for every other layer. It holds far less memory
+(``benchmarks/models.py``: 1.03-1.07x the plain step's peak against hooks' 1.04-2.30x). Its norms
+are formed in float64 and certified, which costs time: 1.06-1.32x hooks' step on the narrow and wide
+benchmark shapes, 0.94x on long sequences (docs/performance.md, 2026-12-06).
 
 So ``"auto"`` is ``"bk"`` when a trainable parameter belongs to a layer with a norm sampler, else
 ``"hooks"`` (the same computation then, and Opacus code that reads ``p.grad_sample`` finds it on

@@ -15,8 +15,8 @@ def add_shared_flags(parser: argparse.ArgumentParser, *, epsilon: float, epochs:
     parser.add_argument("--batch-size", type=int, default=128, help=batch_size_help)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="per-sample clipping bound C (default 1)")
     parser.add_argument("--mode", default="auto", choices=["auto", *modes],
-                        help="how per-sample gradients are computed (default auto: the fastest exact mode for the "
-                        "model, bk here; the report says which ran)")
+                        help="how per-sample gradients are computed (default auto: bk where a layer has a norm "
+                        "sampler, else hooks; bk here; the report says which ran)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data split, initialisation, sampling and noise")
     parser.add_argument("--plots", metavar="DIR", help="save epsilon.png, loss.png and clipped_fraction.png in DIR")
     parser.add_argument("--no-baseline", action="store_true",

@@ -18,7 +18,7 @@ from dptorch.clipping.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.clipping.factors import CLIPPING_MODES
 from dptorch.optim.loss_scaling import check_schedule
 
-#: "auto" (the default: the fastest exact mode for the model) and every controller mode; "ghost" is
+#: "auto" (the default: bk where a layer has a norm sampler, else hooks) and every controller mode; "ghost" is
 #: book-keeping under Opacus' name (one backward pass).
 GRAD_SAMPLE_MODES = _ACCEPTED_MODES
 
