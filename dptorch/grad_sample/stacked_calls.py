@@ -8,8 +8,8 @@ sampler, the inputs' and output gradient's shapes and dtypes, the scale) are con
 batch and sampled once by the first call's module; each call then takes its own rows.
 
 That is exact only for samplers that work row by row and read no parameter data (their results
-depend on the module's configuration, never on its weights): the layers of
-``layers.samples_from_shapes_alone``. Any other call, a packed one, an empty batch or a large one is
+depend on the module's configuration, never on its weights): the built-in samplers of
+``layers.samples_from_shapes_alone``, never one the user registered. Any other call, a packed one, an empty batch or a large one is
 sampled alone, at once; a run is sampled when it would hold more than ``STACK_LIMIT`` elements, so
 what waits is bounded by the model's number of configurations.
 """
@@ -29,7 +29,7 @@ from dptorch.grad_sample.linear_forms import STACK_LIMIT
 def stack_key(call: Any) -> Optional[tuple]:
     """The configuration calls must share to be sampled together, or None when ``call`` goes alone."""
     module = call.module
-    if call.units is not None or call.sampler is None or not samples_from_shapes_alone(module):
+    if call.units is not None or not samples_from_shapes_alone(call.sampler):
         return None
     if not call.backprops.dim() or call.backprops.shape[0] == 0:
         return None

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
+from dptorch.grad_sample.registry import find_grad_sampler
 from dptorch.grad_sample.stacked_calls import merged, stack_key
 from dptorch.grad_sample.strategies import LayerCall
 from tests.helpers import check_per_sample_grads, projection_loss
@@ -64,12 +65,9 @@ def test_stacked_equal_sampled_alone(monkeypatch, mode):
             torch.testing.assert_close(got[p], want[p], rtol=1e-6, atol=1e-6)
 
 
-def _sampler(module, activations, backprops):
-    return {}
-
-
-def _call(module, x, b):
-    return LayerCall("norm", module, dict(module.named_parameters()), _sampler, None, (x,), b)
+def _call(module, x, b, sampler=None):
+    sampler = find_grad_sampler(module) if sampler is None else sampler
+    return LayerCall("norm", module, dict(module.named_parameters()), sampler, None, (x,), b)
 
 
 def test_only_one_configuration_stacks():
@@ -82,6 +80,8 @@ def test_only_one_configuration_stacks():
     assert stack_key(_call(nn.LayerNorm(6), x[:0], b[:0])) is None  # an empty batch goes alone
     conv = nn.Conv1d(3, 3, 1)  # its sampler reads the weight's data: never stacked
     assert stack_key(_call(conv, torch.randn(2, 3, 4), torch.randn(2, 3, 4))) is None
+    own = lambda module, activations, backprops: {}  # noqa: E731  (a user's sampler, even for a LayerNorm)
+    assert stack_key(_call(nn.LayerNorm(6), x, b, own)) is None
     run = [_call(nn.LayerNorm(6), x, b), _call(nn.LayerNorm(6), x + 1, b - 1)]
     joined = merged(run)
     assert joined.module is run[0].module
@@ -131,3 +131,35 @@ def test_conv1d_calls_stack_exactly(monkeypatch):
     assert runs == [4] and together.keys() == alone.keys() and len(alone) == 8
     for p in alone:
         torch.testing.assert_close(together[p], alone[p], rtol=1e-6, atol=1e-6)
+
+
+class WeightScaled(nn.Linear):
+    """A Linear subclass whose registered grad sampler reads the weight's data."""
+
+
+def _weight_scaled_grads(module, activations, backprops):
+    scale = module.weight.detach().sum()
+    return {module.weight: torch.einsum("bto,bti->boi", backprops, activations[0]) * scale,
+            module.bias: backprops.sum(1) * scale}
+
+
+def test_a_users_sampler_is_never_stacked(monkeypatch):
+    """A sampler registered by the user may read its module's weights, so one module's call cannot stand for
+    another's: each call is sampled by its own module, even for a subclass of a stackable layer."""
+    import dptorch.grad_sample.strategies as strategies
+    from dptorch.grad_sample import register_grad_sampler
+
+    register_grad_sampler(WeightScaled)(_weight_scaled_grads)
+    torch.manual_seed(0)
+    model, x = nn.Sequential(WeightScaled(4, 4), WeightScaled(4, 4)), torch.randn(3, 2, 4)
+    runs = []
+    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    hooks = GradSampleHooks(model, grad_sample_mode="hooks", loss_reduction="sum")
+    model(x).sum().backward()
+    assert runs == []
+    ones = torch.ones(3, 2, 4)  # the output gradient of the sum; the first layer's, through the second's weight
+    for layer, inputs, backprops in ((model[0], x, ones @ model[1].weight.detach()), (model[1], model[0](x).detach(), ones)):
+        want = _weight_scaled_grads(layer, (inputs,), backprops)
+        for p in (layer.weight, layer.bias):
+            torch.testing.assert_close(hooks.grad_samples[p], want[p], rtol=1e-6, atol=1e-6)
+    hooks.cleanup()

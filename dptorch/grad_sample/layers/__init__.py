@@ -19,9 +19,19 @@ def reads_no_parameter_data(module: nn.Module) -> bool:
     return isinstance(module, exact) or norms.looks_like_hf_rms_norm(module)
 
 
-def samples_from_shapes_alone(module: nn.Module) -> bool:
-    """Whether ``module``'s samplers read no parameter data, so that one module of a configuration can sample
-    the calls of others (``stacked_calls``): ``reads_no_parameter_data``'s layers and HF's ``Conv1D``, whose
-    rules are the Linear ones (it stays out of ``reads_no_parameter_data``, which also decides what ZeRO-3
-    accepts, a setting where ``Conv1D`` is not tested)."""
-    return reads_no_parameter_data(module) or hf_conv1d.looks_like_hf_conv1d(module)
+
+#: Built-in grad samplers that read only activations, output gradients, the module's plain attributes and its
+#: parameters' ``requires_grad``, dtype and shape (never their data): those of ``nn.Linear``, HF's ``Conv1D``,
+#: ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm`` and the HF RMSNorm family.
+_SHAPE_ONLY_SAMPLERS = frozenset(
+    {linear.linear_grad_sampler, hf_conv1d.hf_conv1d_grad_sampler, embedding.embedding_grad_sampler,
+     norms.layer_norm_grad_sampler, norms.hf_rms_norm_grad_sampler}
+    | ({norms.rms_norm_grad_sampler} if hasattr(norms, "rms_norm_grad_sampler") else set())
+)
+
+
+def samples_from_shapes_alone(sampler) -> bool:
+    """Whether ``sampler`` is one of the built-in grad samplers that read no parameter data, so that one module
+    of a configuration can sample the calls of others (``stacked_calls``). A sampler registered by the user is
+    never assumed to be one, whatever its module's class."""
+    return sampler in _SHAPE_ONLY_SAMPLERS
