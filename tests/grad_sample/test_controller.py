@@ -306,3 +306,16 @@ def test_without_param_grads_per_sample_grads_stay_exact():
         for p, g in reference.items():
             torch.testing.assert_close(hooks.grad_samples[p], g)
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_the_unhooked_parameter_check_sees_every_parameter_once():
+    """The walk behind the check for gradients on parameters without a hook finds what ``parameters()``
+    finds, in its order: nested and shared modules, a tied weight once, a None bias skipped."""
+    from dptorch.grad_sample.hooks import _all_parameters
+
+    shared = nn.Linear(3, 3, bias=False)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Sequential(shared, nn.LayerNorm(3)), shared, nn.Linear(3, 5))
+    model[0].weight = model[3].weight  # tied: (5, 3) both
+    found = _all_parameters(model)
+    assert len(found) == len(list(model.parameters()))
+    assert all(a is b for a, b in zip(found, model.parameters()))
