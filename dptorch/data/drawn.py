@@ -10,18 +10,28 @@ only: nothing of the data is kept alive.
 from __future__ import annotations
 
 import weakref
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 from torch.utils._pytree import tree_flatten
 
 _LATEST: List["weakref.ref[torch.Tensor]"] = []
+_WATCHERS: List[Callable[[List[torch.Tensor]], None]] = []
+
+
+def watch(callback: Callable[[List[torch.Tensor]], None]) -> None:
+    """Call ``callback`` with the tensors of every batch handed out from now on (the batch tracker's
+    watch: what the training loop derives from them before the forward is followed too)."""
+    if callback not in _WATCHERS:
+        _WATCHERS.append(callback)
 
 
 def hand_out(batch: Any) -> None:
     """Record ``batch`` (any nesting of tensors) as the latest batch handed to the training loop."""
-    leaves = tree_flatten(batch)[0]
-    _LATEST[:] = [weakref.ref(t) for t in leaves if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    _LATEST[:] = [weakref.ref(t) for t in tensors]
+    for callback in _WATCHERS:
+        callback(tensors)
 
 
 def latest() -> List[torch.Tensor]:

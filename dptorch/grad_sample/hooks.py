@@ -77,11 +77,13 @@ from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
+from dptorch.grad_sample.tracking import watch as draw_watch
 from dptorch.grad_sample.validation import incompatibilities
 
 GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost", "ew")
 LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, GradSampleHooks]" = weakref.WeakKeyDictionary()
+drawn.watch(lambda tensors: draw_watch.start(tensors, active=lambda: bool(_ATTACHED)))
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
 # HF keywords whose tensors have the batch first whenever they have n rows there
 _PER_SAMPLE_KEYS = frozenset(_BATCH_KEYS + (
@@ -294,6 +296,8 @@ class GradSampleHooks:
         self._canonical.clear()
         claims.release(self, list(self._param_names))
         _ATTACHED.pop(self.module, None)
+        if not _ATTACHED:
+            draw_watch.stop()
         self._attached = False
 
     #: Opacus' name for :meth:`cleanup`.
@@ -505,6 +509,7 @@ class GradSampleHooks:
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
             self._drop_loss_tracker(finished_only=True)
+            watched = draw_watch.take()  # first: the controller's own reads below are not the loop's
             if module.training and torch.is_grad_enabled() and self._kept_grad_samples:
                 self._drop_kept_grad_samples()
                 self._buffers.reclaim()
@@ -525,19 +530,24 @@ class GradSampleHooks:
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
             if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
-                self._tracker = self._start_tracking(args, kwargs, self._batch_size)
+                self._tracker = self._start_tracking(args, kwargs, self._batch_size, watched)
+                watched = None
+            if watched is not None:
+                watched.close()
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
 
-    def _start_tracking(self, args: tuple, kwargs: dict, n: int) -> BatchTracker:
+    def _start_tracking(self, args: tuple, kwargs: dict, n: int, watched: Optional[BatchTracker] = None) -> BatchTracker:
         """Tag the root call's batched inputs and follow the batch through the forward.
 
-        The primary input (what the batch size came from) and HF's per-sample keywords carry the
-        batch along ``batch_dim`` for certain; any other argument with ``n`` rows there is taken as
-        batched too, but gives way where it contradicts them (a ``(T, T)`` mask when ``T == n``).
+        The primary input (what the batch size came from), HF's per-sample keywords and what the
+        draw's watch (``watched``) saw derived from a DP loader's batch carry the batch for certain.
+        Any other argument with ``n`` rows along ``batch_dim`` is shared when the watch saw the
+        whole way from the draw, and otherwise weakly batched: taken as batched, and refused where
+        it is mixed or meets the batch along another dim (``tracking/tags.py``).
         """
         owner = weakref.ref(self)  # the mode stack must not keep a dropped controller (and its model) alive
         tracker = BatchTracker(n, skip=lambda: owner()._suspended, quiet=lambda: owner()._capture_suspended())
@@ -552,10 +562,16 @@ class GradSampleHooks:
                 tracker.adopt(previous)
             previous.close()
         dim = self._batch_dim
+        if watched is not None:  # what the loop derived from the DP loader's draw before this forward
+            tracker.adopt(watched)
+            watched.close()
         if dim == 0:  # the DP loader's latest batch, collated along dim 0: labels the loss may use
             for t in drawn.latest():
                 if t.dim() and t.shape[0] == n and tracker.get(t) is None:
                     tracker.put(t, 0)
+        # With the draw watched (and no value of it read into Python), a root argument not derived from it is
+        # shared by the samples; otherwise one with n rows may hold their data (weak: taken as batched)
+        known = watched is not None and watched.escaped is None
         primary = _bag_offsets(self.module, args, kwargs)
         primary = _primary_input(args, kwargs, dim) if primary is None else primary
         named = [(None, a) for a in args] + list(kwargs.items())
@@ -565,7 +581,11 @@ class GradSampleHooks:
                 if isinstance(leaf, PackedSequence):
                     tracker.put(leaf.data, packed(leaf.sorted_indices))
                 elif isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == n:
-                    tracker.tag_root(leaf, dim, strong or leaf is primary)
+                    seen = tracker.get(leaf)
+                    if seen is not None and (type(seen) is not int or seen & DIM != dim):
+                        continue  # the watch saw it derived otherwise (mixed, or batched along another dim)
+                    if strong or leaf is primary or seen is not None or not known:
+                        tracker.tag_root(leaf, dim, strong or leaf is primary or seen is not None)
         tracker.__enter__()
         return tracker
 

@@ -25,6 +25,7 @@ from torch import Tensor
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tracking.args import arg, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.writes import written
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -141,7 +142,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if name in _ADDITIVE or name in _JOINS:
         keep = same
     elif scaling:
-        keep = len(tagged) == 1 and (tr.escaped is None or not _has_plain_factor(args, kwargs))
+        keep = len(tagged) == 1 and read_from_batch(tr) is None
     else:
         keep = name in _LINEAR and alone
     if name == "__get__":  # a property: .data, .T and .real read the total itself; others (.grad, .shape) no data
@@ -152,16 +153,40 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if keep:
         tag = Lost(first.reason, first.kind, units=first.units)
     else:
-        tag = Lost(_mixing_reason(name, first, tr.escaped if scaling else None))
+        tag = Lost(_mixing_reason(name, first, read_from_batch(tr) if scaling else None))
     if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
         tr.put(args[0], tag)
     tr.put_all(out, tag)
     return out
 
 
-def _has_plain_factor(args: tuple, kwargs: dict) -> bool:
-    """Whether a scaling has a factor that is not a tensor the tracker follows (a Python number)."""
-    return any(not isinstance(a, Tensor) for a in (*args, *kwargs.values()))
+def read_from_batch(tr: BatchTracker) -> Optional[str]:
+    """What was read from the batch into Python since its draw, outside the forward (a value, or its size):
+    a number scaling the loss after it may come from it, so the scaling is not known to be a constant."""
+    return tr.escaped or tr.counted
+
+
+def scales_after_read(tr: BatchTracker, func, args: tuple, kwargs: dict) -> bool:
+    """Whether an operation scales batch data by a factor the tracker does not follow (a Python number, an
+    untagged tensor) after a read from the batch, outside the forward (``loss / len(y)`` before its sum)."""
+    if not tr.forward_done or read_from_batch(tr) is None or tr.n <= 1:
+        return False
+    name = op_name(func)
+    if name not in _SCALING and name not in _DIVIDING:
+        return False
+    tags = [tr.get(a) if isinstance(a, Tensor) else None for a in (*args, *kwargs.values())]
+    return any(type(g) is int for g in tags) and any(g is None for g in tags)
+
+
+def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+    """A batch-derived tensor scaled after a read from the batch: ``Lost`` (its factor may be the batch size)."""
+    out = tr.run(func, args, kwargs)
+    lost = Lost(f"{op_name(func)} by a factor that may come from {read_from_batch(tr)}, a number read from the "
+                "batch into Python, which would make each sample's gradient depend on the others")
+    for target in written(func, args, kwargs):
+        tr.wrote(target, tr.get(target), lost)
+    tr.put_all(out, lost)
+    return out
 
 
 def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:

@@ -19,12 +19,13 @@ from torch.overrides import TorchFunctionMode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.args import op_name
-from dptorch.grad_sample.tracking.loss import backward_rule, has_total, total_rule
+from dptorch.grad_sample.tracking.loss import backward_rule, has_total, read_scaling_rule, scales_after_read, total_rule
+from dptorch.grad_sample.tracking.memory import BatchMemory
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
-from dptorch.grad_sample.tracking.rules.metadata import skip
-from dptorch.grad_sample.tracking.tags import DIM, INNER, WEAK, Lost
+from dptorch.grad_sample.tracking.rules.metadata import count, skip
+from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -54,9 +55,12 @@ class BatchTracker(TorchFunctionMode):
         self.on_backward: Callable[[], None] = lambda: None
         self.totals = 0
         self.escaped: Optional[str] = None
+        self.counted: Optional[str] = None  # a batch size read into Python outside the forward (rules/metadata.py)
+        self.checks_backward = True  # False for the draw's watch (watch.py), which only tags
         self.done = False
         self.forward_done = False  # the root forward returned (escapes are refused only inside it)
         self.writes = Writes()  # in-place writes that made aliased memory dirty (writes.py)
+        self.memory = BatchMemory()  # the storages that hold batch data (memory.py)
 
     # ---------------------------------------------------------------- table
 
@@ -64,9 +68,18 @@ class BatchTracker(TorchFunctionMode):
         entry = self._table.get(id(t))
         if entry is not None and entry[0]() is t:
             return entry[1]
-        if self.writes.dirty and isinstance(t, Tensor):
-            return self.writes.untagged(t)
-        return None
+        if not isinstance(t, Tensor) or self.writes.fresh(t):
+            return None
+        if self.writes.dirty:
+            tag = self.writes.untagged(t)
+            if tag is not None:
+                return tag
+        return self.memory.tag_of(t, self._own) if self.memory else None
+
+    def _own(self, t: Tensor) -> Any:
+        """The tag this table holds for ``t`` itself (no alias is consulted)."""
+        entry = self._table.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def wrote(self, target: Tensor, old: Any, new: Any, reason: Optional[str] = None) -> None:
         """An in-place write changed ``target``'s tag from ``old`` to ``new`` (see ``writes.py``)."""
@@ -80,6 +93,8 @@ class BatchTracker(TorchFunctionMode):
                     del self._table[id(t)]
             else:
                 self._table[id(t)] = (weakref.ref(t), tag)
+                if self.n > 1:
+                    self.memory.note(t, tag)
 
     def put_all(self, out: Any, tag: Any) -> None:
         if isinstance(out, Tensor):
@@ -112,11 +127,15 @@ class BatchTracker(TorchFunctionMode):
             return func(*args, **kwargs)
         rule = rule_of(func)
         if self.totals and (self.forward_done or rule is not escape) and has_total(self, args, kwargs):
-            return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
-        if rule is skip:
+            # (inside the forward a total's value is refused like any); a write of a total into a tensor, through
+            # whichever alias, is checked like any write (its other aliases are lost)
+            return self._writing(total_rule, func, args, kwargs, written(func, args, kwargs))
+        if rule is skip or (rule is count and not self.forward_done):
             return func(*args, **kwargs)
+        if self.forward_done and scales_after_read(self, func, args, kwargs):
+            return read_scaling_rule(self, func, args, kwargs)
         if rule is backward_rule:  # even of an untagged root (a batch of one's loss): the loss phase ends there
-            return rule(self, func, args, kwargs)
+            return rule(self, func, args, kwargs) if self.checks_backward else func(*args, **kwargs)
         table = self._table
         for a in args:
             if isinstance(a, Tensor):
@@ -130,14 +149,16 @@ class BatchTracker(TorchFunctionMode):
                 if isinstance(a, Tensor) and id(a) in table:
                     break
             else:
-                if not (self.writes.dirty and self.writes.touches(args, kwargs)):
+                if not (self.writes.dirty and self.writes.touches(args, kwargs)) and not (
+                        self.memory and _in_memory(self.memory, args, kwargs)):
                     return func(*args, **kwargs)
         self._out = _NOT_RUN
         out_arg = kwargs.get("out")
         try:
             if out_arg is None:
                 return rule(self, func, args, kwargs)
-            return self._with_out(rule, func, args, kwargs, out_arg)
+            return self._writing(rule, func, args, kwargs, [t for t in (out_arg if isinstance(out_arg, (list, tuple))
+                                                                        else (out_arg,)) if isinstance(t, Tensor)])
         except PerSampleGradientError:
             raise
         except Exception as err:
@@ -157,9 +178,9 @@ class BatchTracker(TorchFunctionMode):
         finally:
             self._out = _NOT_RUN
 
-    def _with_out(self, rule: Callable, func, args: tuple, kwargs: dict, out_arg: Any) -> Any:
-        """An operation writing into ``out=``: the rule tags the result, then the write is checked."""
-        targets = [t for t in (out_arg if isinstance(out_arg, (list, tuple)) else (out_arg,)) if isinstance(t, Tensor)]
+    def _writing(self, rule: Callable, func, args: tuple, kwargs: dict, targets: List[Tensor]) -> Any:
+        """An operation writing into ``targets`` (``out=``, or in place): the rule tags the results, then
+        each write is checked against the target's aliases."""
         old = [self.get(t) for t in targets]
         result = rule(self, func, args, kwargs)
         for t, g in zip(targets, old):
@@ -201,8 +222,10 @@ class BatchTracker(TorchFunctionMode):
         if strong:
             if any(d != strong[0] for d in strong) and self.n > 1:
                 return Lost("an operation that aligns the batch of one input with another dimension of another"), []
-            if lost is not None and not lost.weak:
-                return lost, []
+            if lost is not None:  # a weak one too: the argument's rows may be the samples', mixed
+                return Lost(lost.reason) if lost.weak else lost, []
+            if any(d != strong[0] for d in weak) and self.n > 1:
+                return Lost(MISALIGNED), []
             return strong[0], origins
         if weak:
             if any(d != weak[0] for d in weak) and self.n > 1:
@@ -265,17 +288,21 @@ class BatchTracker(TorchFunctionMode):
         self._origins.clear()
 
     def adopt(self, other: "BatchTracker") -> None:
-        """Continue ``other``'s loss phase in this root forward (a second forward before backward)."""
+        """Continue ``other``'s loss phase (a second forward before backward), or what the draw's watch
+        learnt (``watch.py``), in this root forward."""
         other.end_forward()
         self._table.update(other._table)
+        self.memory.take(other.memory)
         self.totals += other.totals
         self.escaped = self.escaped or other.escaped
+        self.counted = self.counted or other.counted
 
     def close(self) -> None:
         """The end of this tracker: nothing is followed any more."""
         self._release_origins()
         self._table.clear()
         self.writes.clear()
+        self.memory.clear()
         self.done = True
 
     def unsupported_meeting(self, origins: Any, where: str) -> PerSampleGradientError:
@@ -286,6 +313,17 @@ class BatchTracker(TorchFunctionMode):
             "batch dimension (e.g. positions[None].expand(batch_size, -1) instead of positions), or freeze its "
             "parameters."
         )
+
+
+def _in_memory(memory: BatchMemory, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument (or one in a list argument) lives in memory that holds batch data."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            if memory.holds(a):
+                return True
+        elif isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and memory.holds(b) for b in a):
+            return True
+    return False
 
 
 _NOT_RUN: Any = object()

@@ -3,7 +3,9 @@
 Tags (kept in a side table keyed by tensor identity, holding weak references only):
 
 - an ``int``: batched along that dim; ``+ WEAK`` when the evidence is only a root argument whose
-  size matched the batch (a mask ``(T, T)`` with ``T == n``): a weak dim gives way to a strong one;
+  size matched the batch, and no DP loader's draw says whether it derives from the samples (a mask
+  ``(T, T)`` with ``T == n``, or a copy of the input): it is taken as batched; where it meets a strong
+  dim along another dim, or is mixed over its rows, the result is ``Lost``;
   ``+ k * INNER`` when the batch was merged with an inner dim of size ``k`` (BLOOM's ``(B * H, T, d)``,
   OPT's ``(B * T, d)``): the dim holds each sample's ``k`` rows one after the other; ``+ ROWS_TOKENS``
   (the token tracker only) when the packed batch's rows and tokens were flattened into that dim;
@@ -42,7 +44,7 @@ class Lost:
     own losses. Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
     ``sorted_indices`` or None) and "permuted" (the batch along ``dim``, but row ``i`` is sample
     ``order[i]``); gathering the rows back into the batch's order makes them batched again. A
-    ``weak`` one was derived from weak evidence only, and gives way to a strong batch dim.
+    ``weak`` one was derived from weak evidence only (it is refused all the same where it meets the batch).
     """
 
     __slots__ = ("reason", "kind", "dim", "order", "weak", "units")
@@ -53,7 +55,7 @@ class Lost:
         self.kind = kind
         self.dim = dim
         self.order = order
-        self.weak = weak  # derived only from weak evidence: gives way to a strong batch dim
+        self.weak = weak  # derived only from weak evidence
         self.units = units  # a total of packed token units' own losses (dptorch.packed_loss)
 
     def __repr__(self) -> str:
@@ -86,13 +88,20 @@ class CallBatch:
     origins: Tuple[OriginCall, ...] = ()
 
 
+MISALIGNED = ("a root argument with as many rows as the batch (so it may hold the samples' data) aligned with "
+              "another dim of the batch. If it is shared by all samples, create it inside the forward, or hand the "
+              "batch out with a DP data loader, which tells the tensors derived from its draw from the others")
+
+
 def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...], Any]:
     """``(kind, input dims, primary tag)`` of a layer call whose tensor arguments have ``tags``
     (a dim is ``d + k * INNER`` when the batch is merged with an inner dim of size ``k``).
 
     kind is "batched", "origin", "single" or "lost" (the primary tag is then the ``Lost``): a
     batch-derived argument without its batch dim, or mixed with batched ones, has no per-sample
-    gradient. Weak dims count only where no strong one exists, or where they agree with it.
+    gradient. A weak dim is taken as batched: where it disagrees with a strong one, or where a weak
+    ``Lost`` (its rows mixed) meets the batch, the call is lost, for the argument may hold the samples'
+    data (a copy of the input passed a second time).
     """
     strong = [g for g in tags if type(g) is int and not g & WEAK]
     weak = [g for g in tags if type(g) is int and g & WEAK]
@@ -100,15 +109,11 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
     lost = next((g for g in losts if not g.weak), losts[0] if losts else None)
     if strong or weak:
         primary = (strong or weak)[0]
-        if lost is not None and n > 1 and (not lost.weak or not strong):
+        if lost is not None and n > 1:
             return "lost", (), lost
-        dims = []
-        for g in tags:
-            if type(g) is int and (not strong or not g & WEAK or g & ~WEAK == primary & ~WEAK):
-                dims.append(g & ~WEAK)
-            else:
-                dims.append(None)
-        return "batched", tuple(dims), primary
+        if strong and n > 1 and any(g & ~WEAK != primary for g in weak):
+            return "lost", (), Lost(MISALIGNED)
+        return "batched", tuple(g & ~WEAK if type(g) is int else None for g in tags), primary
     if n <= 1:
         return "single", (None,) * len(tags), None
     if lost is not None:

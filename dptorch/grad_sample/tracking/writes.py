@@ -96,10 +96,14 @@ class Writes:
         if base is not None:
             tr.put(base, _base_tag(tr, base, base_old, target, new))
 
+    def fresh(self, t: Tensor) -> bool:
+        """Whether ``t`` was written with shared values over batch data (its contents are its own now)."""
+        ref = self.rewritten.get(id(t))
+        return ref is not None and ref() is t
+
     def untagged(self, t: Tensor) -> Optional[Lost]:
         """The tag of an untagged tensor: ``Lost`` if it aliases dirty memory (and was not itself rewritten)."""
-        ref = self.rewritten.get(id(t))
-        if ref is not None and ref() is t:
+        if self.fresh(t):
             return None
         key = storage_key(t)
         entry = self.dirty.get(key) if key is not None else None
