@@ -1022,7 +1022,8 @@ class GradSampleHooks:
             tags = [g if type(g) is not int or _has_rows(t, g & ~WEAK, n) else None for t, g in zip(tensors, tags)]
         kind, dims, primary = classify(tags, n)
         if kind == "lost":
-            raise self._lost_batch(layer, next(t for t, g in zip(tensors, tags) if g is primary), primary)
+            culprit = (t for t, g in zip(tensors, tags) if g is primary or type(g) is Lost or (type(g) is int and g & WEAK))
+            raise self._lost_batch(layer, next(culprit, tensors[0]), primary)
         if kind == "batched" and layer.sampler is None and fed_no_batch([tracker.get(t) for t in outputs], n):
             kind, dims = "origin", (None,) * len(tensors)  # its batched inputs gave it only their shapes
         if kind == "batched":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from dptorch import DPLoss
+from dptorch.data import drawn
 from dptorch.grad_sample import GradSampleHooks
 from tests.helpers import call
 
@@ -31,13 +32,17 @@ def oracle(model, inputs, dims, loss_fn, n):
     return {p: torch.stack(r) for p, r in rows.items()}
 
 
-def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True):
+def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True, draw=None):
     """Per-sample gradients (hooks, functorch), or per-sample norms and clipped sums (bk, ghost),
-    equal the oracle's."""
+    equal the oracle's. ``draw``: ``(tensors, make)``, the batch-first tensors a DP loader hands out
+    and how the loop makes ``inputs`` from them (the draw's watch follows it)."""
     want = oracle(model, inputs, dims, loss_fn, n)
     names = {p: name for name, p in model.named_parameters()}
     hooks = GradSampleHooks(model, grad_sample_mode=mode, batch_first=batch_first, loss_reduction="sum")
     try:
+        if draw is not None:
+            drawn.hand_out(list(draw[0]))
+            inputs = draw[1](*draw[0])
         output = call(model, inputs)
         loss = DPLoss(loss_fn, hooks)(output) if mode == "ghost" else loss_fn(output).sum()
         loss.backward()

@@ -162,7 +162,15 @@ def test_time_major_encoder_layer_is_exact(mode, sizes):
     padding[0, t - 1:] = t > 1
     inputs = {"src": src, "src_mask": causal, "src_key_padding_mask": padding}
     dims = {"src": 1, "src_mask": None, "src_key_padding_mask": 0}
-    assert_exact(layer, inputs, dims, lambda out: projection_loss(out, 1), mode, n, batch_first=False)
+    loss = lambda out: projection_loss(out, 1)  # noqa: E731
+    if t == n > 1:  # nothing tells the (T, T) mask from the samples' data: taken as batched, it meets the batch
+        with GradSampleHooks(layer, grad_sample_mode=mode, batch_first=False):  # along another dim: refused
+            with pytest.raises(PerSampleGradientError, match="as many rows as the batch.*DP data loader"):
+                layer(**inputs)
+    # handed out by a DP loader, the batch is followed from its draw: the mask is known to be shared
+    draw = ((src.transpose(0, 1).contiguous(), padding),
+            lambda s, p: {"src": s.transpose(0, 1), "src_mask": causal, "src_key_padding_mask": p})
+    assert_exact(layer, inputs, dims, loss, mode, n, batch_first=False, draw=draw)
 
 
 @FEW
@@ -338,15 +346,19 @@ def test_rules_mark_a_lost_batch_dim(op, shape, dim):
     assert isinstance(follow(3, shape, dim, op), Lost)
 
 
-def test_weak_batch_dim_gives_way_to_a_strong_one():
-    """A root argument with n rows that is not the batch (a (T, T) mask, T == n) does not mix it."""
+def test_a_weak_batch_dim_is_taken_as_batched():
+    """A root argument with n rows that no draw tells apart from the batch (a (T, T) mask with T == n, or
+    a copy of the input) may hold the samples' data: where it agrees with the batch it is batched, and
+    where it meets it along another dim, or was mixed over its rows, the result is lost."""
     x, mask = torch.randn(3, 3, 3), torch.randn(3, 3)
     with BatchTracker(3, skip=lambda: False, quiet=None) as tracker:
         tracker.put(x, 0)
         tracker.put(mask, 0 + WEAK)
         assert tracker.get(mask.T) == 1 + WEAK
-        assert tracker.get(x @ x.transpose(1, 2) + mask) == 0
-        assert tracker.get(x.softmax(-1) + mask.T.softmax(0)[None]) == 0  # a weak lost dim gives way too
+        assert tracker.get(x + mask[:, None]) == 0
+        assert isinstance(tracker.get(x @ x.transpose(1, 2) + mask), Lost)  # the mask's rows along dim 1
+        assert isinstance(tracker.get(x.softmax(-1) + mask.T.softmax(0)[None]), Lost)  # its rows mixed
+        assert isinstance(tracker.get(x - mask.mean(0)), Lost)
         assert isinstance(tracker.get(mask.softmax(0)), Lost)
 
 

@@ -46,6 +46,7 @@ _LINEAR_PROPERTIES = {"data", "T", "mT", "H", "mH", "real"}
 _JOINS = set("cat concat concatenate stack".split())
 _ESCAPES = set("item tolist numpy __float__ __int__ __index__ __array__".split())
 _BACKWARD = {"backward", "grad"}
+_FROM_NUMBER = set("tensor as_tensor asarray scalar_tensor full new_tensor new_full full_like".split())
 
 
 def is_total(tag: Any) -> bool:
@@ -142,7 +143,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if name in _ADDITIVE or name in _JOINS:
         keep = same
     elif scaling:
-        keep = len(tagged) == 1 and read_from_batch(tr) is None
+        keep = len(tagged) == 1 and (read_from_batch(tr) is None or not _has_number(args, kwargs))
     else:
         keep = name in _LINEAR and alone
     if name == "__get__":  # a property: .data, .T and .real read the total itself; others (.grad, .shape) no data
@@ -166,22 +167,28 @@ def read_from_batch(tr: BatchTracker) -> Optional[str]:
     return tr.escaped or tr.counted
 
 
+def _has_number(args: tuple, kwargs: dict) -> bool:
+    """Whether an operation has a Python number among its arguments."""
+    return any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in (*args, *kwargs.values()))
+
+
 def scales_after_read(tr: BatchTracker, func, args: tuple, kwargs: dict) -> bool:
-    """Whether an operation scales batch data by a factor the tracker does not follow (a Python number, an
-    untagged tensor) after a read from the batch, outside the forward (``loss / len(y)`` before its sum)."""
+    """Whether, after a read from the batch into Python outside the forward, an operation scales a tensor
+    by a Python number (``per_sample_loss / len(y)`` before its sum) or makes a tensor of one
+    (``torch.tensor(1 / len(y))``): the number may be the batch size, or a value of the batch."""
     if not tr.forward_done or read_from_batch(tr) is None or tr.n <= 1:
         return False
     name = op_name(func)
-    if name not in _SCALING and name not in _DIVIDING:
-        return False
-    tags = [tr.get(a) if isinstance(a, Tensor) else None for a in (*args, *kwargs.values())]
-    return any(type(g) is int for g in tags) and any(g is None for g in tags)
+    if name in _SCALING or name in _DIVIDING:
+        return _has_number(args, kwargs) and any(isinstance(a, Tensor) for a in (*args, *kwargs.values()))
+    return name in _FROM_NUMBER and _has_number(args, kwargs)
 
 
 def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
-    """A batch-derived tensor scaled after a read from the batch: ``Lost`` (its factor may be the batch size)."""
+    """A tensor scaled by, or made of, a number after a read from the batch: ``Lost`` (the number may be the
+    batch size, so each sample's gradient would depend on how many others were drawn)."""
     out = tr.run(func, args, kwargs)
-    lost = Lost(f"{op_name(func)} by a factor that may come from {read_from_batch(tr)}, a number read from the "
+    lost = Lost(f"{op_name(func)} with a Python number that may come from {read_from_batch(tr)}, read from the "
                 "batch into Python, which would make each sample's gradient depend on the others")
     for target in written(func, args, kwargs):
         tr.wrote(target, tr.get(target), lost)

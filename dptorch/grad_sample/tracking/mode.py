@@ -25,7 +25,7 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import count, skip
-from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, WEAK, Lost
+from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, WEAK, Lost, as_strong
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -223,7 +223,7 @@ class BatchTracker(TorchFunctionMode):
             if any(d != strong[0] for d in strong) and self.n > 1:
                 return Lost("an operation that aligns the batch of one input with another dimension of another"), []
             if lost is not None:  # a weak one too: the argument's rows may be the samples', mixed
-                return Lost(lost.reason) if lost.weak else lost, []
+                return as_strong(lost), []
             if any(d != strong[0] for d in weak) and self.n > 1:
                 return Lost(MISALIGNED), []
             return strong[0], origins

@@ -88,9 +88,15 @@ class CallBatch:
     origins: Tuple[OriginCall, ...] = ()
 
 
-MISALIGNED = ("a root argument with as many rows as the batch (so it may hold the samples' data) aligned with "
-              "another dim of the batch. If it is shared by all samples, create it inside the forward, or hand the "
-              "batch out with a DP data loader, which tells the tensors derived from its draw from the others")
+_UNKNOWN_ROWS = ("a root argument with as many rows as the batch, so it may hold the samples' data. If it is shared "
+                 "by all samples, create it inside the forward, or hand the batch out with a DP data loader, which "
+                 "tells the tensors derived from its draw from the others")
+MISALIGNED = f"{_UNKNOWN_ROWS}, aligned with another dim of the batch"
+
+
+def as_strong(lost: Lost) -> Lost:
+    """A weak ``Lost`` meeting the batch: lost for certain (its rows may have been the samples')."""
+    return Lost(f"{lost.reason}, in {_UNKNOWN_ROWS}") if lost.weak else lost
 
 
 def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...], Any]:
@@ -110,7 +116,7 @@ def classify(tags: Sequence[Any], n: int) -> Tuple[str, Tuple[Optional[int], ...
     if strong or weak:
         primary = (strong or weak)[0]
         if lost is not None and n > 1:
-            return "lost", (), lost
+            return "lost", (), as_strong(lost)
         if strong and n > 1 and any(g & ~WEAK != primary for g in weak):
             return "lost", (), Lost(MISALIGNED)
         return "batched", tuple(g & ~WEAK if type(g) is int else None for g in tags), primary

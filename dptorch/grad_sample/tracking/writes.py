@@ -17,6 +17,7 @@ import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from torch import Tensor
+from torch._C import DisableTorchFunction
 
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, Lost
 
@@ -30,9 +31,10 @@ _DIRTY_REASON = ("memory that an in-place write (an operation the tracker could 
 def storage_key(t: Tensor) -> Optional[int]:
     """The address of ``t``'s memory (None when it has none to alias: no storage, or no elements)."""
     try:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()  # raises for storage freed under it (FSDP2's resharded parameters)
-        return ptr if ptr and storage.nbytes() else None
+        with DisableTorchFunction():  # the tracker's own look, not a read of the values
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()  # raises for storage freed under it (FSDP2's resharded parameters)
+            return ptr if ptr and storage.nbytes() else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
 
