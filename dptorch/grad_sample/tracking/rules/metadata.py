@@ -4,6 +4,7 @@ Reading values out of torch is not metadata: ``escapes.py`` has those."""
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict
 
 from dptorch.grad_sample.tracking.args import norm_dim, op_name, tensors_of
@@ -32,9 +33,21 @@ def count(tr, func, args, kwargs):
     out = func(*args, **kwargs)
     if tr.forward_done and tr.counted is None and args and tr.n > 1:
         tag = tr.get(args[0])
-        if type(tag) is int and _reads_batch(op_name(func), args, kwargs, tag & DIM):
+        if type(tag) is int and _reads_batch(op_name(func), args, kwargs, tag & DIM) and not _read_by_dptorch():
             tr.counted = f"{_what(func)} of a tensor that carries the batch (the number of samples drawn)"
     return out
+
+
+def _read_by_dptorch() -> bool:
+    """Whether the size is read by this library's own code (its losses and checks, which never scale by
+    the batch size), not the training loop's: the first frame outside torch's dispatch and the tracker says."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")):
+            return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
+        frame = frame.f_back
+    return False
 
 
 def _reads_batch(name: str, args: tuple, kwargs: dict, dim: int) -> bool:

@@ -1,0 +1,185 @@
+"""Ways around the batch tracker, through the path users take (make_private with its DP loader).
+
+Each case is a step the one-step oracle (``step_oracle.verdict``) judges against the float64
+batch-of-one reference: where the computation mixes the samples, refusing is the only way to pass.
+The cases are the "Privacy soundness, round three" findings: a second model input that is a copy of
+the batch, in-place writes of a batch total through an alias, tensors made where ``__torch_function__``
+does not see (the legacy constructor, DLPack), the batch size or a copy of the labels read into the
+loss. Each failed on the code before it (an update that moved by up to 6 C).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptorch.data import drawn
+from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
+from dptorch.grad_sample.tracking import watch
+from tests.privacy.step_oracle import verdict
+
+N, D = 6, 3
+MODES = ["hooks", "bk", "functorch"]
+
+
+class TwoInputs(nn.Module):
+    def __init__(self, mix):
+        super().__init__()
+        self.lin, self.mix = nn.Linear(D, 2), mix
+
+    def forward(self, x, c):
+        return self.lin(self.mix(x, c))
+
+
+class OneInput(nn.Module):
+    def __init__(self, mix=lambda z: z):
+        super().__init__()
+        self.lin, self.mix = nn.Linear(D, 2), mix
+
+    def forward(self, x):
+        return self.lin(self.mix(x))
+
+
+def _batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, D, generator=g) * 5, torch.randint(0, D, (N,), generator=g)
+
+
+def _judge(model, loss_fn, mode):
+    torch.manual_seed(0)
+    return verdict(model, _batch(0), loss_fn, mode, 1.0, replacement=_batch(1))
+
+
+def _refused(found):
+    assert found["outcome"] == "refused", found
+
+
+MIXES = {
+    "mean": lambda x, c: x - c.mean(0),
+    "sum": lambda x, c: x + c.sum(0),
+    "cumsum": lambda x, c: x + c.cumsum(0),
+    "roll": lambda x, c: x + c.roll(1, 0),
+    "flip": lambda x, c: x + c.flip(0),
+}
+COPIES = {
+    "x * 1": lambda x, y: x * 1,
+    "clone": lambda x, y: x.clone(),
+    "one_hot": lambda x, y: F.one_hot(y, D).float(),
+    "to": lambda x, y: x.to(torch.float32, copy=True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("copy", list(COPIES))
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_a_copy_of_the_batch_as_a_second_input_is_not_mixed(mix, copy, mode):
+    make = COPIES[copy]
+    _refused(_judge(TwoInputs(MIXES[mix]), lambda m, x, y: m(x, make(x, y)).sum(), mode))
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_without_a_dp_loader_a_second_input_with_n_rows_is_not_mixed(mix):
+    """No draw to follow: a root argument with n rows may be the samples' data (a weak tag), and it is
+    refused where it is mixed over its rows."""
+    model = TwoInputs(MIXES[mix])
+    x = torch.randn(N, D)
+    with GradSampleHooks(model):
+        with pytest.raises(PerSampleGradientError, match="as many rows as the batch"):
+            model(x, x.clone())
+
+
+def test_mixing_the_batch_before_the_forward_is_refused():
+    """The draw's watch follows the batch from the loader to the forward: ``model(x - x.mean(0))``."""
+    for mode in MODES:
+        _refused(_judge(OneInput(), lambda m, x, y: m(x - x.mean(0)).sum(), mode))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_copies_of_the_batch_made_before_the_forward_train_exactly(mode):
+    """What the watch sees derived from the draw without mixing is batched: exact, not refused."""
+    found = _judge(TwoInputs(lambda x, c: x * c), lambda m, x, y: m(x.clone(), F.one_hot(y, D).float()).sum(), mode)
+    assert found["outcome"] == "exact", found
+
+
+WRITES = {
+    "detach().sub_": lambda z: z.detach().sub_(z.detach().mean(0)),
+    "data.sub_": lambda z: z.data.sub_(z.data.mean(0)),
+    "[:].add_": lambda z: z[:].add_(z.sum(0)),
+    "view().add_": lambda z: z.view(-1, D).add_(z.mean(0)),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_batch_total_written_in_place_through_an_alias_is_refused(write, mode):
+    def mix(z):
+        WRITES[write](z)
+        return z
+
+    _refused(_judge(OneInput(mix), lambda m, x, y: m(x * 1).sum(), mode))
+
+
+BYPASSES = {
+    "torch.Tensor": lambda t: torch.Tensor(t),
+    "from_dlpack": lambda t: torch.from_dlpack(t),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bypass", list(BYPASSES))
+def test_an_alias_made_outside_torch_function_keeps_the_batch(bypass, mode):
+    """The tag follows the memory: a batch total seen through an untracked constructor is refused, and the
+    batch itself seen that way is still the batch (exact)."""
+    make = BYPASSES[bypass]
+    _refused(_judge(OneInput(lambda z: z - make(z.mean(0).detach())), lambda m, x, y: m(x).sum(), mode))
+    found = _judge(OneInput(lambda z: make(z.detach()) * z), lambda m, x, y: m(x).sum(), mode)
+    assert found["outcome"] == "exact", found
+
+
+SCALINGS = {
+    "sum / len(y)": lambda out, x, y: out.sum() / len(y),
+    "sum / x.shape[0]": lambda out, x, y: out.sum() / x.shape[0],
+    "l1 / x.size(0)": lambda out, x, y: F.l1_loss(out, torch.zeros_like(out), reduction="sum") / x.size(0),
+    "per-sample / len(y), summed": lambda out, x, y: (out / len(y)).sum(),
+    "sum * tensor(1 / n)": lambda out, x, y: out.sum() * torch.tensor(1.0 / x.shape[0]),
+    "count of a labels copy": lambda out, x, y: (lambda yc: F.cross_entropy(out, yc % 2, reduction="sum")
+                                                 / (yc != -100).sum())(y.clone()),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_a_loss_divided_by_the_batch_size_is_refused(scaling, mode):
+    scale = SCALINGS[scaling]
+    _refused(_judge(OneInput(), lambda m, x, y: scale(m(x), x, y), mode))
+
+
+def test_a_size_read_before_the_draw_is_followed():
+    """``len(y)`` read before the forward (the draw's watch) counts as much as one read after it."""
+    def loss(m, x, y):
+        n = len(y)
+        return m(x).sum() / n
+
+    _refused(_judge(OneInput(), loss, "hooks"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_constant_scaling_without_a_read_trains_exactly(mode):
+    """A loss scaled by a constant, with shapes read only where they are not the batch size, is private."""
+    found = _judge(OneInput(), lambda m, x, y: (lambda out: out.view(-1, out.size(-1)).sum() * 0.5)(m(x)), mode)
+    assert found["outcome"] == "exact", found
+
+
+def test_the_watch_leaves_the_mode_stack_when_the_controllers_detach():
+    model = OneInput()
+    watch.stop()  # an earlier test's draw, watched while some controller of it was still attached
+    depth = torch._C._len_torch_function_stack()
+    hooks = GradSampleHooks(model)
+    drawn.hand_out([torch.randn(N, D)])
+    assert torch._C._len_torch_function_stack() == depth + 1
+    hooks.cleanup()
+    assert torch._C._len_torch_function_stack() == depth
+    drawn.hand_out([torch.randn(N, D)])  # nothing attached: nothing watched
+    assert torch._C._len_torch_function_stack() == depth
