@@ -532,10 +532,10 @@ class GradSampleHooks:
             if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size, watched)
                 watched = None
-            if watched is not None:
-                watched.close()
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
+            if watched is not None:
+                watched.close()
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()

@@ -183,3 +183,30 @@ def test_the_watch_leaves_the_mode_stack_when_the_controllers_detach():
     assert torch._C._len_torch_function_stack() == depth
     drawn.hand_out([torch.randn(N, D)])  # nothing attached: nothing watched
     assert torch._C._len_torch_function_stack() == depth
+
+
+class FirstTokenEverywhere(nn.Module):
+    """Packed rows: each token gets the row's first token, through the legacy constructor."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, 8), nn.Linear(8, vocab)
+
+    def forward(self, input_ids, position_ids=None):
+        h = self.embed(input_ids)
+        return self.head(h + torch.Tensor(h[:, :1].detach()))
+
+
+def test_an_untracked_alias_does_not_carry_one_packed_example_into_another():
+    from tests.grad_sample.test_token_units import UNIT_IDS_KEY, VOCAB, PackingCollator, examples
+
+    packed = PackingCollator(pad_token_id=0, max_length=8)(examples([5, 3, 4, 2]))
+    model = FirstTokenEverywhere(VOCAB).train()
+    for mode in ("hooks", "bk"):
+        hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
+        hooks.set_privacy_units(packed[UNIT_IDS_KEY])
+        try:
+            with pytest.raises(PerSampleGradientError, match="token positions do not each hold"):
+                model(packed["input_ids"])
+        finally:
+            hooks.cleanup()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name: str = ""):
     """Elementwise operations, broadcasting their tensor arguments."""
     if not inplace and not tr.writes.dirty:  # fast path: one tagged argument (the others shared), nothing meets
-        table = tr._table
+        table, memory = tr._table, tr.memory
         single = None
         for a in args if not kwargs else (*args, *kwargs.values()):
             if isinstance(a, Tensor):
@@ -28,6 +28,9 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
                         single = None
                         break
                     single = (a, entry[1])
+                elif memory.holds(a):  # untagged, in memory that holds batch data: an alias to look up
+                    single = None
+                    break
         else:
             if single is not None:
                 out = tr.run(func, args, kwargs)
