@@ -99,6 +99,13 @@ ROW_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 # ------------------------------------------------------------------------ mixing operations
 
 
+def _through_alias(h, write):
+    """``write`` into an alias of a copy of ``h``; the copy is returned."""
+    z = h * 1.0
+    write(z)
+    return z
+
+
 def _put_batch_sum(h, w):
     y = h.clone()
     y.put_(torch.tensor([0], device=h.device), h.sum().reshape(1), accumulate=True)
@@ -151,6 +158,12 @@ MIXING_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "loop_cumsum": lambda h, w: torch.stack([h[: i + 1].sum(0) for i in range(h.shape[0])]),
     "first_row_gate": lambda h, w: h * torch.tanh(50 * h[:1].detach()),
     "setitem_batch_sum": _setitem_batch_sum,
+    # a batch total written in place through an alias, and aliases made where __torch_function__ is not called
+    "detach_sub_mean0": lambda h, w: _through_alias(h, lambda z: z.detach().sub_(z.detach().mean(0))),
+    "data_add_sum0": lambda h, w: _through_alias(h, lambda z: z.data.add_(z.data.sum(0))),
+    "view_add_mean0": lambda h, w: _through_alias(h, lambda z: z.view(z.shape).add_(z.mean(0))),
+    "legacy_ctor_mean0": lambda h, w: h - torch.Tensor(h.mean(0).detach()),
+    "dlpack_sum0": lambda h, w: h + 0.1 * torch.from_dlpack(h.sum(0).detach()),
 }
 
 #: Operations that cut the gradient (their output does not require grad): placed only where a
@@ -202,8 +215,12 @@ LOSSES: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "ce_by_batch_statistic": lambda out, y: _token_ce(out, y).sum() / (out.detach().pow(2).mean().sqrt() + 1.0),
     "contrastive": _contrastive,
     "batch_baseline": _batch_baseline,
+    "ce_by_batch_size": lambda out, y: _token_ce(out, y).sum() / len(y),
+    "ce_by_label_copy_count": lambda out, y: (lambda c: _token_ce(out, c).sum() / (c != IGNORE).sum().clamp(min=1))(
+        y.clone()),
 }
-MIXING_LOSSES = {"ce_mean", "ce_by_label_count", "ce_by_batch_statistic", "contrastive", "batch_baseline"}
+MIXING_LOSSES = {"ce_mean", "ce_by_label_count", "ce_by_batch_statistic", "contrastive", "batch_baseline",
+                 "ce_by_batch_size", "ce_by_label_copy_count"}
 
 #: Where the loss is computed and what the backward runs on.
 PLACEMENTS = ("outside", "inside", "inside_unused")

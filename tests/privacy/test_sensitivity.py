@@ -266,7 +266,7 @@ def _loss(loss: str, placement: str = "outside", clip: float = 1.0) -> comp.Comp
 
 #: The issue's measured tracker leaks, Linear -> op -> Linear with n = 8: the fuzzer's examples.
 TRACKER_LEAKS = [_between(op) for op in ("fft0", "cumsum0_", "put_", "masked_scatter", "data_assign", "numpy_cumsum",
-                                         "numpy_cumsum_add")]
+                                         "numpy_cumsum_add", "detach_sub_mean0", "legacy_ctor_mean0")]
 
 #: The issue's mixing after the last layer and in the loss (outside the model, and HF-style inside).
 OUTPUT_AND_LOSS_LEAKS = {
@@ -279,6 +279,8 @@ OUTPUT_AND_LOSS_LEAKS = {
     "loss_by_batch_statistic": _loss("ce_by_batch_statistic", clip=100.0),
     "loss_by_label_count": _loss("ce_by_label_count", clip=100.0),
     "inside_mean_loss": _loss("ce_mean", "inside", clip=100.0),
+    "loss_by_batch_size": _loss("ce_by_batch_size", clip=100.0),
+    "loss_by_label_copy_count": _loss("ce_by_label_copy_count", clip=100.0),
 }
 
 

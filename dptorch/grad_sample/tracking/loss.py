@@ -143,7 +143,8 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if name in _ADDITIVE or name in _JOINS:
         keep = same
     elif scaling:
-        keep = len(tagged) == 1 and (read_from_batch(tr) is None or not _has_number(args, kwargs))
+        # inside the forward, shapes are read all the time, so any factor may be the batch size
+        keep = len(tagged) == 1 and tr.forward_done and (read_from_batch(tr) is None or not _has_number(args, kwargs))
     else:
         keep = name in _LINEAR and alone
     if name == "__get__":  # a property: .data, .T and .real read the total itself; others (.grad, .shape) no data
@@ -154,7 +155,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if keep:
         tag = Lost(first.reason, first.kind, units=first.units)
     else:
-        tag = Lost(_mixing_reason(name, first, read_from_batch(tr) if scaling else None))
+        tag = Lost(_mixing_reason(name, first, _factor_source(tr) if scaling else None))
     if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
         tr.put(args[0], tag)
     tr.put_all(out, tag)
@@ -196,10 +197,16 @@ def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     return out
 
 
+def _factor_source(tr: BatchTracker) -> Optional[str]:
+    if not tr.forward_done:
+        return "inside the forward, where the batch's size is read (scale the loss outside the model's forward)"
+    return read_from_batch(tr)
+
+
 def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:
     reason = f"{name} of {tag.reason}, which couples every sample's gradient to the others'"
     if escaped:
-        reason += f" (its factor may come from {escaped}: a number read from the batch into Python)"
+        reason += f" (its factor may come from {escaped}: a number read from the batch)"
     return reason
 
 
