@@ -62,7 +62,7 @@ from dptorch.grad_sample.tracking import (
     rows_to_dense,
 )
 from dptorch.grad_sample.tracking.reads import ParameterReads
-from dptorch.grad_sample.tracking.tags import DIM
+from dptorch.grad_sample.tracking.tags import DIM, ORDERED
 from dptorch.grad_sample.linear_head import HEAD_NORM_SAMPLER, HEAD_SAMPLER, linear_head
 from dptorch.grad_sample.tracking.tokens import TOKEN_DIM, TokenTracker, token_call
 from dptorch.grad_sample.tracking.tokens import refuse as refused_for_tokens
@@ -296,8 +296,7 @@ class GradSampleHooks:
         self._canonical.clear()
         claims.release(self, list(self._param_names))
         _ATTACHED.pop(self.module, None)
-        if not _ATTACHED:
-            draw_watch.stop()
+        draw_watch.stop()  # the draw it watched was for this controller, or another one's: that one falls back
         self._attached = False
 
     #: Opacus' name for :meth:`cleanup`.
@@ -509,7 +508,7 @@ class GradSampleHooks:
             if self._root_depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
             self._drop_loss_tracker(finished_only=True)
-            watched = draw_watch.take()  # first: the controller's own reads below are not the loop's
+            watched = draw_watch.pause()  # first: the controller's own reads below are not the loop's
             if module.training and torch.is_grad_enabled() and self._kept_grad_samples:
                 self._drop_kept_grad_samples()
                 self._buffers.reclaim()
@@ -530,17 +529,17 @@ class GradSampleHooks:
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
             if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
-                self._tracker = self._start_tracking(args, kwargs, self._batch_size, watched)
-                watched = None
+                self._tracker = self._start_tracking(args, kwargs, self._batch_size, *watched)
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
-            if watched is not None:
-                watched.close()
+            else:
+                draw_watch.resume()
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
                 self._expanded.__enter__()
 
-    def _start_tracking(self, args: tuple, kwargs: dict, n: int, watched: Optional[BatchTracker] = None) -> BatchTracker:
+    def _start_tracking(self, args: tuple, kwargs: dict, n: int, watched: Optional[BatchTracker] = None,
+                        whole: bool = False) -> BatchTracker:
         """Tag the root call's batched inputs and follow the batch through the forward.
 
         The primary input (what the batch size came from), HF's per-sample keywords and what the
@@ -564,28 +563,34 @@ class GradSampleHooks:
         dim = self._batch_dim
         if watched is not None:  # what the loop derived from the DP loader's draw before this forward
             tracker.adopt(watched)
-            watched.close()
         if dim == 0:  # the DP loader's latest batch, collated along dim 0: labels the loss may use
             for t in drawn.latest():
                 if t.dim() and t.shape[0] == n and tracker.get(t) is None:
                     tracker.put(t, 0)
         # With the draw watched (and no value of it read into Python), a root argument not derived from it is
         # shared by the samples; otherwise one with n rows may hold their data (weak: taken as batched)
-        known = watched is not None and watched.escaped is None
+        known = watched is not None and whole and watched.escaped is None
         primary = _bag_offsets(self.module, args, kwargs)
         primary = _primary_input(args, kwargs, dim) if primary is None else primary
         named = [(None, a) for a in args] + list(kwargs.items())
+        leaves = []
         for name, value in named:
             strong = value is primary or (dim == 0 and name in _PER_SAMPLE_KEYS)
             for leaf in tree_flatten(value)[0] if not isinstance(value, PackedSequence) else [value]:
                 if isinstance(leaf, PackedSequence):
                     tracker.put(leaf.data, packed(leaf.sorted_indices))
                 elif isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == n:
-                    seen = tracker.get(leaf)
-                    if seen is not None and (type(seen) is not int or seen & DIM != dim):
-                        continue  # the watch saw it derived otherwise (mixed, or batched along another dim)
-                    if strong or leaf is primary or seen is not None or not known:
-                        tracker.tag_root(leaf, dim, strong or leaf is primary or seen is not None)
+                    leaves.append((leaf, strong or leaf is primary))
+        drawn_rows, rows = _drawn_rows([tracker.get(leaf) for leaf, _ in leaves], dim, n)
+        if rows is not None:  # a micro-batch cut from the draw: its rows (the labels' too) are this forward's batch
+            tracker.take_rows(rows)
+        for leaf, strong in leaves:
+            seen = tracker.get(leaf)
+            if seen is not None and not (type(seen) is int and seen & ~WEAK == dim) and not (
+                    drawn_rows and type(seen) is Lost and seen.kind in ORDERED):
+                continue  # the watch saw it derived otherwise (mixed, rows of other samples, another dim)
+            if strong or seen is not None or not known:
+                tracker.tag_root(leaf, dim, strong or seen is not None)
         tracker.__enter__()
         return tracker
 
@@ -643,6 +648,7 @@ class GradSampleHooks:
         if sys.exc_info()[1] is not None:  # the forward raised (a refusal, say): no loss will follow it
             remove_mode(tracker)
             tracker.close()
+            draw_watch.resume()
             return
         tracker.end_forward()
         sink_mode(tracker)
@@ -653,6 +659,7 @@ class GradSampleHooks:
         now on; it leaves the mode stack at the next chance outside torch's dispatch."""
         if tracker is self._loss_tracker:
             tracker.done = True
+            draw_watch.resume()
 
     def _drop_loss_tracker(self, finished_only: bool = False) -> None:
         tracker = self._loss_tracker
@@ -1516,6 +1523,28 @@ def _name_list(names: List[str], shown: int = 5) -> str:
     """``a, b, c and 4 more``: a list cut with its count, never silently."""
     more = f" and {len(names) - shown} more" if len(names) > shown else ""
     return ", ".join(names[:shown]) + more
+
+
+def _drawn_rows(tags: List[Any], dim: int, n: int) -> Tuple[bool, Optional[torch.Tensor]]:
+    """Whether the root arguments the draw's watch saw derived from the batch are each ``n`` of its rows
+    along ``dim`` (the whole draw, or a micro-batch cut from it), the same rows in the same order: then
+    they form this forward's batch; and those rows of the draw (None: the whole draw, in its order)."""
+    orders = []
+    for tag in tags:
+        if type(tag) is int and tag & ~WEAK == dim:
+            orders.append(None)
+        elif type(tag) is Lost and tag.kind in ORDERED and tag.dim == dim and tag.order is not None:
+            orders.append(tag.order)
+        elif tag is not None:
+            return False, None
+    picked = [o for o in orders if o is not None]
+    if not picked:
+        return True, None
+    same = all(o.shape == picked[0].shape and torch.equal(o, picked[0]) for o in picked)
+    whole = torch.equal(picked[0], torch.arange(n))
+    if same and picked[0].numel() == n and (len(picked) == len(orders) or whole):
+        return True, picked[0]
+    return False, None
 
 
 def _primary_input(args: tuple, kwargs: dict, batch_dim: int) -> Any:

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import BatchMemoryManager, DPDataLoader, PrivacyEngine
 from dptorch.accounting import create_accountant
+from dptorch.grad_sample import PerSampleGradientError
 from dptorch.plan import SamplingMismatchError
 from tests.helpers import snapshot
 
@@ -173,17 +174,33 @@ def sequence_run(batch_first, transpose=False, units=False):
     return engine, model, opt
 
 
-def test_batch_first_data_with_batch_first_false_is_refused_naming_batch_first():
-    engine, model, opt = sequence_run(batch_first=False)  # time steps taken as samples
+@pytest.mark.parametrize("units", [False, True])
+def test_batch_first_data_with_batch_first_false_is_refused_naming_batch_first(units):
+    """Time steps taken as samples: the draw's watch knows the loader's samples are along dim 0, so the
+    forward is refused (with privacy units over the time steps too: a drawn sample would be in every unit)."""
+    with pytest.raises(PerSampleGradientError, match=r"rows along dim 0.*check batch_first"):
+        sequence_run(batch_first=False, units=units)
+
+
+def test_batch_first_false_data_the_loader_did_not_draw_is_refused_at_the_step():
+    """Without the draw's watch (a tensor the loader did not hand out), the draw ledger refuses the step."""
+    torch.manual_seed(0)
+    model = Sequence()
+    engine = PrivacyEngine()
+    _hooks, opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(60, 3, 4)), batch_size=12),
+        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=False)
+    (x,) = next(iter(dl))
+    model(torch.from_numpy(x.numpy().copy())).pow(2).sum().backward()  # a copy through numpy: not followed
     before = params(model)
     with pytest.raises(SamplingMismatchError, match=r"saw 3 samples, but the DP data loader drew \d+ .*batch_first=True"):
         opt.step()
     assert same(params(model), before) and len(engine.accountant) == 0
 
 
-def test_matching_layouts_pass_and_privacy_units_skip_the_check():
-    for kwargs in (dict(batch_first=True), dict(batch_first=False, transpose=True),
-                   dict(batch_first=False, units=True)):
+def test_matching_layouts_pass():
+    for kwargs in (dict(batch_first=True), dict(batch_first=False, transpose=True)):
         engine, model, opt = sequence_run(**kwargs)
         opt.step()
         assert len(engine.accountant) == 1, kwargs

@@ -83,3 +83,25 @@ def test_secure_mode_samples_from_the_csprng(tmp_path):
         assert trainer._dp_sampler.logical.secure
         runs.append(trainer.data_collator.rows)
     assert runs[0] != runs[1]
+
+
+def test_a_subclass_that_builds_its_own_train_loader_is_refused(tmp_path):
+    """A get_train_dataloader override that bypasses the Poisson sampler trains on batches the accounting
+    never saw: refused at the first training step, before any parameter changes."""
+    from torch.utils.data import DataLoader
+
+    from dptorch.plan import SamplingMismatchError
+
+    class OwnLoader(DPTrainer):
+        def get_train_dataloader(self):
+            return DataLoader(self.train_dataset, batch_size=4, collate_fn=self.data_collator)
+
+    torch.manual_seed(0)
+    trainer = OwnLoader(model=tiny_gpt2(TOKENIZER), args=cpu_training_args(str(tmp_path), max_steps=2, optim="sgd",
+                                                                           per_device_train_batch_size=4),
+                        train_dataset=lm_dataset(TOKENIZER, 32), data_collator=RowSpy(),
+                        privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3))
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.raises(SamplingMismatchError, match="did not draw"):
+        trainer.train()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in trainer.model.named_parameters())

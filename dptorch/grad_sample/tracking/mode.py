@@ -13,6 +13,7 @@ import weakref
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
@@ -25,7 +26,7 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import count, skip
-from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, WEAK, Lost, as_strong
+from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, ORDERED, WEAK, Lost, as_strong
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -61,6 +62,7 @@ class BatchTracker(TorchFunctionMode):
         self.forward_done = False  # the root forward returned (escapes are refused only inside it)
         self.writes = Writes()  # in-place writes that made aliased memory dirty (writes.py)
         self.memory = BatchMemory()  # the storages that hold batch data (memory.py)
+        self.rows: Optional[Tensor] = None  # the rows of a DP loader's draw this forward's batch is, if cut from it
 
     # ---------------------------------------------------------------- table
 
@@ -92,6 +94,8 @@ class BatchTracker(TorchFunctionMode):
                 if entry is not None and entry[0]() is t:
                     del self._table[id(t)]
             else:
+                if type(tag) is Lost and self.rows is not None and tag.kind in ORDERED:
+                    tag = self._as_rows(tag)
                 self._table[id(t)] = (weakref.ref(t), tag)
                 if self.n > 1:
                     self.memory.note(t, tag)
@@ -205,6 +209,7 @@ class BatchTracker(TorchFunctionMode):
         strong: List[int] = []
         weak: List[int] = []
         lost = None  # the first strong Lost, else the first weak one
+        ordered: List[Tuple[Lost, bool]] = []  # Losts that say which sample each row is, and whether unbroadcast
         origins: List[int] = []
         for i, (tag, ndim, out_ndim) in enumerate(items):
             if tag is None:
@@ -215,8 +220,14 @@ class BatchTracker(TorchFunctionMode):
             elif type(tag) is Lost:
                 if lost is None or (lost.weak and not tag.weak):
                     lost = tag
+                if tag.kind in ORDERED:
+                    ordered.append((tag, ndim == out_ndim))
             else:
                 origins.append(i)
+        if ordered and not _same_rows(ordered, strong or weak, items):
+            # rows of the batch in another order (or a part of them) meeting other rows: sample i's row and
+            # another sample's are aligned, whatever indexing later puts them back in order
+            lost = Lost(f"{ordered[0][0].reason}, aligned with rows of other samples")
         if self.n <= 1:
             lost = None
         if strong:
@@ -297,6 +308,19 @@ class BatchTracker(TorchFunctionMode):
         self.escaped = self.escaped or other.escaped
         self.counted = self.counted or other.counted
 
+    def take_rows(self, rows: Tensor) -> None:
+        """This forward's batch is ``rows`` of a draw (a micro-batch cut from it): what holds exactly those
+        rows, in that order (its labels, cut the same way, before the forward or after), is batched."""
+        self.rows = rows
+        for key, (ref, tag) in list(self._table.items()):
+            if type(tag) is Lost and tag.kind in ORDERED:
+                self._table[key] = (ref, self._as_rows(tag))
+
+    def _as_rows(self, tag: Lost) -> Any:
+        rows = self.rows
+        same = tag.order is not None and tag.order.shape == rows.shape and torch.equal(tag.order, rows)
+        return tag.dim if same else tag
+
     def close(self) -> None:
         """The end of this tracker: nothing is followed any more."""
         self._release_origins()
@@ -313,6 +337,16 @@ class BatchTracker(TorchFunctionMode):
             "batch dimension (e.g. positions[None].expand(batch_size, -1) instead of positions), or freeze its "
             "parameters."
         )
+
+
+def _same_rows(ordered: List[Tuple[Lost, bool]], batched: List[int], items: List[Tuple[Any, int, int]]) -> bool:
+    """Whether Losts that say which sample each row is (``ORDERED``) may keep saying it in a result: they
+    are its only batch-derived inputs, none broadcast, all of one kind and dim, their rows the same samples."""
+    first = ordered[0][0]
+    losts = sum(1 for tag, _, _ in items if type(tag) is Lost)
+    return (not batched and losts == len(ordered) and all(flat for _, flat in ordered)
+            and all(t.kind == first.kind and t.dim == first.dim and t.order is not None and first.order is not None
+                    and torch.equal(t.order, first.order) for t, _ in ordered))
 
 
 def _in_memory(memory: BatchMemory, args: tuple, kwargs: dict) -> bool:

@@ -41,9 +41,12 @@ class Lost:
     """A batch-derived tensor whose batch dimension is gone; ``reason`` says where.
 
     A total (kind "sum" or "mean", ``loss.py``) with ``units`` is the sum of packed token units'
-    own losses. Two kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
-    ``sorted_indices`` or None) and "permuted" (the batch along ``dim``, but row ``i`` is sample
-    ``order[i]``); gathering the rows back into the batch's order makes them batched again. A
+    own losses. Three kinds are followed further: "packed" (a PackedSequence's data; ``order`` its
+    ``sorted_indices`` or None), "permuted" (the batch along ``dim``, but row ``i`` is sample
+    ``order[i]``; gathering the rows back into the batch's order makes them batched again) and "rows"
+    (some of the batch's rows along ``dim``, row ``i`` being sample ``order[i]``: a micro-batch sliced
+    from a draw, which a root forward may take as its batch). Met by other rows, the last two are
+    plainly lost. A
     ``weak`` one was derived from weak evidence only (it is refused all the same where it meets the batch).
     """
 
@@ -61,6 +64,8 @@ class Lost:
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"
 
+
+ORDERED = ("permuted", "rows")  # Losts whose ``order`` says which sample each row along ``dim`` is
 
 _PACKED_REASON = "the data of a PackedSequence (the rows of all samples interleaved by time step)"
 PACKED = Lost(_PACKED_REASON, "packed")

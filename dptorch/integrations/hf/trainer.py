@@ -96,7 +96,7 @@ from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
-from dptorch.plan import PrivacyPlan, check_delta_for_units
+from dptorch.plan import PrivacyPlan, SamplingMismatchError, check_delta_for_units
 from dptorch.accounting.report import privacy_report, write_model_card
 
 logger = logging.get_logger(__name__)
@@ -135,6 +135,8 @@ class PrivateTrainerMixin:
         self.privacy_plan: Optional[PrivacyPlan] = None
         self.privacy_budget: Optional[PrivacyBudget] = None
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
+        self._dp_drawn = 0  # micro-batches the Poisson sampler yielded, and the training steps that took one
+        self._dp_trained = 0
         self._dp_grad_norm: Optional[float] = None
         self._dp_clipping_logs: Dict[str, float] = {}  # adaptive bound, clipping statistics when enabled
         self._dp_engine_optimizer: Optional[DPOptimizer] = None  # DeepSpeed: the DP optimizer engine.step() runs
@@ -324,6 +326,7 @@ class PrivateTrainerMixin:
             secure=secure, rank=self.args.process_index, world_size=self.args.world_size,
             bands=self.privacy_args.banded, partition_seed=self._dp_sampling_seed,  # partitions kept in checkpoints
         )
+        self._dp_sampler.listener = self._count_draw
         if previous is not None:  # a later train() of this trainer: new draws, never the earlier ones again
             position = previous.position
             if self._dp_sampler.bands is not None:
@@ -444,6 +447,7 @@ class PrivateTrainerMixin:
         An empty micro-batch is skipped on one process and runs as a phantom on several (:mod:`.phantom`);
         either way it returns 0."""
         self._attach_to_wrapped_model(model)
+        self._check_drawn()
         if is_empty_batch(inputs):
             if self._runs_phantoms:
                 self._phantom_step(model)
@@ -452,6 +456,21 @@ class PrivateTrainerMixin:
         self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
         loss = super().training_step(model, inputs, num_items_in_batch)
         return loss / self.privacy_plan.expected_batch_size
+
+    def _count_draw(self, rows: Optional[int]) -> None:
+        self._dp_drawn += 1
+
+    def _check_drawn(self) -> None:
+        """Every training micro-batch must come from this trainer's Poisson sampler: a subclass whose
+        ``get_train_dataloader`` builds another loader would train on batches the accounting never saw."""
+        self._dp_trained += 1
+        if self._dp_trained > self._dp_drawn:
+            raise SamplingMismatchError(
+                f"{type(self).__name__} trains on a micro-batch its Poisson sampler did not draw: the train dataloader "
+                "is not the private trainer's (a get_train_dataloader override that builds its own loader?), so the "
+                "batches are not Poisson samples and the accounting does not hold. Call super().get_train_dataloader() "
+                "and change only what the loader does with its batches, or subclass without overriding it"
+            )
 
     def _attach_to_wrapped_model(self, model: Any) -> None:
         """Once per model Accelerate prepared (``model``, DDP- or FSDP2-wrapped).

@@ -176,7 +176,7 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
             # x[arange(n)[:, None], ...]: row i of the result is sample i's (HF's padding masks, pooling)
             items.append(((xtag & KEEP) | (start + at + rank - by.ndim), out_ndim, out_ndim))
         elif d in partial_:
-            return tr.lost("slices part of the batch", xtag)
+            return _rows_of_batch(tr, x, index, d, layout.index(d), xtag)
         else:
             items.append(((xtag & KEEP) | layout.index(d), out_ndim, out_ndim))
     else:
@@ -286,6 +286,18 @@ def _reorder(tr: BatchTracker, tag: int, order: Optional[Tensor], dim: int, inde
     if new.numel() == n and torch.equal(new.sort().values, identity):
         return Lost("the batch in another order", "permuted", dim, new, weak=bool(tag & WEAK))
     return tr.lost("index_select along the batch dimension", tag)
+
+
+def _rows_of_batch(tr: BatchTracker, x: Tensor, index: Any, d: int, at: int, xtag: int) -> Any:
+    """``x[index]`` slicing the batch dim ``d`` (to dim ``at`` of the result): some of the batch's rows,
+    each one sample's (a micro-batch cut from a draw), a ``Lost`` of kind "rows" saying which."""
+    shape = [1] * x.ndim
+    shape[d] = x.shape[d]
+    picked = torch.arange(x.shape[d]).view(shape).expand(x.shape)[index]
+    rows = picked.movedim(at, 0).reshape(picked.shape[at], -1) if picked.ndim else picked.reshape(1, 1)
+    if tr.n <= 1 or rows.shape[1] == 0 or xtag & ~(DIM | WEAK):  # (a batch merged with another dim: lost)
+        return tr.lost("slices part of the batch", xtag)
+    return Lost("slices part of the batch", "rows", at, rows[:, 0].clone(), weak=bool(xtag & WEAK))
 
 
 RULES: Dict[str, Callable] = {
