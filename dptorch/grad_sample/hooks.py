@@ -583,7 +583,7 @@ class GradSampleHooks:
                     leaves.append((leaf, strong or leaf is primary))
         drawn_rows, rows = _drawn_rows([tracker.get(leaf) for leaf, _ in leaves], dim, n)
         if rows is not None:  # a micro-batch cut from the draw: its rows (the labels' too) are this forward's batch
-            tracker.take_rows(rows)
+            tracker.take_rows(rows, watched.n)
         for leaf, strong in leaves:
             seen = tracker.get(leaf)
             if seen is not None and not (type(seen) is int and seen & ~WEAK == dim) and not (

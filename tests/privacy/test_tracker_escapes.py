@@ -208,3 +208,43 @@ def test_an_untracked_alias_does_not_carry_one_packed_example_into_another():
                 model(packed["input_ids"])
         finally:
             hooks.cleanup()
+
+
+def _micro_batched_step(mode, cut):
+    """One noiseless step of make_private over the draw, one forward and backward per micro-batch."""
+    from torch.utils.data import TensorDataset
+
+    from dptorch import PrivacyEngine
+    from dptorch.data import DPDataLoader
+
+    torch.manual_seed(0)
+    model = OneInput()
+    engine = PrivacyEngine()
+    loader = DPDataLoader(TensorDataset(*_batch(0)), sample_rate=1.0, steps=1)
+    _, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum", grad_sample_mode=mode, wrap_model=False)
+    try:
+        for x, y in loader:
+            for rows in cut:
+                F.cross_entropy(model(x[rows]), y[rows] % 2, reduction="sum").backward()
+            optimizer.step()
+    finally:
+        engine.detach()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_cut_from_the_draw_train_exactly_and_misaligned_rows_are_refused(mode):
+    """Micro-batches cut from the draw, each with its labels cut the same way, give the step of the whole
+    draw; a micro-batch beside other samples' labels, or the draw's rows reordered beside the labels in
+    theirs, pairs one sample's output with another's label: refused."""
+    half = N // 2
+    whole = _micro_batched_step(mode, [slice(None)])
+    for got, want in zip(_micro_batched_step(mode, [slice(0, half), slice(half, None)]), whole):
+        torch.testing.assert_close(got, want)
+    ce = lambda out, y: F.cross_entropy(out, y % 2, reduction="sum")  # noqa: E731
+    _refused(_judge(OneInput(), lambda m, x, y: ce(m(x[:half]), y[half:]), mode))
+    _refused(_judge(OneInput(), lambda m, x, y: ce(m(x[:half]), y[:half].flip(0)), mode))
+    _refused(_judge(OneInput(), lambda m, x, y: ce(m(x.flip(0)), y), mode))
+    _refused(_judge(OneInput(), lambda m, x, y: ce(m(x[torch.tensor([1, 0, 2, 3, 4, 5])]), y), mode))

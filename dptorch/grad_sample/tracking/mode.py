@@ -308,13 +308,18 @@ class BatchTracker(TorchFunctionMode):
         self.escaped = self.escaped or other.escaped
         self.counted = self.counted or other.counted
 
-    def take_rows(self, rows: Tensor) -> None:
+    def take_rows(self, rows: Tensor, drawn: int) -> None:
         """This forward's batch is ``rows`` of a draw (a micro-batch cut from it): what holds exactly those
-        rows, in that order (its labels, cut the same way, before the forward or after), is batched."""
+        rows, in that order (its labels, cut the same way, before the forward or after), is batched; what
+        holds the whole draw of ``drawn`` rows is not (its rows are other samples')."""
         self.rows = rows
+        whole = None if rows.numel() == drawn and torch.equal(rows, torch.arange(drawn)) else torch.arange(drawn)
         for key, (ref, tag) in list(self._table.items()):
             if type(tag) is Lost and tag.kind in ORDERED:
                 self._table[key] = (ref, self._as_rows(tag))
+            elif type(tag) is int and whole is not None:  # the whole draw, in its order, beside part of it
+                self._table[key] = (ref, Lost("the whole draw, beside a micro-batch cut from it", "rows", tag & DIM,
+                                              whole) if not tag & ~(DIM | WEAK) else Lost("the whole draw"))
 
     def _as_rows(self, tag: Lost) -> Any:
         rows = self.rows

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name, tensors_of
-from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK, Lost
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import derived
 
 if TYPE_CHECKING:
@@ -164,6 +164,11 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
     layout, advanced, removed, partial_ = _index_layout(x, index)
     layout, start, rank = _advanced_block(layout, advanced)
     items = []
+    if type(xtag) is Lost and xtag.kind in ORDERED and xtag.order is not None and xtag.dim < x.ndim:
+        d = xtag.dim  # some of the batch's rows: a slice of them is some of its rows too; anything else is lost
+        if d in removed or any(d in dims for _, dims in advanced) or d not in layout or advanced:
+            return Lost(xtag.reason)
+        return _rows_of_batch(tr, x, index, d, layout.index(d), 0, xtag.order)
     if type(xtag) is int:
         d = xtag & DIM
         if d in removed:
@@ -288,16 +293,19 @@ def _reorder(tr: BatchTracker, tag: int, order: Optional[Tensor], dim: int, inde
     return tr.lost("index_select along the batch dimension", tag)
 
 
-def _rows_of_batch(tr: BatchTracker, x: Tensor, index: Any, d: int, at: int, xtag: int) -> Any:
+def _rows_of_batch(tr: BatchTracker, x: Tensor, index: Any, d: int, at: int, xtag: int,
+                   order: Optional[Tensor] = None) -> Any:
     """``x[index]`` slicing the batch dim ``d`` (to dim ``at`` of the result): some of the batch's rows,
-    each one sample's (a micro-batch cut from a draw), a ``Lost`` of kind "rows" saying which."""
+    each one sample's (a micro-batch cut from a draw), a ``Lost`` of kind "rows" saying which (of ``order``,
+    the samples of x's rows, when x holds some of the batch's rows already)."""
     shape = [1] * x.ndim
     shape[d] = x.shape[d]
     picked = torch.arange(x.shape[d]).view(shape).expand(x.shape)[index]
     rows = picked.movedim(at, 0).reshape(picked.shape[at], -1) if picked.ndim else picked.reshape(1, 1)
     if tr.n <= 1 or rows.shape[1] == 0 or xtag & ~(DIM | WEAK):  # (a batch merged with another dim: lost)
         return tr.lost("slices part of the batch", xtag)
-    return Lost("slices part of the batch", "rows", at, rows[:, 0].clone(), weak=bool(xtag & WEAK))
+    chosen = rows[:, 0].clone() if order is None else order[rows[:, 0]]
+    return Lost("slices part of the batch", "rows", at, chosen, weak=bool(xtag & WEAK))
 
 
 RULES: Dict[str, Callable] = {
