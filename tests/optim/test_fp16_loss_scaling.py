@@ -110,7 +110,9 @@ def test_overflowed_unit_contributes_zero_and_the_step_is_taken(mode):
     assert len(messages) == 1 and "DPGradScaler init_scale" in messages[0]
     assert torch.isfinite(fp16).all() and fp16.abs().max() > 0  # the step was taken, nothing non-finite in it
     without16 = private_step(model, x[kept], t[kept], mode=mode)
-    assert float((fp16 - without16).abs().max()) <= 2.0**-22 * float(without16.abs().max())
+    # equal up to float32 summation order (N - 1 terms summed with and without a zero): a few ulps of the
+    # largest entry; a unit's clipped contribution would be ~1/N of it
+    assert float((fp16 - without16).abs().max()) <= 2.0**-18 * float(without16.abs().max())
     without32 = private_step(model, x[kept], t[kept], mode=mode, fp16=False)
     assert relative(fp16, without32) <= BOUND
     # In float32 (no scale) the unit is finite and clipped to C: it does contribute there.

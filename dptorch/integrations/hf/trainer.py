@@ -137,6 +137,7 @@ class PrivateTrainerMixin:
         self._dp_sampler: Optional[PoissonMicroBatchSampler] = None
         self._dp_drawn = 0  # micro-batches the Poisson sampler yielded, and the training steps that took one
         self._dp_trained = 0
+        self._dp_training = False  # inside train(): its micro-batches must be the sampler's
         self._dp_grad_norm: Optional[float] = None
         self._dp_clipping_logs: Dict[str, float] = {}  # adaptive bound, clipping statistics when enabled
         self._dp_engine_optimizer: Optional[DPOptimizer] = None  # DeepSpeed: the DP optimizer engine.step() runs
@@ -464,7 +465,7 @@ class PrivateTrainerMixin:
         """Every training micro-batch must come from this trainer's Poisson sampler: a subclass whose
         ``get_train_dataloader`` builds another loader would train on batches the accounting never saw."""
         self._dp_trained += 1
-        if self._dp_trained > self._dp_drawn:
+        if self._dp_training and self._dp_trained > self._dp_drawn:
             raise SamplingMismatchError(
                 f"{type(self).__name__} trains on a micro-batch its Poisson sampler did not draw: the train dataloader "
                 "is not the private trainer's (a get_train_dataloader override that builds its own loader?), so the "
@@ -555,7 +556,11 @@ class PrivateTrainerMixin:
                 "DP optimizer would restart the noise stream of noise_seed. Build a new trainer, or resume one from a "
                 "checkpoint of this run (train(resume_from_checkpoint=...))"
             )
-        output = super().train(*args, **kwargs)
+        self._dp_trained, self._dp_drawn, self._dp_training = 0, 0, True
+        try:
+            output = super().train(*args, **kwargs)
+        finally:
+            self._dp_training = False
         if self.privacy_plan is not None:
             report = self.privacy_report()
             history = self.state.log_history
