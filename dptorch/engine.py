@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 from dptorch.accounting import create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
+from dptorch.distributed.agreement import check_ranks_agree
 from dptorch.distributed.checkpoint import is_sharded_checkpoint, is_sharded_model, load_sharded, read_state, save_sharded
 from dptorch.distributed.tensor_parallel import check_sharding, data_parallel_group, tensor_parallel_group
 from dptorch.distributed import deepspeed as ds_zero
@@ -156,7 +157,9 @@ class PrivacyEngine:
         A data loader whose sampler Poisson sampling would replace without a word (weights, a subset,
         a custom order) is refused, and so is an empty dataset. ``noise_generator`` is a ``torch.Generator`` (as in Opacus) or a
         :class:`~dptorch.noise.NoiseGenerator`. ``noise_multiplier=0`` is accepted with a warning:
-        clipping only, no privacy, and ``get_epsilon`` returns infinity.
+        clipping only, no privacy, and ``get_epsilon`` returns infinity. Under a process group of several
+        ranks every rank must build the same plan (same dataset length, batch size, noise, clipping, accountant,
+        ...): a difference is refused on every rank with one message (:mod:`dptorch.distributed.agreement`).
         """
         options = clipping_plan_fields(
             clipping, gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
@@ -170,6 +173,7 @@ class PrivacyEngine:
         options.update(_mechanism_fields(noise_mechanism, bands, planned_steps or dp_loader.batch_sampler.steps))
         plan = PrivacyPlan.for_sampler(dp_loader.batch_sampler, noise_multiplier=noise_multiplier,
                                        **self._plan_fields(max_grad_norm, clipping, options))
+        check_ranks_agree(plan, loss_reduction=loss_reduction)  # one plan on every rank, or every rank refuses
         made = self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
                             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
                             strict=strict, criterion=criterion)
@@ -220,13 +224,14 @@ class PrivacyEngine:
             )
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
-        check_delta_for_units(target_delta, dp_loader.batch_sampler.num_samples, "target_delta")
         horizon = planned_steps_of(dp_loader.batch_sampler.steps, epochs, steps)
         options.update(_mechanism_fields(noise_mechanism, bands, horizon))
         plan = PrivacyPlan.calibrated(
             target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs, steps=steps,
             **sampler_fields(dp_loader.batch_sampler), **self._plan_fields(max_grad_norm, clipping, options),
         )
+        check_ranks_agree(plan, loss_reduction=kwargs.get("loss_reduction", "mean"))  # before a check of this rank's N
+        check_delta_for_units(target_delta, plan.num_units, "target_delta")
         return self._onto_deepspeed(deepspeed_engine, self._attach(module, optimizer, dp_loader, plan, **kwargs))
 
     def _onto_deepspeed(self, deepspeed_engine: Any, made: tuple) -> tuple:

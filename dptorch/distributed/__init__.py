@@ -16,6 +16,8 @@ dptorch builds no transport of its own; it uses the process group torch.distribu
   under CPU offloading each shard's noise and step happen where it lives.
 * ``noise``: ``ShardedNoise``, Gaussian noise that is a function of (seed, step, parameter,
   element), whatever the sharding or the number of processes.
+* ``agreement``: every rank must build the same privacy plan; a difference (batch size, dataset length,
+  noise, clipping, ...) is refused on every rank, with one message, where the plan is built.
 * ``checkpoint``: engine checkpoints of sharded runs (a directory: DCP shards and rank 0's state).
 * ``tensor_parallel``: ``parallelize_module`` (ColwiseParallel / RowwiseParallel, row-split embeddings,
   SequenceParallel norms) and transformers' ``tp_plan``, alone or with FSDP2 on a (dp, tp) mesh: every

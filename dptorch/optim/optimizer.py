@@ -42,6 +42,7 @@ from dptorch.clipping.factors import (
     nonfinite_units,
     per_layer_thresholds,
 )
+from dptorch.distributed.agreement import check_ranks_agree
 from dptorch.distributed.fsdp import ShardedParameters, any_sharded
 from dptorch.distributed.tensor_parallel import (
     TensorParallelSlices,
@@ -116,6 +117,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 expected_batch_size=expected_batch_size, accountant=None, sampling=None, secure_mode=secure_mode,
                 **clipping_plan_fields(clipping or "flat", **options),
             )
+            check_ranks_agree(plan, loss_reduction=loss_reduction)  # a plan given was checked where it was built
         else:
             given = [name for name, value in (("noise_multiplier", noise_multiplier), ("max_grad_norm", max_grad_norm),
                      ("expected_batch_size", expected_batch_size), ("clipping", clipping), *options.items())

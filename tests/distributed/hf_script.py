@@ -19,7 +19,8 @@ micro-batches of 1 unit per device on average (some empty on one rank, one on bo
   on every micro-batch); when TRL is installed;
 * ``ddp`` only: ``skipping``, the full run with empty micro-batches skipped instead of run as
   phantoms (DDP runs no collective per micro-batch); ``secret_seed``: the sampling seed of a trainer
-  built without one (it must be rank 0's secret seed, broadcast).
+  built without one (it must be rank 0's secret seed, broadcast); ``disagreeing``: the error of a
+  trainer whose per-device batch size differs between the ranks.
 
 Both modes use the same sampling and noise seeds, and ``ShardedNoise`` (noise per parameter element,
 a function of the seed only), so DDP and FSDP2 draw the same noise. Each rank writes
@@ -164,12 +165,13 @@ class ObservedDPTrainer(Observed, DPTrainer):
     pass
 
 
-def dp_trainer(output_dir: Path, tokenizer, mode: str, seed=SAMPLING_SEED) -> ObservedDPTrainer:
+def dp_trainer(output_dir: Path, tokenizer, mode: str, seed=SAMPLING_SEED, **training) -> ObservedDPTrainer:
+    """DPTrainer on a LoRA Llama; ``training``: TrainingArguments that replace those of ``TRAINING``."""
     torch.manual_seed(0)
     config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     model = get_peft_model(without_dropout(tiny_llama(tokenizer)), config)
     args = cpu_training_args(
-        str(output_dir), save_strategy="steps", save_steps=2, **TRAINING,
+        str(output_dir), save_strategy="steps", save_steps=2, **{**TRAINING, **training},
         **mode_args(mode),
         include_num_input_tokens_seen="all",  # gathers over the ranks for every micro-batch, empty ones too
     )
@@ -238,6 +240,16 @@ def offloaded(model) -> list:
             for group in sub._get_fsdp_state()._fsdp_param_groups for fsdp_param in group.fsdp_params]
 
 
+def disagreeing_trainer(output_dir: Path, tokenizer, mode: str, rank: int) -> str:
+    """The error a DPTrainer raises when the ranks' per_device_train_batch_size differ (1 and 2); ``"accepted"``
+    if none."""
+    try:
+        dp_trainer(output_dir, tokenizer, mode, per_device_train_batch_size=1 + rank)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
 def main(out: Path, mode: str) -> None:
     torch.set_num_threads(1)
     if mode in ("fsdp", "offload", "hsdp"):
@@ -265,6 +277,7 @@ def main(out: Path, mode: str) -> None:
         skipping.train()
         report["skipping"] = summary(skipping)
         report["secret_seed"] = dp_trainer(out / "secret", tokenizer, mode, seed=None)._dp_sampling_seed
+        report["disagreeing"] = disagreeing_trainer(out / "disagreeing", tokenizer, mode, rank)
     try:
         import trl  # noqa: F401
     except ImportError:

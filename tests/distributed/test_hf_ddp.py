@@ -108,3 +108,14 @@ def test_a_phantom_micro_batch_adds_nothing(hf_ddp):
         assert [h["loss"] for h in full["logs"]] == [h["loss"] for h in skipping["logs"]]
         assert full["epsilon"] == skipping["epsilon"]
     assert all(batch == [] for batch in (reports[0]["full"]["seen"][1], reports[1]["full"]["seen"][1]))  # both empty
+
+
+def test_ranks_with_another_per_device_batch_size_are_refused_with_one_message(hf_ddp):
+    """Batches of 1 and 2 per device: each rank would plan its own sample rate (the global batch 1 * 2 * 2 or
+    2 * 2 * 2 of 32 rows); both ranks refuse when the trainer is built, with the same message, and the launch
+    goes on (no rank is left waiting in the gather)."""
+    reports, _ = hf_ddp
+    messages = [report["disagreeing"] for report in reports]
+    assert messages[0] == messages[1]
+    assert "sample_rate: 0.125 on rank 0 vs 0.25 on rank 1" in messages[0]
+    assert "per_device_train_batch_size" in messages[0]

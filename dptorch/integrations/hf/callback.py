@@ -65,6 +65,7 @@ from transformers.modeling_outputs import ModelOutput
 
 from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.data.shuffled import permutation_problem
+from dptorch.distributed.agreement import check_ranks_agree
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.auto import resolve_grad_sample_mode
 from dptorch.grad_sample.errors import PerSampleGradientError
@@ -266,6 +267,7 @@ class DPCallback(TrainerCallback):
             if p.noise_multiplier == 0:
                 warnings.warn("noise_multiplier=0: the training is not private (epsilon is infinite)", stacklevel=3)
             self.plan = PrivacyPlan(noise_multiplier=p.noise_multiplier, planned_steps=state.max_steps, **fields)
+        check_ranks_agree(self.plan, loss_reduction="mean")  # several processes are refused above; a group set up by hand
         self.poisson = poisson
         self.budget = PrivacyBudget(plan=self.plan, delta=p.target_delta, cap=p.budget_cap)
         self._budget_callback = PrivacyBudgetCallback(self.budget)

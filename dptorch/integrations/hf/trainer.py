@@ -38,7 +38,9 @@ clipped sums reduce-scattered, each rank noises its shard); Accelerate saves and
 optimizer with ``torch.distributed.checkpoint``, which is handed the inner optimizer. In
 ``compute_loss`` the metric gathers accept micro-batches of different sizes (:mod:`.metrics`).
 Every rank accounts the same steps, so epsilon is the same everywhere; the Trainer's loggers print
-it from rank 0. DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
+it from rank 0. The ranks' plans are compared when the trainer is built, and a difference (another
+per-device batch size, dataset or privacy argument on one rank) is refused on every rank
+(:mod:`dptorch.distributed.agreement`). DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
 until Accelerate built the engine, which is then made private (``engine.step()``, called by Accelerate
 after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 on several processes and
 tensor-parallel models are refused (:mod:`.checks` says why);
@@ -69,6 +71,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, seed_worker
 from transformers.utils import logging
 
 from dptorch.distributed import deepspeed as ds_zero
+from dptorch.distributed.agreement import check_ranks_agree
 from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import is_sharded
 from dptorch.grad_sample import GradSampleHooks
@@ -152,11 +155,13 @@ class PrivateTrainerMixin:
             check_packing(self, privacy_args, per_sample_loss_func)
             self.data_collator = PackingCollator(pad_token_id(self), packing.max_length)
         self.privacy_units = self._build_privacy_units(self.train_dataset)
-        check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
         if privacy_args.banded == "auto":  # from here on privacy_args.bands is the chosen b
             self.privacy_args = privacy_args = self._resolve_auto_bands(privacy_args)
         self.sampling_plan = self._sampling_plan(privacy_args.banded)
         self.privacy_plan = self._build_plan()
+        # one plan on every rank, or every rank refuses (before a check of this rank's number of units)
+        check_ranks_agree(self.privacy_plan, micro_batches=self.sampling_plan.micro_batches)
+        check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
