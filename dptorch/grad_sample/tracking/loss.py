@@ -25,6 +25,7 @@ from torch import Tensor
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tracking.args import arg, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.writes import written
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -148,13 +149,23 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
         keep = getattr(getattr(func, "__self__", None), "__name__", "") in _LINEAR_PROPERTIES
         if not keep:
             return tr.run(func, args, kwargs)
+    if name == "__set__":  # t.data = total: t now holds the total's values; other attributes hold no data
+        out = tr.run(func, args, kwargs)
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            tr.put(args[0], tr.get(args[1]))
+        return out
+    targets = written(func, args, kwargs)
+    old = [tr.get(t) for t in targets]
     out = tr.run(func, args, kwargs)
     if keep:
         tag = Lost(first.reason, first.kind, units=first.units)
     else:
         tag = Lost(_mixing_reason(name, first, tr.escaped if scaling else None))
-    if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
-        tr.put(args[0], tag)
+    for target, was in zip(targets, old):  # in place, or out=
+        if is_total(was):  # a total changed in place (loss += other)
+            tr.put(target, tag)
+        else:  # a total written into other memory (a buffer, a view, x[:] = total): its aliases follow
+            tr.wrote(target, was, tag)
     tr.put_all(out, tag)
     return out
 
