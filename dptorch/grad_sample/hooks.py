@@ -47,6 +47,7 @@ from dptorch.distributed.tensor_parallel import (
     whole_on_every_rank,
 )
 from dptorch.grad_sample import expanded_weights
+from dptorch.grad_sample.buffer_check import BufferGuard
 from dptorch.grad_sample.layers import reads_no_parameter_data
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -196,6 +197,7 @@ class GradSampleHooks:
         self._replaying = False
         self._tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
         self._loss_tracker: Optional[BatchTracker] = None  # then through the loss, until backward (tracking/loss.py)
+        self._buffer_guard = BufferGuard(module)  # buffers a training forward fills from the batch (buffer_check.py)
         self._root_depth = 0
         self._tracking_off: Any = False  # "popped"/"paused": the tracker stepped aside for a layer call
         self._decisions: Dict[nn.Module, Dict[tuple, Any]] = {}  # per layer call signature, for recomputation
@@ -529,6 +531,7 @@ class GradSampleHooks:
             if module.training and torch.is_grad_enabled() and self.tensor_parallel:  # one batch on every rank
                 check_same_batch(_tensor_leaves((args, kwargs)), tensor_parallel_group(self.tensor_parallel))
             if module.training and torch.is_grad_enabled() and self._batch_size is not None and not self._paused:
+                self._buffer_guard.start()
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size, *watched)
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
@@ -724,12 +727,15 @@ class GradSampleHooks:
         if self._root_depth:
             return None
         self._end_token_tracking(output)
+        leak = self._buffer_guard.finish(self._tracker)  # a buffer filled from the batch: put back, refused
         self._enter_loss_phase()
         self._batch_size = None
-        if self._expanded is None:
-            return None
-        self._expanded.__exit__(None, None, None)
-        self._expanded = None
+        if self._expanded is not None:
+            self._expanded.__exit__(None, None, None)
+            self._expanded = None
+        if leak is not None and sys.exc_info()[1] is None:
+            self._drop_loss_tracker()
+            raise PerSampleGradientError(leak)
         return None
 
     def _tap_root_outputs(self, module: nn.Module, args: tuple, output: Any) -> Any:

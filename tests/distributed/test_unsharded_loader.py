@@ -44,8 +44,8 @@ def make_private(loader, **options):
     engine = PrivacyEngine()
     _hooks, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                                     data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                                    wrap_model=False, **options)
-    return engine, (model, optimizer, loader)
+                                                    wrap_model=False, **{"loss_reduction": "sum", **options})
+    return engine, (model, optimizer, loader)  # loss_reduction="sum": the tests back-propagate sums
 
 
 def refusal(build) -> str:

@@ -15,7 +15,8 @@ def loader():
 
 def make_private(model, with_epsilon=False):
     engine = PrivacyEngine()
-    common = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(), max_grad_norm=1.0)
+    common = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(), max_grad_norm=1.0,
+                  loss_reduction="sum")
     if with_epsilon:
         return engine.make_private_with_epsilon(**common, target_epsilon=3.0, target_delta=1e-3, epochs=1)
     return engine.make_private(**common, noise_multiplier=1.0)

@@ -27,7 +27,7 @@ def setup(n=200, batch=20, features=4):
 def private(engine=None, **options):
     model, opt, dl = setup()
     engine = engine or PrivacyEngine()
-    settings = dict(noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False)
+    settings = dict(noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, loss_reduction="sum")  # backward()'s sum
     settings.update(options)
     _hooks, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=dl, **settings)
     return engine, model, opt, dl
@@ -162,7 +162,7 @@ def sequence_run(batch_first, transpose=False, units=False):
     engine = PrivacyEngine()
     _hooks, opt, dl = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=12),
-        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=batch_first,
+        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=batch_first, loss_reduction="sum",
     )
     (x,) = next(iter(dl))
     assert len(x) not in (0, 3)
@@ -225,7 +225,7 @@ def test_make_private_with_epsilon_calibrates_at_the_samplers_rate_and_steps():
     engine = PrivacyEngine()
     _hooks, opt, loader = engine.make_private_with_epsilon(
         module=model, optimizer=opt, data_loader=loader, target_epsilon=2.0, target_delta=1e-5, epochs=2,
-        max_grad_norm=1.0, wrap_model=False,
+        max_grad_norm=1.0, wrap_model=False, loss_reduction="sum",
     )
     assert engine.plan.planned_steps == 20 and engine.sample_rate == 0.2
     for _ in range(2):

@@ -158,16 +158,44 @@ def test_a_mean_under_loss_reduction_sum_is_refused_naming_the_keyword():
             loss.backward()
 
 
-@pytest.mark.parametrize("reduction, loss_of", [("mean", lambda out, y: F.cross_entropy(out, y, reduction="sum"))])
-def test_a_reduction_that_is_not_the_controllers_is_warned_naming_the_keyword(reduction, loss_of):
-    from dptorch.grad_sample.tracking.loss import ReductionMismatchWarning
+SUMMED = {
+    "reduction-sum": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
+    "none-then-sum": lambda out, y: F.cross_entropy(out, y, reduction="none").sum(),
+    "sum-divided-by-a-constant": lambda out, y: F.cross_entropy(out, y, reduction="sum") / N,
+}
 
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(SUMMED))
+def test_a_sum_under_loss_reduction_mean_is_refused_naming_the_keyword(mode, name):
+    """The controller would multiply each unit's gradient by the drawn batch size before clipping."""
     model = _model()
     x, y = _data()
-    other = {"sum": "mean", "mean": "sum"}[reduction]
-    with GradSampleHooks(model, loss_reduction=reduction):
-        with pytest.warns(ReductionMismatchWarning, match=f"loss_reduction='{other}'"):
-            loss_of(model(x), y).backward()
+    with GradSampleHooks(model, loss_reduction="mean", grad_sample_mode=mode) as hooks:
+        loss = SUMMED[name](model(x), y)
+        with pytest.raises(PerSampleGradientError, match="loss_reduction='mean'.*Pass loss_reduction='sum'"):
+            loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # refused before any gradient formed
+        assert not hooks.grad_samples
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_the_engine_refuses_a_sum_under_its_default_mean_before_any_parameter_changes(mode):
+    model = _model()
+    x, y = _data()
+    model, optimizer, loader = PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+        data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=N),
+        noise_multiplier=1.0, max_grad_norm=1.0, grad_sample_mode=mode,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    xb, yb = next(iter(loader))
+    while len(xb) < 2:  # a Poisson batch of one: its sum is its mean
+        xb, yb = next(iter(loader))
+    with pytest.raises(PerSampleGradientError, match="loss_reduction='sum'"):
+        F.cross_entropy(model(xb), yb, reduction="sum").backward()
+    for p, b in zip(model.parameters(), before):
+        assert p.grad is None and torch.equal(p.detach(), b)
 
 
 # ------------------------------------------------------------------------------- the engine and HF

@@ -35,7 +35,7 @@ def private(model, mode, data=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     _hooks, optimizer, loader = PrivacyEngine().make_private(
         module=model, optimizer=optimizer, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0,
-        grad_sample_mode=mode, wrap_model=False,
+        grad_sample_mode=mode, wrap_model=False, loss_reduction="sum",  # the tests' losses are sums
     )
     return model, optimizer, loader  # the model trains itself; the controller is also engine.hooks
 

@@ -308,7 +308,7 @@ def test_a_bare_optimizer_with_a_bandmf_plan_adds_banded_noise():
     model = nn.Linear(6, 3)
     plan = PrivacyPlan(noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1, expected_batch_size=4.0,
                        mechanism="bandmf", strategy=optimal_banded_strategy(10, 3))
-    hooks = GradSampleHooks(model)
+    hooks = GradSampleHooks(model, loss_reduction="sum")  # the loss below is a sum
     optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, plan=plan,
                             noise_generator=NoiseGenerator(seed=0))
     assert isinstance(optimizer.noise_generator, BandedNoise)

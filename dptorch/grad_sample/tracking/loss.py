@@ -17,7 +17,6 @@ mode stack, so that the user's own modes open and close above it).
 from __future__ import annotations
 
 import inspect
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 from torch import Tensor
@@ -32,9 +31,6 @@ if TYPE_CHECKING:
 
 TOTALS = ("sum", "mean")
 
-
-class ReductionMismatchWarning(UserWarning):
-    """The loss reduces the samples otherwise than the controller's ``loss_reduction`` says."""
 
 _ADDITIVE = set("add sub subtract rsub __add__ __radd__ __sub__ __rsub__ __iadd__ __isub__ add_ sub_".split())
 _SCALING = set("mul multiply __mul__ __rmul__ __imul__ mul_".split())
@@ -151,13 +147,23 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
         keep = getattr(getattr(func, "__self__", None), "__name__", "") in _LINEAR_PROPERTIES
         if not keep:
             return tr.run(func, args, kwargs)
+    if name == "__set__":  # t.data = total: t now holds the total's values; other attributes hold no data
+        out = tr.run(func, args, kwargs)
+        if getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            tr.put(args[0], tr.get(args[1]))
+        return out
+    targets = written(func, args, kwargs)
+    old = [tr.get(t) for t in targets]
     out = tr.run(func, args, kwargs)
     if keep:
         tag = Lost(first.reason, first.kind, units=first.units)
     else:
         tag = Lost(_mixing_reason(name, first, _factor_source(tr) if scaling else None))
-    if (name.endswith("_") and not name.startswith("__")) or name.startswith("__i"):  # in place
-        tr.put(args[0], tag)
+    for target, was in zip(targets, old):  # in place, or out=
+        if is_total(was):  # a total changed in place (loss += other)
+            tr.put(target, tag)
+        else:  # a total written into other memory (a buffer, a view, x[:] = total): its aliases follow
+            tr.wrote(target, was, tag)
     tr.put_all(out, tag)
     return out
 
@@ -250,17 +256,15 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
            "size with loss_reduction='mean'. Nothing was updated.")
     if is_total(tag) and gtag is None:
         reduction = tr.loss_reduction
-        if tag.kind == "mean" and reduction == "sum":  # a mean under "sum": a divisor of the drawn batch's size
-            return (f"{_call(root)} is {tag.reason}, but loss_reduction='sum': each unit's gradient is divided "
-                    "by the drawn batch size before clipping, so it depends on how many others were drawn. Pass "
-                    "loss_reduction='mean' to make_private (or GradSampleHooks), or sum the per-sample losses.")
-        if tag.kind != reduction and reduction is not None and not tr.warned_reduction:
-            tr.warned_reduction = True
-            warnings.warn(
-                f"{_call(root)} is {tag.reason}, but the per-sample gradients are rescaled for loss_reduction="
-                f"{reduction!r}: each sample's gradient is off by the batch size, so its clipping depends on how "
-                f"many others were drawn. Pass loss_reduction={tag.kind!r} to make_private (or GradSampleHooks). "
-                "This will be refused in a later release.", ReductionMismatchWarning, stacklevel=4)
+        if reduction is not None and tag.kind != reduction:  # the controller undoes a reduction the loss did not make
+            if tag.kind == "mean":
+                effect, fix = "divided", "sum the per-sample losses (reduction='sum', loss.sum())"
+            else:
+                effect, fix = "multiplied", "average the per-sample losses (reduction='mean', loss.mean())"
+            return (f"{_call(root)} is {tag.reason}, but loss_reduction={reduction!r}: each unit's gradient is "
+                    f"{effect} by the drawn batch size before clipping, so its clipping depends on how many others "
+                    f"were drawn. Pass loss_reduction={tag.kind!r} to make_private (or GradSampleHooks), or {fix}. "
+                    "Nothing was updated.")
         return None
     if type(tag) is int and (gtag is None or (type(gtag) is int and gtag & ~WEAK == tag & ~WEAK)):
         return None

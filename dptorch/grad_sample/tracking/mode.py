@@ -131,9 +131,7 @@ class BatchTracker(TorchFunctionMode):
             return func(*args, **kwargs)
         rule = rule_of(func)
         if self.totals and (self.forward_done or rule is not escape) and has_total(self, args, kwargs):
-            # (inside the forward a total's value is refused like any); a write of a total into a tensor, through
-            # whichever alias, is checked like any write (its other aliases are lost)
-            return self._writing(total_rule, func, args, kwargs, written(func, args, kwargs))
+            return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
         if rule is skip or (rule is count and not self.forward_done):
             return func(*args, **kwargs)
         if self.forward_done and scales_after_read(self, func, args, kwargs):
