@@ -31,3 +31,20 @@ def torchrun(script: str, out: Path, *args: str, reports: str, world: int = WORL
     if done.returncode != 0:
         pytest.fail(f"torchrun {script} failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return [json.loads((out / f"{reports}-rank{rank}.json").read_text()) for rank in range(world)], done.stdout
+
+
+def run_spawned(worker, world: int, store: bool = True) -> dict:
+    """Run ``worker(rank, place, results)`` on ``world`` processes started by ``torch.multiprocessing``
+    (``place``: a file for a gloo ``FileStore`` when ``store``, else a scratch folder) and return what
+    the ranks put in ``results``; skips where gloo is not available."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
+        results = manager.dict()
+        mp.spawn(worker, args=(os.path.join(folder, "store") if store else folder, results), nprocs=world, join=True)
+        return dict(results)

@@ -7,20 +7,17 @@ the rank's own clipped sum (reduce-scattered per shard under FSDP2) never sees t
 
 from __future__ import annotations
 
-import copy
 import datetime
-import os
-import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.optim import DPOptimizer, NonFiniteGradientWarning
+from tests.distributed.launch import run_spawned
 
 WORLD, ROWS, CLIP = 2, 3, 0.3
 SETUPS = [("allreduce", "hooks"), ("allreduce", "bk"), ("fsdp", "hooks"), ("fsdp", "bk")]
@@ -78,12 +75,7 @@ def worker(rank: int, store: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def spawned():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
-        results = manager.dict()
-        mp.spawn(worker, args=(os.path.join(folder, "store"), results), nprocs=WORLD, join=True)
-        return dict(results)
+    return run_spawned(worker, WORLD)
 
 
 @pytest.mark.parametrize("kind,mode", SETUPS)

@@ -14,19 +14,17 @@ collective timeout).
 from __future__ import annotations
 
 import datetime
-import os
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch.distributed.agreement import disagreement, plan_terms
 from dptorch.plan import PrivacyPlan
+from tests.distributed.launch import run_spawned
 
 WORLD = 2
 N = 24
@@ -46,7 +44,7 @@ def attempt(rank: int, *, batch_size=(4, 4), rows=(N, N), noise=(1.0, 1.0), clip
     model = nn.Linear(3, 1)
     engine = PrivacyEngine()
     common = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), max_grad_norm=clip[rank],
-                  data_loader=DataLoader(dataset(rows[rank]), batch_size=batch_size[rank]), wrap_model=False)
+                  data_loader=DataLoader(dataset(rows[rank]), batch_size=batch_size[rank]), wrap_model=False, loss_reduction="sum")
     try:
         if epsilon is None:
             _, optimizer, loader = engine.make_private(noise_multiplier=noise[rank], **common)
@@ -106,12 +104,7 @@ def worker(rank: int, store: str, results) -> None:
 
 @pytest.fixture(scope="module")
 def runs():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
-        results = manager.dict()
-        mp.spawn(worker, args=(os.path.join(folder, "store"), results), nprocs=WORLD, join=True)
-        return dict(results)
+    return run_spawned(worker, WORLD)
 
 
 def refusals(runs, name) -> str:

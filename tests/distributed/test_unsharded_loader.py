@@ -13,16 +13,15 @@ from __future__ import annotations
 import datetime
 import os
 import re
-import tempfile
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.distributed.launch import run_spawned
 from tests.distributed.workers import reader
 
 WORLD = 2
@@ -155,13 +154,7 @@ def _safely(run):
 
 @pytest.fixture(scope="module")
 def runs():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    with mp.Manager() as manager, tempfile.TemporaryDirectory() as folder:
-        results = manager.dict()
-        mp.spawn(worker, args=(folder, results), nprocs=WORLD, join=True)
-        found = dict(results)
-    return reader(found)
+    return reader(run_spawned(worker, WORLD, store=False))
 
 
 @pytest.mark.parametrize("name", ["dp-loader", "cyclic", "cyclic-bandmf"])
