@@ -190,7 +190,7 @@ def test_batch_first_false_data_the_loader_did_not_draw_is_refused_at_the_step()
     _hooks, opt, dl = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(TensorDataset(torch.randn(60, 3, 4)), batch_size=12),
-        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=False)
+        noise_multiplier=1.0, max_grad_norm=1.0, wrap_model=False, batch_first=False, loss_reduction="sum")
     (x,) = next(iter(dl))
     model(torch.from_numpy(x.numpy().copy())).pow(2).sum().backward()  # a copy through numpy: not followed
     before = params(model)

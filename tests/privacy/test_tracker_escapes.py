@@ -248,3 +248,25 @@ def test_micro_batches_cut_from_the_draw_train_exactly_and_misaligned_rows_are_r
     _refused(_judge(OneInput(), lambda m, x, y: ce(m(x[:half]), y[:half].flip(0)), mode))
     _refused(_judge(OneInput(), lambda m, x, y: ce(m(x.flip(0)), y), mode))
     _refused(_judge(OneInput(), lambda m, x, y: ce(m(x[torch.tensor([1, 0, 2, 3, 4, 5])]), y), mode))
+
+
+class LossInside(nn.Module):
+    """An HF-style model that returns its own summed loss, divided inside the forward by ``divide(x)``."""
+
+    def __init__(self, divide):
+        super().__init__()
+        self.lin, self.divide = nn.Linear(D, 2), divide
+
+    def forward(self, x):
+        return self.lin(x).pow(2).sum() / self.divide(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_total_scaled_inside_the_forward_is_refused_at_backward(mode):
+    """Inside the forward shapes are read all the time, so a number scaling the total there may be the batch
+    size: refused, whatever the number (a constant too: scale outside the forward)."""
+    _refused(_judge(LossInside(lambda x: x.shape[0]), lambda m, x, y: m(x), mode))
+    _refused(_judge(LossInside(lambda x: 2.0), lambda m, x, y: m(x), mode))
+    found = _judge(LossInside(lambda x: 1), lambda m, x, y: m(x) / 2.0, mode)
+    assert found["outcome"] == "refused" and "inside the model's forward" in found["message"], found
+    assert _judge(OneInput(), lambda m, x, y: m(x).pow(2).sum() / 2.0, mode)["outcome"] == "exact"

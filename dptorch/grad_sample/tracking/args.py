@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional, Tuple
 
 import torch
@@ -53,3 +54,18 @@ def replace_arg(args: tuple, kwargs: dict, where, value):
 
 def op_name(func) -> str:
     return getattr(func, "__name__", repr(func))
+
+
+_DISPATCH = ("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")
+
+
+def caller() -> str:
+    """The module of the code that called the torch operation being followed: the first frame outside
+    torch's dispatch and this tracker."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(_DISPATCH):
+            return module
+        frame = frame.f_back
+    return ""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from torch import Tensor
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.tracking.args import arg, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import arg, caller, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import written
 
@@ -139,8 +139,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     if name in _ADDITIVE or name in _JOINS:
         keep = same
     elif scaling:
-        # inside the forward, shapes are read all the time, so any factor may be the batch size
-        keep = len(tagged) == 1 and tr.forward_done and (read_from_batch(tr) is None or not _has_number(args, kwargs))
+        keep = len(tagged) == 1 and (read_from_batch(tr) is None or not _has_number(args, kwargs))
     else:
         keep = name in _LINEAR and alone
     if name == "__get__":  # a property: .data, .T and .real read the total itself; others (.grad, .shape) no data
@@ -156,9 +155,11 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     old = [tr.get(t) for t in targets]
     out = tr.run(func, args, kwargs)
     if keep:
-        tag = Lost(first.reason, first.kind, units=first.units)
+        # inside the forward shapes are read all the time: a factor there may be the batch size (refused at backward)
+        inside = any(g.scaled_inside for _, g in tagged if is_total(g)) or (scaling and not tr.forward_done)
+        tag = Lost(first.reason, first.kind, units=first.units, scaled_inside=inside)
     else:
-        tag = Lost(_mixing_reason(name, first, _factor_source(tr) if scaling else None))
+        tag = Lost(_mixing_reason(name, first, read_from_batch(tr) if scaling else None))
     for target, was in zip(targets, old):  # in place, or out=
         if is_total(was):  # a total changed in place (loss += other)
             tr.put(target, tag)
@@ -168,10 +169,17 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
     return out
 
 
+#: Libraries whose own scaling of the loss is by a configured constant (gradient accumulation steps, a loss
+#: scale), not a number of the batch: DeepSpeed's engine.backward, Accelerate's backward, the Trainer's step.
+_CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer")
+
+
 def read_from_batch(tr: BatchTracker) -> Optional[str]:
     """What was read from the batch into Python since its draw, outside the forward (a value, or its size):
-    a number scaling the loss after it may come from it, so the scaling is not known to be a constant."""
-    return tr.escaped or tr.counted
+    a number scaling the loss after it may come from it, so the scaling is not known to be a constant
+    (unless the scaling is done by one of ``_CONSTANT_SCALERS``)."""
+    read = tr.escaped or tr.counted
+    return None if read is None or caller().startswith(_CONSTANT_SCALERS) else read
 
 
 def _has_number(args: tuple, kwargs: dict) -> bool:
@@ -201,12 +209,6 @@ def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
         tr.wrote(target, tr.get(target), lost)
     tr.put_all(out, lost)
     return out
-
-
-def _factor_source(tr: BatchTracker) -> Optional[str]:
-    if not tr.forward_done:
-        return "inside the forward, where the batch's size is read (scale the loss outside the model's forward)"
-    return read_from_batch(tr)
 
 
 def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:
@@ -265,7 +267,7 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
                     f"{effect} by the drawn batch size before clipping, so its clipping depends on how many others "
                     f"were drawn. Pass loss_reduction={tag.kind!r} to make_private (or GradSampleHooks), or {fix}. "
                     "Nothing was updated.")
-        return None
+        return _scaled_inside(root, tag)
     if type(tag) is int and (gtag is None or (type(gtag) is int and gtag & ~WEAK == tag & ~WEAK)):
         return None
     what = gtag if tag is None or (type(tag) is int and gtag is not None) else tag
@@ -277,13 +279,24 @@ def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
     return f"{_call(root)} derives from {reason}. {fix}{hint}"
 
 
+def _scaled_inside(root: Tensor, tag: Lost) -> Optional[str]:
+    """A total scaled by a number inside the model's forward, where shapes are read all the time: the
+    number may be the batch size (a loss divided by ``len(labels)`` in the forward)."""
+    if not tag.scaled_inside:
+        return None
+    return (f"{_call(root)} is {tag.reason}, scaled inside the model's forward by a number the batch tracker "
+            "cannot follow: it may be the batch size, which would make each sample's gradient depend on how many "
+            "others were drawn. Return the per-sample losses (or their sum) from the forward and scale outside it, "
+            "or pass loss_reduction='mean' for a mean. Nothing was updated.")
+
+
 def _token_root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
     """Packed token units: the root must be (a constant multiple of) ``dptorch.packed_loss``'s total."""
     if not isinstance(root, Tensor):
         return None
     tag = tr.get(root)
     if is_total(tag) and tag.units and grad is None:
-        return None
+        return _scaled_inside(root, tag)
     return (f"{_call(root)} is not dptorch.packed_loss(...) of a packed forward (or a constant multiple of it). With "
             "several examples packed in one row, only that loss is known to give every example its own loss (it never "
             "predicts one example's token from another's, nor divides by a count of the batch's tokens). Nothing was "

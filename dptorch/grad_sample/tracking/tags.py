@@ -50,16 +50,17 @@ class Lost:
     ``weak`` one was derived from weak evidence only (it is refused all the same where it meets the batch).
     """
 
-    __slots__ = ("reason", "kind", "dim", "order", "weak", "units")
+    __slots__ = ("reason", "kind", "dim", "order", "weak", "units", "scaled_inside")
 
     def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
-                 weak: bool = False, units: bool = False) -> None:
+                 weak: bool = False, units: bool = False, scaled_inside: bool = False) -> None:
         self.reason = reason
         self.kind = kind
         self.dim = dim
         self.order = order
         self.weak = weak  # derived only from weak evidence
         self.units = units  # a total of packed token units' own losses (dptorch.packed_loss)
+        self.scaled_inside = scaled_inside  # a total scaled by a number inside the forward (loss.py refuses it)
 
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"

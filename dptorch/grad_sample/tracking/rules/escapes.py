@@ -17,13 +17,12 @@ the gradient in backward, where nothing is followed).
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Callable, Dict
 
 from torch import Tensor
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.tracking.args import arg, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import arg, caller, op_name, tensors_of
 from dptorch.grad_sample.tracking.writes import derived
 
 if TYPE_CHECKING:
@@ -57,14 +56,9 @@ def escape(tr: BatchTracker, func, args, kwargs):
 def _registered_by_torch() -> bool:
     """Whether the hook being registered comes from torch itself (its distributed wrappers), which
     moves gradients without changing them, or from DeepSpeed's engine forward (its output hooks divide
-    the gradient by the constant gradient_accumulation_steps); the first frame outside torch's dispatch says."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")):
-            return module == "torch" or module.startswith("torch.") or module == "deepspeed.runtime.utils"
-        frame = frame.f_back
-    return False
+    the gradient by the constant gradient_accumulation_steps)."""
+    module = caller()
+    return module == "torch" or module.startswith("torch.") or module == "deepspeed.runtime.utils"
 
 
 def _copy(tr: BatchTracker, func, args, kwargs):

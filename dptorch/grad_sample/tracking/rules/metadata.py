@@ -4,10 +4,9 @@ Reading values out of torch is not metadata: ``escapes.py`` has those."""
 
 from __future__ import annotations
 
-import sys
 from typing import Callable, Dict
 
-from dptorch.grad_sample.tracking.args import norm_dim, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import caller, norm_dim, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM
 from dptorch.grad_sample.tracking.writes import derived
 
@@ -40,14 +39,9 @@ def count(tr, func, args, kwargs):
 
 def _read_by_dptorch() -> bool:
     """Whether the size is read by this library's own code (its losses and checks, which never scale by
-    the batch size), not the training loop's: the first frame outside torch's dispatch and the tracker says."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("dptorch.grad_sample.tracking", "torch.overrides", "torch._tensor")):
-            return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
-        frame = frame.f_back
-    return False
+    the batch size), not the training loop's."""
+    module = caller()
+    return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
 
 
 def _reads_batch(name: str, args: tuple, kwargs: dict, dim: int) -> bool:
