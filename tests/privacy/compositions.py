@@ -86,6 +86,7 @@ ROW_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "time_flip": lambda h, w: h.flip(1),
     "cat_shift": lambda h, w: torch.cat([h[..., 1:], h[..., :1]], -1),
     "gather_row": lambda h, w: torch.gather(h, 2, torch.tensor(PERM, device=h.device).expand(h.shape)),
+    "gather_first_token": lambda h, w: h + torch.gather(h, 1, h.new_zeros(h.shape[0], 1, D, dtype=torch.long)),
     "gate_by_own_time0": lambda h, w: h * torch.tanh(h[:, :1]),
     "setitem_within_row": _setitem_within_row,
     "scale_time0": _scale_time0,
@@ -122,6 +123,11 @@ def _data_assign(h, w):
     return y
 
 
+def _perm_index(h: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
+    """A shared index of ``rows`` rows and ``tokens`` tokens into the features, permuting them (``PERM``)."""
+    return torch.tensor(PERM, device=h.device).expand(rows, tokens, D)
+
+
 def _setitem_batch_sum(h, w):
     h2 = h.clone()
     h2[..., 0] += h[..., 1].sum()
@@ -151,6 +157,13 @@ MIXING_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "loop_cumsum": lambda h, w: torch.stack([h[: i + 1].sum(0) for i in range(h.shape[0])]),
     "first_row_gate": lambda h, w: h * torch.tanh(50 * h[:1].detach()),
     "setitem_batch_sum": _setitem_batch_sum,
+    # an index of one row along the batch: sample 0's row only, broadcast into every sample's (or written alone)
+    "gather_short": lambda h, w: h + torch.gather(h, 2, _perm_index(h, 1, h.shape[1])),
+    "gather_short_method": lambda h, w: h * h.gather(2, _perm_index(h, 1, h.shape[1])).tanh(),
+    "scatter_short": lambda h, w: h.scatter(2, _perm_index(h, 1, h.shape[1]), 0.5),
+    "scatter_add_short": lambda h, w: h + h.new_zeros(1, *h.shape[1:]).scatter_add(2, _perm_index(h, 1, h.shape[1]),
+                                                                                     h.detach()),
+    "scatter_short_": _inplace(lambda y: y.scatter_(2, _perm_index(y, 1, y.shape[1]), 0.5)),
 }
 
 #: Operations that cut the gradient (their output does not require grad): placed only where a

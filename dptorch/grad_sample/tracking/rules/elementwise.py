@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import arg, replace_arg, tensors_of
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
-from dptorch.grad_sample.tracking.tags import WEAK
+from dptorch.grad_sample.tracking.tags import DIM, WEAK
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -31,9 +31,11 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
         else:
             if single is not None:
                 out = tr.run(func, args, kwargs)
-                tag = single[1]
+                t, tag = single
                 if isinstance(out, Tensor):
-                    tr.put(out, tag + (out.ndim - single[0].ndim) if type(tag) is int else tag)
+                    if type(tag) is int:
+                        tag = tag + (out.ndim - t.ndim) if _full(t, tag, out) else _broadcast_rows(tr, tag)
+                    tr.put(out, tag)
                 return out
     tensors = list(tensors_of(args, kwargs))
     if inplace and tensors and tensors[0][0] == ("a", 0):
@@ -50,12 +52,30 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
             raise tr.unsupported_meeting(tags[i], f"an in-place {name or 'operation'} that writes the batch into it")
         args, kwargs = replace_arg(args, kwargs, where, tr.meet(t, out_ndim, tag & ~WEAK))
     out = tr.run(func, args, kwargs)
+    result = args[0] if inplace else out
+    if type(tag) is int and isinstance(result, Tensor):
+        short = next((g for g, (_, t) in zip(tags, tensors) if type(g) is int and not _full(t, g, result)), None)
+        if short is not None:
+            tag = _broadcast_rows(tr, short)
     if inplace:
         target = args[0]
         tr.wrote(target, tags[0] if name != "copy_" else tr.get(target), tag)
     else:
         tr.put_all(out, tag)
     return out
+
+
+def _full(t: Tensor, tag: int, result: Tensor) -> bool:
+    """Whether ``t``, batched along ``tag``'s dim, has there the rows of ``result`` (aligned from the right)."""
+    d = tag & DIM
+    at = d + result.ndim - t.ndim
+    return d < t.ndim and 0 <= at < result.ndim and t.shape[d] == result.shape[at]
+
+
+def _broadcast_rows(tr: BatchTracker, tag: int):
+    """The tag of a result into whose rows a batched argument of fewer rows was broadcast: its rows are not
+    the samples' (a batch dim cut to one row, sample 0's, would reach every sample)."""
+    return tr.lost("an elementwise operation broadcasting a batch dimension of other size than the result's", tag)
 
 
 def _self_only(tr, func, args, kwargs):
