@@ -298,12 +298,15 @@ class TimeMixer(nn.Module):
             h = torch.roll(h, 1, dims=1)
         elif self.how == "mean":
             h = h + h.mean(dim=1, keepdim=True)
+        elif self.how == "gather":  # a shared index of one token: each row's first token, added to all its tokens
+            h = h + torch.gather(h, 2, torch.arange(h.shape[-1]).flip(0).expand(h.shape[0], 1, -1))
         return self.head(h)
 
 
 @pytest.mark.parametrize("how, match", [("conv", "mixes token positions through its parameters"),
                                         ("roll", "token positions do not each hold"),
-                                        ("mean", "token positions do not each hold")])
+                                        ("mean", "token positions do not each hold"),
+                                        ("gather", "gather with a result of 1 along a batch dimension of 8")])
 def test_operations_and_layers_that_mix_positions_are_refused(packed, how, match):
     model = TimeMixer(how).train()
     hooks = GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum")
@@ -333,7 +336,7 @@ def test_token_wise_model_without_attention_matches_alone(packed, mode):
         torch.testing.assert_close(grads[u], model.head.weight.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("how", ["conv", "roll", "mean"])
+@pytest.mark.parametrize("how", ["conv", "roll", "mean", "gather"])
 def test_the_functorch_fallback_is_refused_where_tokens_mix(packed, how):
     model = TimeMixer(how).train()
     hooks = GradSampleHooks(model, grad_sample_mode="functorch", loss_reduction="sum")

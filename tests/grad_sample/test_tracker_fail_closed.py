@@ -89,6 +89,23 @@ def _setitem_by_batch_index(h):
     return out
 
 
+def _one_row(h):
+    """A shared index of one row into the features (reversed): sample 0's row only, of shape (1, d)."""
+    return torch.arange(h.shape[1]).flip(0)[None]
+
+
+def _gather_one_row(h):
+    return h + torch.gather(h, 1, _one_row(h))  # sample 0's row broadcast into every sample's
+
+
+def _scatter_add_one_row(h):
+    return h + h.new_zeros(1, h.shape[1]).scatter_add(1, _one_row(h), h.detach())
+
+
+def _scatter_by_one_row_(h):
+    return h.clone().scatter_(1, _one_row(h), 0.5)  # sample 0's row written, the others not
+
+
 LEAKS = {  # op -> what the refusal names
     "fft": (_fft, r"fft_fft"),
     "cumsum_": (_cumsum_, r"cumsum_"),
@@ -101,6 +118,10 @@ LEAKS = {  # op -> what the refusal names
     "item": (_scalar_escape, r"item\(\)"),
     "index_put_": (_index_put_, r"index_put_"),
     "setitem by batch index": (_setitem_by_batch_index, r"indexed assignment whose index derives from the batch"),
+    "gather by one row": (_gather_one_row, r"gather with a result of 1 along a batch dimension of 8"),
+    "Tensor.gather by one row": (lambda h: h * h.gather(1, _one_row(h)), r"gather with a result of 1"),
+    "scatter_add into one row": (_scatter_add_one_row, r"scatter_add with a result of 1 along a batch dimension of 8"),
+    "scatter_ by one row": (_scatter_by_one_row_, r"scatter by an index of 1 along a batch dimension of 8"),
 }
 
 

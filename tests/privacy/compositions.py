@@ -86,6 +86,7 @@ ROW_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "time_flip": lambda h, w: h.flip(1),
     "cat_shift": lambda h, w: torch.cat([h[..., 1:], h[..., :1]], -1),
     "gather_row": lambda h, w: torch.gather(h, 2, torch.tensor(PERM, device=h.device).expand(h.shape)),
+    "gather_first_token": lambda h, w: h + torch.gather(h, 1, h.new_zeros(h.shape[0], 1, D, dtype=torch.long)),
     "gate_by_own_time0": lambda h, w: h * torch.tanh(h[:, :1]),
     "setitem_within_row": _setitem_within_row,
     "scale_time0": _scale_time0,
@@ -129,6 +130,11 @@ def _data_assign(h, w):
     return y
 
 
+def _perm_index(h: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
+    """A shared index of ``rows`` rows and ``tokens`` tokens into the features, permuting them (``PERM``)."""
+    return torch.tensor(PERM, device=h.device).expand(rows, tokens, D)
+
+
 def _setitem_batch_sum(h, w):
     h2 = h.clone()
     h2[..., 0] += h[..., 1].sum()
@@ -164,6 +170,13 @@ MIXING_OPS: Dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "view_add_mean0": lambda h, w: _through_alias(h, lambda z: z.view(z.shape).add_(z.mean(0))),
     "legacy_ctor_mean0": lambda h, w: h - torch.Tensor(h.mean(0).detach()),
     "dlpack_sum0": lambda h, w: h + 0.1 * torch.from_dlpack(h.sum(0).detach()),
+    # an index of one row along the batch: sample 0's row only, broadcast into every sample's (or written alone)
+    "gather_short": lambda h, w: h + torch.gather(h, 2, _perm_index(h, 1, h.shape[1])),
+    "gather_short_method": lambda h, w: h * h.gather(2, _perm_index(h, 1, h.shape[1])).tanh(),
+    "scatter_short": lambda h, w: h.scatter(2, _perm_index(h, 1, h.shape[1]), 0.5),
+    "scatter_add_short": lambda h, w: h + h.new_zeros(1, *h.shape[1:]).scatter_add(2, _perm_index(h, 1, h.shape[1]),
+                                                                                     h.detach()),
+    "scatter_short_": _inplace(lambda y: y.scatter_(2, _perm_index(y, 1, y.shape[1]), 0.5)),
 }
 
 #: Operations that cut the gradient (their output does not require grad): placed only where a

@@ -266,7 +266,8 @@ def _loss(loss: str, placement: str = "outside", clip: float = 1.0) -> comp.Comp
 
 #: The issue's measured tracker leaks, Linear -> op -> Linear with n = 8: the fuzzer's examples.
 TRACKER_LEAKS = [_between(op) for op in ("fft0", "cumsum0_", "put_", "masked_scatter", "data_assign", "numpy_cumsum",
-                                         "numpy_cumsum_add", "detach_sub_mean0", "legacy_ctor_mean0")]
+                                         "numpy_cumsum_add", "detach_sub_mean0", "legacy_ctor_mean0", "gather_short",
+                                         "scatter_short", "scatter_add_short")]
 
 #: The issue's mixing after the last layer and in the loss (outside the model, and HF-style inside).
 OUTPUT_AND_LOSS_LEAKS = {

@@ -119,7 +119,7 @@ def register_batch_rule(op: Any, kind: str = "elementwise", dim_map: Optional[Ca
             ref = out if isinstance(out, Tensor) else out[0]
             return "mixes the samples, by its registered dim map" if new is None else norm_dim(int(new), ref.ndim)
 
-        rule: Callable = structural_rule(dimfn, inplace=_inplace_name(op), writes=True)
+        rule: Callable = structural_rule(dimfn, inplace=_inplace_name(op), writes=True, aligned="any")
     elif kind == "elementwise":
         name = _op_key(op) if isinstance(op, str) else getattr(op, "__name__", "")
         rule = partial(inplace_rule, name[:-1]) if _inplace_name(op) else broadcast

@@ -34,11 +34,12 @@ def _leading(trailing: int) -> Callable:
 RULES: Dict[str, Callable] = {n: structural(d_first) for n in """avg_pool1d avg_pool2d avg_pool3d max_pool1d max_pool2d
 max_pool3d max_pool1d_with_indices max_pool2d_with_indices max_pool3d_with_indices adaptive_avg_pool1d
 adaptive_avg_pool2d adaptive_avg_pool3d adaptive_max_pool1d adaptive_max_pool2d adaptive_max_pool3d
-adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices lp_pool1d lp_pool2d lp_pool3d max_unpool1d
-max_unpool2d max_unpool3d interpolate upsample upsample_nearest upsample_bilinear grid_sample fractional_max_pool2d
-fractional_max_pool3d""".split()}
+adaptive_max_pool1d_with_indices adaptive_max_pool2d_with_indices lp_pool1d lp_pool2d lp_pool3d interpolate upsample
+upsample_nearest upsample_bilinear fractional_max_pool2d fractional_max_pool3d""".split()}
 for _k in (1, 2, 3):
     RULES[f"conv{_k}d"] = RULES[f"conv_transpose{_k}d"] = structural(_batched(_k + 2))
+    RULES[f"max_unpool{_k}d"] = structural(d_first, aligned=(1, "indices"))  # max_pool's indices of each sample
+RULES["grid_sample"] = structural(d_first, aligned=(1, "grid"))  # a grid per sample
 RULES.update({
     "conv_tbc": structural(_batched(3, at=1)),  # (time, batch, channels)
     "F.unfold": structural(_batched(4)), "F.fold": structural(_batched(3)),

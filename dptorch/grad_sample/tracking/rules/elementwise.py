@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Callable, Dict
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg, replace_arg, tensors_of
+from dptorch.grad_sample.tracking.args import arg, op_name, replace_arg, tensors_of
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
-from dptorch.grad_sample.tracking.tags import WEAK
+from dptorch.grad_sample.tracking.tags import DIM, WEAK
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -34,9 +34,11 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
         else:
             if single is not None:
                 out = tr.run(func, args, kwargs)
-                tag = single[1]
+                t, tag = single
                 if isinstance(out, Tensor):
-                    tr.put(out, tag + (out.ndim - single[0].ndim) if type(tag) is int else tag)
+                    if type(tag) is int:
+                        tag = tag + (out.ndim - t.ndim) if _full(t, tag, out) else _broadcast_rows(tr, tag)
+                    tr.put(out, tag)
                 return out
     tensors = list(tensors_of(args, kwargs))
     if inplace and tensors and tensors[0][0] == ("a", 0):
@@ -53,12 +55,30 @@ def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name:
             raise tr.unsupported_meeting(tags[i], f"an in-place {name or 'operation'} that writes the batch into it")
         args, kwargs = replace_arg(args, kwargs, where, tr.meet(t, out_ndim, tag & ~WEAK))
     out = tr.run(func, args, kwargs)
+    result = args[0] if inplace else out
+    if type(tag) is int and isinstance(result, Tensor):
+        short = next((g for g, (_, t) in zip(tags, tensors) if type(g) is int and not _full(t, g, result)), None)
+        if short is not None:
+            tag = _broadcast_rows(tr, short)
     if inplace:
         target = args[0]
         tr.wrote(target, tags[0] if name != "copy_" else tr.get(target), tag)
     else:
         tr.put_all(out, tag)
     return out
+
+
+def _full(t: Tensor, tag: int, result: Tensor) -> bool:
+    """Whether ``t``, batched along ``tag``'s dim, has there the rows of ``result`` (aligned from the right)."""
+    d = tag & DIM
+    at = d + result.ndim - t.ndim
+    return d < t.ndim and 0 <= at < result.ndim and t.shape[d] == result.shape[at]
+
+
+def _broadcast_rows(tr: BatchTracker, tag: int):
+    """The tag of a result into whose rows a batched argument of fewer rows was broadcast: its rows are not
+    the samples' (a batch dim cut to one row, sample 0's, would reach every sample)."""
+    return tr.lost("an elementwise operation broadcasting a batch dimension of other size than the result's", tag)
 
 
 def _self_only(tr, func, args, kwargs):
@@ -76,6 +96,23 @@ def inplace_rule(base: str, tr, func, args, kwargs):
     return broadcast(tr, func, args, kwargs, inplace=True, name=base + "_")
 
 
+def _triangle(tr, func, args, kwargs):
+    """``tril``/``triu`` keep or zero an element by its place in the last two dims: elementwise only where
+    the batch is not one of them (else each sample would be cut by its place in the batch)."""
+    x = arg(args, kwargs, 0, "input")
+    tag = tr.get(x)
+    name = op_name(func)
+    if type(tag) is int and (tag & DIM) >= x.ndim - 2:
+        out = tr.run(func, args, kwargs)
+        lost = tr.lost(f"{name} across the batch dimension (a sample's elements kept by its place)", tag)
+        if name.endswith("_"):
+            tr.wrote(x, tag, lost)
+        else:
+            tr.put(out, lost)
+        return out
+    return broadcast(tr, func, args, kwargs, inplace=name.endswith("_"), name=name)
+
+
 def _where(tr, func, args, kwargs):
     """``where(cond, x, y)`` is elementwise; ``where(cond)`` is ``nonzero``: positions, not rows."""
     if len(list(tensors_of(args, kwargs))) == 1 and len(args) + len(kwargs) == 1:
@@ -90,7 +127,7 @@ round trunc frac fix reciprocal square erf erfc erfinv sinh cosh asin acos atan 
 arcsinh arccosh arctanh isnan isinf isfinite isneginf isposinf isreal logical_not bitwise_not nan_to_num clamp clip
 clamp_min clamp_max dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout clone contiguous detach
 float double half bfloat16 int long short bool char byte cpu cuda pin_memory requires_grad_ conj resolve_conj
-resolve_neg tril triu threshold hardshrink softshrink rrelu logit sinc deg2rad rad2deg digamma lgamma polygamma i0
+resolve_neg threshold hardshrink softshrink rrelu logit sinc deg2rad rad2deg digamma lgamma polygamma i0
 bernoulli fill zero normal uniform exponential random geometric cauchy log_normal add sub subtract mul multiply div divide true_divide floor_divide remainder fmod pow float_power maximum
 minimum fmax fmin where masked_fill lerp addcmul addcdiv eq ne lt le gt ge equal greater less greater_equal less_equal
 not_equal logical_and logical_or logical_xor bitwise_and bitwise_or bitwise_xor bitwise_left_shift bitwise_right_shift
@@ -109,4 +146,4 @@ INPLACE_ALIASES = {"__iadd__": "add", "__isub__": "sub", "__imul__": "mul", "__i
 
 RULES: Dict[str, Callable] = {n: broadcast for n in _BROADCAST.split()}
 RULES.update({"to": _self_only, "type": _self_only, "type_as": _self_only, "copy_": partial(inplace_rule, "copy"),
-              "where": _where})
+              "where": _where, "tril": _triangle, "triu": _triangle, "tril_": _triangle, "triu_": _triangle})

@@ -16,14 +16,21 @@ if TYPE_CHECKING:
 
 
 def _gather(tr: BatchTracker, func, args, kwargs):
-    """gather(x, dim, index), take_along_dim(x, index, dim), scatter*(x, dim, index, src), index_*(x, dim, index, src)."""
+    """gather(x, dim, index), take_along_dim(x, index, dim), scatter*(x, dim, index, src), index_*(x, dim, index, src).
+
+    Along a dim other than ``dim``, position ``p`` of the result reads position ``p`` of each argument, so a
+    batch there stays only where every batched argument has the result's rows there: a shorter index keeps
+    sample 0's rows alone (broadcast later into every sample's), a shared ``self`` of other rows adds rows of
+    no sample. Along ``dim`` row ``i`` may read any row: the batch is lost, except in a lookup (gather from
+    a shared tensor by an index batched along ``dim``: row ``i`` reads by sample ``i``'s indices only).
+    """
     name = op_name(func).rstrip("_")
     inplace = op_name(func).endswith("_")
     x = args[0]
     if name == "take_along_dim":
-        dim = arg(args, kwargs, 2, "dim")
+        dim, index = arg(args, kwargs, 2, "dim"), arg(args, kwargs, 1, "indices")
     else:
-        dim = arg(args, kwargs, 1, "dim")
+        dim, index = arg(args, kwargs, 1, "dim"), arg(args, kwargs, 2, "index")
     dim = None if dim is None else norm_dim(int(dim), max(x.ndim, 1))
     parts = [t for _, t in tensors_of(args, kwargs)]
     items = []
@@ -33,17 +40,29 @@ def _gather(tr: BatchTracker, func, args, kwargs):
         if any(derived(g) for g in loose):
             items.append((tr.lost_from(f"{name} by an index or value derived from the batch", loose), 0, 0))
         parts = [t for t in parts if t.ndim == x.ndim or t is x]
-    out_ndim = x.ndim
     old = tr.get(x)
+    out = tr.run(func, args, kwargs)
+    result = x if inplace else out
+    lookup = name in ("gather", "take_along_dim") and old is None and dim is not None
     for t in parts:
         tag = tr.get(t)
-        if type(tag) is int and (dim is None or (tag & DIM) + out_ndim - t.ndim == dim):
-            tag = tr.lost(f"{name} along the batch dimension", tag)
-        items.append((tag, t.ndim, out_ndim))
+        if type(tag) is int:
+            at = (tag & DIM) + result.ndim - t.ndim
+            if dim is None or at == dim:
+                if not (lookup and t is index):
+                    tag = tr.lost(f"{name} along the batch dimension", tag)
+            elif t.shape[tag & DIM] != result.shape[at]:  # a shorter index, or a longer shared self
+                tag = tr.lost(f"{name} with a result of {result.shape[at]} along a batch dimension of "
+                              f"{t.shape[tag & DIM]}", tag)
+        items.append((tag, t.ndim, result.ndim))
     tag, meeting = tr.combine(items)
     if meeting:
         raise tr.unsupported_meeting(items[meeting[0]][0], name)
-    out = tr.run(func, args, kwargs)
+    if type(tag) is int and isinstance(index, Tensor) and index.ndim == result.ndim:
+        at, rows = tag & DIM, index.shape[tag & DIM]
+        if rows != result.shape[at] and not (name == "take_along_dim" and rows == 1):
+            # a shared index of fewer rows: the first samples are gathered or written otherwise than the rest
+            tag = tr.lost(f"{name} by an index of {rows} along a batch dimension of {result.shape[at]}", tag)
     if inplace:
         tr.wrote(x, old, tag)
     else:
@@ -212,20 +231,28 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
         out = tr.run(func, args, kwargs)
         tr.wrote(x, xtag, tr.lost_from("an indexed assignment whose index derives from the batch", [xtag, vtag, *itags]))
         return out
-    if vtag is None:
-        out = tr.run(func, args, kwargs)
-        return out
     try:
         layout, advanced, removed, partial_ = _index_layout(x, index)
         layout, start, rank = _advanced_block(layout, advanced)
     except (TypeError, ValueError, IndexError):
         layout = None
+    if vtag is None or type(vtag) is tuple:
+        part = _part_of_batch(xtag, x, layout, advanced, removed, partial_)
+        if part is not None:  # some samples written, the others not: each is treated by its place in the batch
+            out = tr.run(func, args, kwargs)
+            tr.wrote(x, xtag, tr.lost(f"an indexed assignment into {part}", xtag))
+            return out
+    if vtag is None:
+        out = tr.run(func, args, kwargs)
+        return out
     region_ndim = len(layout) if layout is not None else 0
     new = xtag
     if type(vtag) is int and layout is not None:
         r = (vtag & DIM) + region_ndim - value.ndim
         src = layout[r] if 0 <= r < region_ndim else None
-        if type(src) is int:
+        if type(src) is int and src in partial_:  # the rest of that dim keeps other data: rows of no sample
+            new = tr.lost("batched values written into a slice of another tensor's dim", vtag)
+        elif type(src) is int:
             new = tr.combine([((vtag & KEEP) | src, x.ndim, x.ndim), (xtag if type(xtag) is not tuple else None, x.ndim, x.ndim)])[0]
             if type(xtag) is tuple:
                 new = tr.lost("batched values written into a shared tensor", vtag)
@@ -246,6 +273,25 @@ def _setitem(tr: BatchTracker, func, args, kwargs):
     out = tr.run(func, args, kwargs)
     tr.wrote(x, xtag, new)
     return out
+
+
+def _part_of_batch(xtag: Any, x: Tensor, layout: Optional[List[Any]], advanced, removed: List[int],
+                   partial_: List[int]) -> Optional[str]:
+    """What part of ``x``'s batch dim an indexed assignment writes, where it is not the whole (None)."""
+    if type(xtag) is not int:
+        return None
+    d = xtag & DIM
+    if layout is None:
+        return "the batch dimension, by an index the tracker does not follow"
+    if d in removed:
+        return "one sample"
+    if d in partial_:
+        return "a slice of the batch"
+    by = next((it for it, dims in advanced if d in dims), None)
+    if by is not None and not (isinstance(by, Tensor) and by.dtype in (torch.bool, torch.uint8)) and \
+            _identity_index_dim(by, x.shape[d]) is None:
+        return "rows of the batch chosen by an index"
+    return None
 
 
 def _index_tensors(index: Any) -> List[Tensor]:

@@ -136,7 +136,9 @@ def _einsum_tag(tr: BatchTracker, equation: str, operands: List[Tensor], tags: L
     for sub, tag in zip(subs, tags):
         if type(tag) is int:
             letter = sub[tag & DIM]
-            if letter in output:
+            if sub.count(letter) > 1:  # "ii->i": each sample's element at its own place in the batch
+                items.append((tr.lost("einsum takes a diagonal with the batch dimension", tag), 0, 0))
+            elif letter in output:
                 items.append(((tag & KEEP) | output.index(letter), len(output), len(output)))
             else:
                 items.append((tr.lost("einsum contracts the batch dimension", tag), 0, 0))

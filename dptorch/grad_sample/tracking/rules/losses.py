@@ -8,25 +8,43 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import op_name, tensors_of
 from dptorch.grad_sample.tracking.loss import loss_total
-from dptorch.grad_sample.tracking.tags import DIM
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
+# targets (and ctc's lengths) with fewer dims than the input, their dim 0 the batch's: not broadcast from the right
+_LEADING = {"cross_entropy", "nll_loss", "multi_margin_loss", "cosine_embedding_loss", "gaussian_nll_loss", "ctc_loss"}
+
+
 def loss_rule(tr: BatchTracker, func, args, kwargs):
     x = args[0] if args else kwargs.get("input")
     tag = tr.get(x)
+    name = op_name(func)
+    others = [(t, tr.get(t)) for _, t in tensors_of(args, kwargs) if t is not x]
     out = tr.run(func, args, kwargs)
-    if tag is None and not any(tr.get(t) is not None for _, t in tensors_of(args, kwargs)):
+    if tag is None and all(g is None for _, g in others):
         return out
-    if isinstance(out, Tensor) and out.ndim and type(tag) is int and tag & DIM == 0:
-        tr.put(out, tag)
+    at = 1 if name == "ctc_loss" and x.ndim == 3 else 0  # ctc's log_probs are (time, batch, classes)
+    if isinstance(out, Tensor) and out.ndim and type(tag) is int and tag & DIM == at and all(
+            _aligned(name, x, tag, at, t, g) for t, g in others):
+        tr.put(out, tag & KEEP)
     elif isinstance(out, Tensor) and not out.ndim:
         tr.put(out, loss_total(tr, func, args, kwargs, tag))
     else:
-        tr.put(out, tr.lost_from(f"{op_name(func)} (a loss over the batch)", [tr.get(t) for _, t in tensors_of(args, kwargs)]))
+        tr.put(out, tr.lost_from(f"{name} (a loss over the batch)", [tag, *(g for _, g in others)]))
     return out
+
+
+def _aligned(name: str, x: Tensor, tag: int, at: int, t: Tensor, g) -> bool:
+    """Whether a target ``t`` (tag ``g``) of a per-sample loss of ``x`` (batched along ``at``) is shared, or
+    batched along its dim 0 as ``x`` is, that dim meeting ``x``'s batch dim."""
+    if g is None:
+        return True
+    if type(g) is not int or g & DIM or (g & ~(DIM | WEAK)) != (tag & ~(DIM | WEAK)) or not t.ndim:
+        return False
+    return t.shape[0] == x.shape[at] and (t.ndim == x.ndim or name in _LEADING)
 
 
 RULES: Dict[str, Callable] = {n: loss_rule for n in """cross_entropy nll_loss binary_cross_entropy

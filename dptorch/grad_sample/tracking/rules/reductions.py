@@ -61,7 +61,7 @@ RULES.update({
     "logcumsumexp": structural(dim_is_batch(1, "dim")), "sort": structural(dim_is_batch(1, "dim", -1)),
     "argsort": structural(dim_is_batch(1, "dim", -1)), "msort": structural(dim_is_batch(1, "dim", 0)),
     "topk": structural(dim_is_batch(2, "dim", -1)), "kthvalue": reduction,
-    "diff": structural(dim_is_batch(2, "dim", -1)),
+    "diff": structural(dim_is_batch(2, "dim", -1), aligned=(3, 4, "prepend", "append")),
     "cumsum_": structural(dim_is_batch(1, "dim"), inplace=True, writes=True),
     "cumprod_": structural(dim_is_batch(1, "dim"), inplace=True, writes=True),
 })

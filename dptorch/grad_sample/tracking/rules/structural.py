@@ -15,21 +15,28 @@ if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
-def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, shape_only: bool = False):
+def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, shape_only: bool = False,
+               aligned: Any = ()):
     """Operations moving ``x``'s dims: ``dimfn(d, shape, args, kwargs, out)`` is the new dim or a reason.
 
-    Other tensor arguments (a norm's weight, a grid, prepended rows) must not derive from the batch,
-    unless they are batched exactly as ``x`` is; ``shape_only``: they give only a shape (``expand_as``).
-    ``inplace``: the operation changes ``x`` itself, its data too if ``writes`` (``x.cumsum_(1)``).
+    Other tensor arguments (a norm's weight, a convolution's, an embedding's table) must not derive from
+    the batch, except those ``aligned`` names (positions or keywords; "any": all) whose dims are ``x``'s,
+    batched exactly as ``x`` is (a grid, unpooling indices, prepended rows); ``shape_only``: they give only
+    a shape (``expand_as``). ``inplace``: the operation changes ``x`` itself, its data too if ``writes``
+    (``x.cumsum_(1)``).
     """
 
     def rule(tr: BatchTracker, func, args, kwargs):
         x = args[0] if args else next(iter(kwargs.values()))
         tag = tr.get(x)
-        others = [] if shape_only else [tr.get(t) for _, t in tensors_of(args, kwargs) if t is not x]
         shape = tuple(x.shape)
+        mixed = []
+        for where, t in ([] if shape_only else tensors_of(args, kwargs)):
+            g = tr.get(t)
+            if t is not x and derived(g) and not (type(g) is int and g == tag and t.ndim == len(shape) and (
+                    aligned == "any" or where[1] in aligned) and t.shape[g & DIM] == shape[g & DIM]):
+                mixed.append(g)
         out = tr.run(func, args, kwargs)
-        mixed = [g for g in others if derived(g) and g != tag]
         if tag is None and not mixed:
             return out
         new_tag = tag
