@@ -245,14 +245,16 @@ for _name in ("sum", "nansum", "mean", "nanmean", "prod", "amax", "amin", "logsu
          lambda x, d, f=_f: f(x, 0, keepdim=True), lambda x, d, f=_f: f(x, -1, True), generic=True)
     if _name in ("all", "any", "count_nonzero", "amax"):
         case(_name, lambda x, d, f=_f: f(x, E(x, d)), lambda x, d, f=_f: f(x, -1), dtype="bool")
-case("sum", lambda x, d: x.sum((0, -1)), lambda x, d: x.sum([E(x, d)], keepdim=True), lambda x, d: x.sum(dtype=torch.float32))
+case("sum", lambda x, d: x.sum((0, -1)), lambda x, d: x.sum([E(x, d)], keepdim=True),
+     lambda x, d: x.sum(dtype=torch.float32))
 case("mean", lambda x, d: x.mean((E(x, d),)), lambda x, d: x.mean(E(x, d), True))
 case("norm", lambda x, d: torch.norm(x, 2, E(x, d)), lambda x, d: x.norm(dim=E(x, d), keepdim=True),
      lambda x, d: torch.norm(x, "fro", (E(x, d),)))
 case("std", lambda x, d: torch.std(x, E(x, d), True, True), lambda x, d: x.std(E(x, d), correction=0))
 case("max", lambda x, d: torch.max(x, other(x, d)), lambda x, d: x.max(shared(x, d)), lambda x, d: x.max(x.mT))
 case("min", lambda x, d: torch.min(x, trailing(x, d)))
-case("kthvalue", lambda x, d: torch.kthvalue(x, 1, E(x, d)), lambda x, d: x.kthvalue(1, d, True), lambda x, d: x.kthvalue(1))
+case("kthvalue", lambda x, d: torch.kthvalue(x, 1, E(x, d)), lambda x, d: x.kthvalue(1, d, True),
+     lambda x, d: x.kthvalue(1))
 for _name in ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp"):
     case(_name, lambda x, d, f=getattr(torch, _name): f(x, E(x, d)), lambda x, d, f=getattr(torch, _name): f(x, d),
          lambda x, d, f=getattr(torch, _name): f(x, dim=-1))
@@ -261,7 +263,8 @@ case("cumprod_", lambda x, d: x.clone().cumprod_(E(x, d)), lambda x, d: x.clone(
 case("sort", lambda x, d: torch.sort(x), lambda x, d: x.sort(d), lambda x, d: x.sort(dim=E(x, d), descending=True))
 case("argsort", lambda x, d: torch.argsort(x), lambda x, d: x.argsort(d), lambda x, d: x.argsort(dim=E(x, d)))
 case("msort", lambda x, d: torch.msort(x))
-case("topk", lambda x, d: torch.topk(x, 1), lambda x, d: x.topk(1, d), lambda x, d: x.topk(1, dim=E(x, d), largest=False))
+case("topk", lambda x, d: torch.topk(x, 1), lambda x, d: x.topk(1, d),
+     lambda x, d: x.topk(1, dim=E(x, d), largest=False))
 case("diff", lambda x, d: torch.diff(x), lambda x, d: x.diff(dim=d), lambda x, d: x.diff(1, E(x, d)),
      lambda x, d: torch.diff(x, dim=E(x, d), prepend=shared(x, d).narrow(E(x, d), 0, 1).expand(
          [1 if i == E(x, d) else s for i, s in enumerate(x.shape)])),
@@ -306,10 +309,13 @@ case("reshape", lambda x, d: x.reshape(x.shape[0] * x.shape[1], -1), lambda x, d
      lambda x, d: torch.reshape(x, (x.shape[0], x.shape[1] * x.shape[2])),
      lambda x, d: x.reshape(x.shape[1], x.shape[0], -1), lambda x, d: _merged(x, d).reshape(x.shape),
      lambda x, d: _merged(x, d).transpose(0, -1).reshape(x.shape), layouts=RESHAPES)
-case("view_as", lambda x, d: x.flatten().view_as(x), lambda x, d: x.view_as(shared(x, shape=(x.numel(),))), layouts=RESHAPES)
+case("view_as", lambda x, d: x.flatten().view_as(x), lambda x, d: x.view_as(shared(x, shape=(x.numel(),))),
+     layouts=RESHAPES)
 case("reshape_as", lambda x, d: x.mT.reshape_as(x), lambda x, d: _merged(x, d).reshape_as(x), layouts=RESHAPES)
-case("flatten", lambda x, d: x.flatten(), lambda x, d: x.flatten(1), lambda x, d: torch.flatten(x, 0, 1), layouts=RESHAPES)
-case("unflatten", lambda x, d: x.unflatten(-1, (1, -1)), lambda x, d: _merged(x, d).unflatten(d if d + 1 < x.ndim else d - 1,
+case("flatten", lambda x, d: x.flatten(), lambda x, d: x.flatten(1), lambda x, d: torch.flatten(x, 0, 1),
+     layouts=RESHAPES)
+case("unflatten", lambda x, d: x.unflatten(-1, (1, -1)),
+     lambda x, d: _merged(x, d).unflatten(d if d + 1 < x.ndim else d - 1,
      x.shape[d : d + 2] if d + 1 < x.ndim else x.shape[d - 1 : d + 1]), layouts=RESHAPES)
 case("ravel", lambda x, d: x.ravel(), layouts=RESHAPES)
 EXPANDS = (((3, 1, 4), 0), ((1, 3, 4), 0), ((1, 1, 4), 0), ((2, 3, 1), 1))
@@ -317,16 +323,21 @@ case("expand", lambda x, d: x.expand(-1, 5, -1), lambda x, d: x.expand(2, *x.sha
      layouts=EXPANDS)
 case("expand_as", lambda x, d: x.expand_as(shared(x, shape=(2, 3, 3, 4))), lambda x, d: shared(x, d).expand_as(x),
      layouts=EXPANDS)
-case("broadcast_to", lambda x, d: x.broadcast_to(2, 3, 3, 4), lambda x, d: torch.broadcast_to(x, (5, 3, 4)), layouts=EXPANDS)
-case("repeat", lambda x, d: x.repeat(1, 2, 1), lambda x, d: x.repeat(2, 1, 1), lambda x, d: x.repeat(2, 1, 1, 1), layouts=S3)
-case("tile", lambda x, d: x.tile((2,)), lambda x, d: x.tile((2, 1, 1)), lambda x, d: torch.tile(x, (1, 1, 2, 1)), layouts=S3)
+case("broadcast_to", lambda x, d: x.broadcast_to(2, 3, 3, 4), lambda x, d: torch.broadcast_to(x, (5, 3, 4)),
+     layouts=EXPANDS)
+case("repeat", lambda x, d: x.repeat(1, 2, 1), lambda x, d: x.repeat(2, 1, 1), lambda x, d: x.repeat(2, 1, 1, 1),
+     layouts=S3)
+case("tile", lambda x, d: x.tile((2,)), lambda x, d: x.tile((2, 1, 1)), lambda x, d: torch.tile(x, (1, 1, 2, 1)),
+     layouts=S3)
 case("repeat_interleave", lambda x, d: x.repeat_interleave(2, dim=E(x, d)), lambda x, d: x.repeat_interleave(2, d),
      lambda x, d: x.repeat_interleave(2),
      lambda x, d: x.repeat_interleave(torch.arange(x.shape[E(x, d)]) % 2 + 1, dim=E(x, d)),
      lambda x, d: x.repeat_interleave((per_sample(x, d) > 0).long() + 1, dim=E(x, d)), layouts=S3 + (((3, 3, 3), 0),))
-case("narrow", lambda x, d: x.narrow(E(x, d), 0, 1), lambda x, d: x.narrow(d, 0, x.shape[d]), lambda x, d: x.narrow(d, 0, 1),
+case("narrow", lambda x, d: x.narrow(E(x, d), 0, 1), lambda x, d: x.narrow(d, 0, x.shape[d]),
+     lambda x, d: x.narrow(d, 0, 1),
      lambda x, d: torch.narrow(x, d, 1, x.shape[d] - 1), layouts=S3)
-case("select", lambda x, d: x.select(E(x, d), 0), lambda x, d: x.select(d, 0), lambda x, d: torch.select(x, 0, -1), layouts=S3)
+case("select", lambda x, d: x.select(E(x, d), 0), lambda x, d: x.select(d, 0), lambda x, d: torch.select(x, 0, -1),
+     layouts=S3)
 case("unfold", lambda x, d: x.unfold(E(x, d), 2, 1), lambda x, d: x.unfold(d, 1, 1), layouts=S3)
 case("flip", lambda x, d: x.flip(E(x, d)), lambda x, d: x.flip(d), lambda x, d: torch.flip(x, (0, 1)), layouts=S3)
 case("fliplr", lambda x, d: x.fliplr(), layouts=S3)
@@ -335,7 +346,8 @@ case("roll", lambda x, d: x.roll(1, E(x, d)), lambda x, d: x.roll(1, d), lambda 
 case("rot90", lambda x, d: x.rot90(1, (1, 2)), lambda x, d: torch.rot90(x), layouts=S3)
 case("view_as_real", lambda x, d: torch.view_as_real(x), layouts=S3, dtype="complex")
 case("view_as_complex", lambda x, d: torch.view_as_complex(x), layouts=(((3, 4, 2), 0), ((3, 2, 2), 1), ((4, 2), 1)))
-case("pad", lambda x, d: F.pad(x, (1, 2)), lambda x, d: F.pad(x, (0, 0, 1, 0)), lambda x, d: F.pad(x, (1, 1), "reflect"),
+case("pad", lambda x, d: F.pad(x, (1, 2)), lambda x, d: F.pad(x, (0, 0, 1, 0)),
+     lambda x, d: F.pad(x, (1, 1), "reflect"),
      lambda x, d: F.pad(x, (1, 1), "circular"), lambda x, d: F.pad(x, (0, 0, 0, 0, 0, 1)), lambda x, d: F.pad(x, (-1, 0)),
      layouts=S3)
 
@@ -344,9 +356,11 @@ case("pad", lambda x, d: F.pad(x, (1, 2)), lambda x, d: F.pad(x, (0, 0, 1, 0)), 
 case("softmax", lambda x, d: x.softmax(-1), lambda x, d: F.softmax(x, d), lambda x, d: torch.softmax(x, 0), layouts=S3)
 case("log_softmax", lambda x, d: F.log_softmax(x, E(x, d)), lambda x, d: x.log_softmax(d), layouts=S3)
 case("softmin", lambda x, d: F.softmin(x, -1), layouts=S3)
-case("glu", lambda x, d: F.glu(x, E(x, d)), lambda x, d: F.glu(x, d), layouts=(((2, 3, 4), 0), ((4, 2, 2), 1), ((2, 2), 1)))
+case("glu", lambda x, d: F.glu(x, E(x, d)), lambda x, d: F.glu(x, d),
+     layouts=(((2, 3, 4), 0), ((4, 2, 2), 1), ((2, 2), 1)))
 case("normalize", lambda x, d: F.normalize(x), lambda x, d: F.normalize(x, dim=E(x, d)), layouts=S3)
-case("gumbel_softmax", lambda x, d: F.gumbel_softmax(x, dim=E(x, d)), lambda x, d: F.gumbel_softmax(x, hard=True, dim=d), layouts=S3)
+case("gumbel_softmax", lambda x, d: F.gumbel_softmax(x, dim=E(x, d)),
+     lambda x, d: F.gumbel_softmax(x, hard=True, dim=d), layouts=S3)
 case("layer_norm", lambda x, d: F.layer_norm(x, x.shape[-1:]), lambda x, d: F.layer_norm(x, x.shape[-2:]),
      lambda x, d: F.layer_norm(x, x.shape[-1:], shared(x, shape=x.shape[-1:]), shared(x, shape=x.shape[-1:])),
      lambda x, d: F.layer_norm(x, x.shape[-1:], per_sample(x, d)),  # a weight of one entry per sample
@@ -354,7 +368,8 @@ case("layer_norm", lambda x, d: F.layer_norm(x, x.shape[-1:]), lambda x, d: F.la
 case("rms_norm", lambda x, d: F.rms_norm(x, x.shape[-1:]), lambda x, d: F.rms_norm(x, x.shape[-1:], per_sample(x, d)),
      layouts=S3 + (((3, 2, 3), 0),))
 NCL = (((2, 4, 3), 0), ((3, 4, 5), 0), ((1, 4, 3), 0), ((4, 3, 4), 1), ((2, 4, 3), 2))
-case("group_norm", lambda x, d: F.group_norm(x, 2), lambda x, d: F.group_norm(x, 2, shared(x, shape=(4,)), shared(x, shape=(4,))),
+case("group_norm", lambda x, d: F.group_norm(x, 2),
+     lambda x, d: F.group_norm(x, 2, shared(x, shape=(4,)), shared(x, shape=(4,))),
      layouts=NCL)
 case("batch_norm", lambda x, d: F.batch_norm(x, shared(x, shape=(4,)), shared(x, shape=(4,)).abs() + 1),
      lambda x, d: F.batch_norm(x, None, None, training=True),
@@ -370,12 +385,14 @@ case("linear", lambda x, d: F.linear(x, shared(x, shape=(2, x.shape[-1]))),
      lambda x, d: F.linear(x, shared(x, shape=(2, x.shape[-1])), shared(x, shape=(2,))),
      lambda x, d: F.linear(shared(x, d), x.flatten(0, -2)[: x.shape[-1]].mT.contiguous()), layouts=M3)
 case("bilinear", lambda x, d: F.bilinear(x, x, shared(x, shape=(2, x.shape[-1], x.shape[-1]))), layouts=M3)
-case("matmul", lambda x, d: torch.matmul(x, shared(x, shape=(x.shape[-1], 2))), lambda x, d: torch.matmul(shared(x, shape=(2, x.shape[-2])), x),
+case("matmul", lambda x, d: torch.matmul(x, shared(x, shape=(x.shape[-1], 2))),
+     lambda x, d: torch.matmul(shared(x, shape=(2, x.shape[-2])), x),
      lambda x, d: torch.matmul(x, x.mT), lambda x, d: torch.matmul(x, shared(x, shape=(x.shape[-1],))),
      lambda x, d: torch.matmul(shared(x, d), x.mT), layouts=M3)
 case("__matmul__", lambda x, d: x @ shared(x, shape=(x.shape[-1], 3)), lambda x, d: x @ x, layouts=M3)
 case("__rmatmul__", lambda x, d: shared(x, shape=(3, x.shape[-2])) @ x, lambda x, d: x.__rmatmul__(x), layouts=M3)
-case("mm", lambda x, d: torch.mm(x, shared(x, shape=(x.shape[-1], 2))), lambda x, d: x.mm(x), lambda x, d: shared(x, d).mm(x),
+case("mm", lambda x, d: torch.mm(x, shared(x, shape=(x.shape[-1], 2))), lambda x, d: x.mm(x),
+     lambda x, d: shared(x, d).mm(x),
      layouts=M3)
 case("bmm", lambda x, d: torch.bmm(x, shared(x, shape=(1, x.shape[-1], 2)).expand(x.shape[0], -1, -1)),
      lambda x, d: x.bmm(x.mT), lambda x, d: shared(x, d).expand(x.shape[0], -1, -1).bmm(x) if d != 0 else x, layouts=M3)
@@ -387,7 +404,8 @@ case("inner", lambda x, d: torch.inner(x, shared(x, shape=(x.shape[-1],))), layo
 case("addmm", lambda x, d: torch.addmm(shared(x, shape=(2,)), x, shared(x, shape=(x.shape[-1], 2))),
      lambda x, d: torch.addmm(x, x, x), lambda x, d: torch.addmm(x.mT, x, shared(x, shape=(x.shape[-1],) * 2)),
      layouts=M3)
-case("baddbmm", lambda x, d: torch.baddbmm(x, x, shared(x, shape=(1, x.shape[-1], x.shape[-1])).expand(x.shape[0], -1, -1)),
+case("baddbmm",
+     lambda x, d: torch.baddbmm(x, x, shared(x, shape=(1, x.shape[-1], x.shape[-1])).expand(x.shape[0], -1, -1)),
      lambda x, d: torch.baddbmm(shared(x, d), x, x.mT), lambda x, d: x.baddbmm(batch1=x, batch2=x), layouts=M3)
 case("addmv", lambda x, d: torch.addmv(shared(x, shape=(1,)), x, shared(x, shape=(x.shape[-1],))),
      lambda x, d: torch.addmv(x.select(-1, 0), x, x.select(-1, 1)), layouts=M3)
@@ -414,11 +432,14 @@ def _sdpa(x, d, kind):
     return F.scaled_dot_product_attention(q, q, q, attn_mask=shared(q, shape=(q.shape[-2], q.shape[-2])), is_causal=False)
 
 
-case("scaled_dot_product_attention", *(functools.partial(_sdpa, kind=k) for k in ("all", "query", "key", "mask", "shared mask")),
+case("scaled_dot_product_attention",
+     *(functools.partial(_sdpa, kind=k) for k in ("all", "query", "key", "mask", "shared mask")),
      layouts=ATTN)
-case("cosine_similarity", lambda x, d: F.cosine_similarity(x, shared(x, d)), lambda x, d: F.cosine_similarity(x, other(x, d), dim=-1),
+case("cosine_similarity", lambda x, d: F.cosine_similarity(x, shared(x, d)),
+     lambda x, d: F.cosine_similarity(x, other(x, d), dim=-1),
      lambda x, d: F.cosine_similarity(x, x.mT, dim=0), layouts=S3)
-case("pairwise_distance", lambda x, d: F.pairwise_distance(x, shared(x, d)), lambda x, d: F.pairwise_distance(x, other(x, d), keepdim=True),
+case("pairwise_distance", lambda x, d: F.pairwise_distance(x, shared(x, d)),
+     lambda x, d: F.pairwise_distance(x, other(x, d), keepdim=True),
      layouts=S3)
 
 # ------------------------------------------------------------------------------------ embeddings
@@ -442,17 +463,21 @@ C1 = (((2, 4, 6), 0), ((1, 4, 6), 0), ((4, 6), 0), ((4, 4, 6), 1), ((2, 4, 6), 2
 C2 = (((2, 4, 6, 6), 0), ((1, 4, 6, 6), 0), ((4, 6, 6), 0), ((2, 4, 6, 6), 1))
 C3 = (((2, 4, 4, 4, 4), 0), ((4, 4, 4, 4), 0), ((2, 4, 4, 4, 4), 1))
 for _k, _lay in ((1, C1), (2, C2), (3, C3)):
-    case(f"conv{_k}d", lambda x, d, k=_k: getattr(F, f"conv{k}d")(x, shared(x, shape=(3, 4) + (2,) * k), shared(x, shape=(3,))),
+    case(f"conv{_k}d",
+         lambda x, d, k=_k: getattr(F, f"conv{k}d")(x, shared(x, shape=(3, 4) + (2,) * k), shared(x, shape=(3,))),
          lambda x, d, k=_k: getattr(F, f"conv{k}d")(x, x[(Ellipsis,) + (slice(0, 2),) * k]),  # a weight of the batch
          layouts=_lay)
-    case(f"conv_transpose{_k}d", lambda x, d, k=_k: getattr(F, f"conv_transpose{k}d")(x, shared(x, shape=(4, 3) + (2,) * k)), layouts=_lay)
+    case(f"conv_transpose{_k}d",
+         lambda x, d, k=_k: getattr(F, f"conv_transpose{k}d")(x, shared(x, shape=(4, 3) + (2,) * k)), layouts=_lay)
     case(f"avg_pool{_k}d", lambda x, d, k=_k: getattr(F, f"avg_pool{k}d")(x, 2), layouts=_lay)
     case(f"max_pool{_k}d", lambda x, d, k=_k: getattr(F, f"max_pool{k}d")(x, 2), layouts=_lay)
-    case(f"max_pool{_k}d_with_indices", lambda x, d, k=_k: getattr(F, f"max_pool{k}d")(x, 2, return_indices=True), layouts=_lay)
+    case(f"max_pool{_k}d_with_indices", lambda x, d, k=_k: getattr(F, f"max_pool{k}d")(x, 2, return_indices=True),
+         layouts=_lay)
     case(f"adaptive_avg_pool{_k}d", lambda x, d, k=_k: getattr(F, f"adaptive_avg_pool{k}d")(x, 2), layouts=_lay)
     case(f"adaptive_max_pool{_k}d", lambda x, d, k=_k: getattr(F, f"adaptive_max_pool{k}d")(x, 2), layouts=_lay)
     case(f"lp_pool{_k}d", lambda x, d, k=_k: getattr(F, f"lp_pool{k}d")(x, 2.0, 2), layouts=_lay)
-    case(f"max_unpool{_k}d", lambda x, d, k=_k: getattr(F, f"max_unpool{k}d")(*getattr(F, f"max_pool{k}d")(x, 2, return_indices=True), 2),
+    case(f"max_unpool{_k}d",
+         lambda x, d, k=_k: getattr(F, f"max_unpool{k}d")(*getattr(F, f"max_pool{k}d")(x, 2, return_indices=True), 2),
          lambda x, d, k=_k: getattr(F, f"max_unpool{k}d")(x, getattr(F, f"max_pool{k}d")(x.flip(0), 1, return_indices=True)[1], 1),
          layouts=_lay)
 for _k in (1, 2):
@@ -460,18 +485,21 @@ for _k in (1, 2):
          lambda x, d, k=_k: getattr(F, f"adaptive_max_pool{k}d")(x, 2, return_indices=True), layouts=(C1, C2)[_k - 1])
 case("fractional_max_pool2d", lambda x, d: F.fractional_max_pool2d(x, 2, output_size=2), layouts=C2)
 case("fractional_max_pool3d", lambda x, d: F.fractional_max_pool3d(x, 2, output_size=2), layouts=C3)
-case("interpolate", lambda x, d: F.interpolate(x, scale_factor=2), lambda x, d: F.interpolate(x, size=3, mode="linear"), layouts=C1)
+case("interpolate", lambda x, d: F.interpolate(x, scale_factor=2),
+     lambda x, d: F.interpolate(x, size=3, mode="linear"), layouts=C1)
 case("upsample", lambda x, d: F.upsample(x, scale_factor=2), layouts=C1)
 case("upsample_nearest", lambda x, d: F.upsample_nearest(x, scale_factor=2), layouts=C2)
 case("upsample_bilinear", lambda x, d: F.upsample_bilinear(x, scale_factor=2), layouts=C2)
-case("grid_sample", lambda x, d: F.grid_sample(x, shared(x, shape=(1, 3, 3, 2)).tanh().expand(x.shape[0], -1, -1, -1), align_corners=False),
+case("grid_sample",
+     lambda x, d: F.grid_sample(x, shared(x, shape=(1, 3, 3, 2)).tanh().expand(x.shape[0], -1, -1, -1), align_corners=False),
      lambda x, d: F.grid_sample(x, x[:, :2].permute(0, 2, 3, 1).tanh(), align_corners=False),
      lambda x, d: F.grid_sample(x, x.flip(0)[:, :2].permute(0, 2, 3, 1).tanh(), align_corners=False), layouts=C2)
 case("conv_tbc", lambda x, d: torch.conv_tbc(x, shared(x, shape=(2, 4, 3)), shared(x, shape=(3,))),
      layouts=(((6, 2, 4), 1), ((6, 1, 4), 1), ((6, 4, 4), 0)))
 case("F.unfold", lambda x, d: F.unfold(x, 2), layouts=C2)
 case("F.fold", lambda x, d: F.fold(x, (3, 3), 2), layouts=(((2, 8, 4), 0), ((2, 8, 4), 1), ((1, 8, 4), 0)))
-case("pixel_shuffle", lambda x, d: F.pixel_shuffle(x, 2), layouts=(((2, 4, 3, 3), 0), ((2, 3, 4, 2, 2), 1), ((1, 4, 2, 2), 0)))
+case("pixel_shuffle", lambda x, d: F.pixel_shuffle(x, 2),
+     layouts=(((2, 4, 3, 3), 0), ((2, 3, 4, 2, 2), 1), ((1, 4, 2, 2), 0)))
 case("pixel_unshuffle", lambda x, d: F.pixel_unshuffle(x, 2), layouts=(((2, 1, 4, 4), 0), ((2, 3, 1, 4, 4), 1)))
 case("channel_shuffle", lambda x, d: F.channel_shuffle(x, 2), layouts=C1)
 
@@ -484,9 +512,11 @@ case("concat", lambda x, d: torch.concat([x, x], dim=-1), layouts=S3)
 case("concatenate", lambda x, d: torch.concatenate([shared(x, d).expand_as(x), x], 0), layouts=S3)
 case("stack", lambda x, d: torch.stack([x, other(x, d)]), lambda x, d: torch.stack([x, x.mT], -1),
      lambda x, d: torch.stack([x, shared(x, d).expand_as(x)], 1), layouts=S3)
-case("split", lambda x, d: x.split(1, E(x, d)), lambda x, d: torch.split(x, 1, d), lambda x, d: x.split(x.shape[d], d), layouts=S3)
+case("split", lambda x, d: x.split(1, E(x, d)), lambda x, d: torch.split(x, 1, d), lambda x, d: x.split(x.shape[d], d),
+     layouts=S3)
 case("chunk", lambda x, d: x.chunk(2, E(x, d)), lambda x, d: x.chunk(2, d), layouts=S3)
-case("tensor_split", lambda x, d: x.tensor_split(2, E(x, d)), lambda x, d: torch.tensor_split(x, [1], dim=d), layouts=S3)
+case("tensor_split", lambda x, d: x.tensor_split(2, E(x, d)), lambda x, d: torch.tensor_split(x, [1], dim=d),
+     layouts=S3)
 case("split_with_sizes", lambda x, d: x.split_with_sizes([1, x.shape[E(x, d)] - 1], E(x, d)),
      lambda x, d: x.split_with_sizes([x.shape[d]], d), layouts=S3)
 case("unbind", lambda x, d: x.unbind(E(x, d)), lambda x, d: torch.unbind(x, d), layouts=S3)
@@ -555,14 +585,15 @@ def _scatters(method: str):
 
 for _method in ("scatter", "scatter_", "scatter_add", "scatter_add_"):
     case(_method, *_scatters(_method), layouts=G2)
-    case(_method.rstrip("_"), lambda x, d, m=_method: getattr(torch, m.rstrip("_"))(x, E(x, d), _index(x, E(x, d), 1), shared(x, d).expand_as(x)),
+    case(_method.rstrip("_"),
+         lambda x, d, m=_method: getattr(torch, m.rstrip("_"))(x, E(x, d), _index(x, E(x, d), 1), shared(x, d).expand_as(x)),
          layouts=G2)
 for _method in ("scatter_reduce", "scatter_reduce_"):
-    case(_method, *(lambda x, d, f=f: f(x, d)
-                    for f in [lambda x, d, m=_method: (x.clone() if m.endswith("_") else x).__getattribute__(m)(
-                                  E(x, d), _full_index(x, E(x, d), d), other(x, d), "amax"),
-                              lambda x, d, m=_method: (shared(x, d).clone() if m.endswith("_") else shared(x, d)).__getattribute__(m)(
-                                  E(x, d), _index(x, E(x, d), 1), x, "sum", include_self=False)]), layouts=G2)
+    _on = (lambda t: t.clone()) if _method.endswith("_") else (lambda t: t)
+    case(_method,
+         lambda x, d, m=_method, on=_on: getattr(on(x), m)(E(x, d), _full_index(x, E(x, d), d), other(x, d), "amax"),
+         lambda x, d, m=_method, on=_on: getattr(on(shared(x, d)), m)(E(x, d), _index(x, E(x, d), 1), x, "sum",
+                                                                     include_self=False), layouts=G2)
 case("scatter", lambda x, d: torch.scatter(x, E(x, d), _index(x, E(x, d), 1), 0.5),
      lambda x, d: x.scatter(E(x, d), (x.abs() * 9).long() % x.shape[E(x, d)], 0.5), layouts=G2)
 
@@ -573,18 +604,25 @@ def _index_ops(method: str, src: bool):
     def on(target):
         return target.clone() if inplace else target
 
-    def source(x, e):
-        return x.narrow(e, 0, 1) * 2 if src else 0.5
+    def source(x, e, at=0):  # the row ``at`` along ``e``
+        return x.narrow(e, at % x.shape[e], 1) * 2 if src else 0.5
+
+    def shared_self(x, d):
+        return shared(x, d).expand_as(x).contiguous()
+
+    def some(x, d):  # an index derived from the batch
+        return (x.abs().sum() * 3).long().reshape(1) % x.shape[E(x, d)]
 
     fns = [
         lambda x, d: getattr(on(x), method)(E(x, d), torch.tensor([1]), source(x, E(x, d))),
-        lambda x, d: getattr(on(x), method)(d, torch.tensor([0]), *([x.narrow(d, 1 % x.shape[d], 1)] if src else [0.5])),
-        lambda x, d: getattr(on(shared(x, d).expand_as(x).contiguous()), method)(E(x, d), torch.tensor([0]), source(x, E(x, d))),
-        lambda x, d: getattr(on(x), method)(E(x, d), (x.abs().sum() * 3).long().reshape(1) % x.shape[E(x, d)], source(x, E(x, d))),
+        lambda x, d: getattr(on(x), method)(d, torch.tensor([0]), source(x, d, 1)),  # sample 1's row into 0's
+        lambda x, d: getattr(on(shared_self(x, d)), method)(E(x, d), torch.tensor([0]), source(x, E(x, d))),
+        lambda x, d: getattr(on(x), method)(E(x, d), some(x, d), source(x, E(x, d))),
     ]
-    if src:
-        fns.append(lambda x, d: getattr(on(shared(x, shape=(5,) * x.ndim).narrow(d, 0, 1).expand(
-            [x.shape[i] if i == d else 5 for i in range(x.ndim)]).contiguous()), method)(E(x, d), torch.tensor([1, 3]), x.narrow(E(x, d), 0, 2)))
+    if src:  # a shared self of 5 along the indexed dim, 2 of its rows written by each sample
+        fns.append(lambda x, d: getattr(on(shared(x, d).narrow(E(x, d), 0, 1).expand(
+            [5 if i == E(x, d) else s for i, s in enumerate(x.shape)]).contiguous()), method)(
+                E(x, d), torch.tensor([1, 3]), x.narrow(E(x, d), 0, 2)))
     return fns
 
 
@@ -592,11 +630,13 @@ for _method, _src in (("index_add", True), ("index_copy", True), ("index_fill", 
     case(_method, *_index_ops(_method, _src), layouts=G2)
     case(_method + "_", *_index_ops(_method + "_", _src), layouts=G2)
 case("index_fill", lambda x, d: x.index_fill(E(x, d), torch.tensor([0]), x.sum()), layouts=G2)
-case("index_select", lambda x, d: x.index_select(E(x, d), torch.tensor([1, 0])), lambda x, d: x.index_select(d, torch.arange(x.shape[d])),
+case("index_select", lambda x, d: x.index_select(E(x, d), torch.tensor([1, 0])),
+     lambda x, d: x.index_select(d, torch.arange(x.shape[d])),
      lambda x, d: x.index_select(d, torch.tensor([0])), lambda x, d: torch.index_select(x, d, torch.arange(x.shape[d]).flip(0)),
      lambda x, d: shared(x, shape=(5, 2)).index_select(0, (x.select(E(x, d), 0).abs() * 9).long() % 5),
      lambda x, d: x.index_select(E(x, d), (x.select(E(x, d), 0).abs() * 9).long() % x.shape[E(x, d)]), layouts=G2)
-case("take", lambda x, d: torch.take(x, torch.tensor([0, 2])), lambda x, d: shared(x, shape=(5,)).take((x.abs() * 9).long() % 5),
+case("take", lambda x, d: torch.take(x, torch.tensor([0, 2])),
+     lambda x, d: shared(x, shape=(5,)).take((x.abs() * 9).long() % 5),
      layouts=G2)
 
 
@@ -611,7 +651,7 @@ def _getitems():
         lambda x, d: shared(x, shape=(5, 2))[(x.abs() * 9).long() % 5], lambda x, d: x[A(x.shape[0]).flip(0)],
         lambda x, d: x[A(1)], lambda x, d: x[A(x.shape[0])[:1]], lambda x, d: x[..., A(x.shape[-1])[:, None], A(1)[None, :]],
         lambda x, d: x[[0] * x.shape[0]], lambda x, d: x[:, None, 1:2], lambda x, d: x[torch.tensor(0)],
-        lambda x, d: x[..., torch.tensor(0)], lambda x, d: x[::2], lambda x, d: x[:, ::-1] if False else x[:, ::2],
+        lambda x, d: x[..., torch.tensor(0)], lambda x, d: x[::2], lambda x, d: x[:, ::2],
         lambda x, d: x.mT[A(x.shape[-1])],
     ]
 
@@ -647,8 +687,10 @@ case("__setitem__",
      _setitem(_S, lambda x, d: (x > 0,), lambda x, d: 1.0),
      _setitem(_X, lambda x, d: (slice(None), [1, 0]), lambda x, d: x[:, :2]),
      _setitem(_X, lambda x, d: (slice(None), [1, 0]), lambda x, d: x.mT[:, :2]),
-     _setitem(lambda x, d: x.new_zeros((x.shape[0] + 1,) + x.shape[1:]), lambda x, d: (slice(0, x.shape[0]),), lambda x, d: x),
-     _setitem(lambda x, d: x.new_zeros((2 * x.shape[0],) + x.shape[1:]), lambda x, d: (slice(None, None, 2),), lambda x, d: x),
+     _setitem(lambda x, d: x.new_zeros((x.shape[0] + 1,) + x.shape[1:]), lambda x, d: (slice(0, x.shape[0]),),
+              lambda x, d: x),
+     _setitem(lambda x, d: x.new_zeros((2 * x.shape[0],) + x.shape[1:]), lambda x, d: (slice(None, None, 2),),
+              lambda x, d: x),
      layouts=G2)
 # a total of the batch written into a shared tensor (loss.py's total_rule takes operations on totals)
 case("__setitem__", _setitem(_S1, lambda x, d: (Ellipsis,), lambda x, d: x.sum(d, keepdim=True)), layouts=G2)
@@ -674,8 +716,10 @@ def _packed(x, d, lengths):
 SEQ = (((3, 4, 2), 0), ((1, 4, 2), 0), ((3, 3, 3), 0))
 for _name in ("_pack_padded_sequence", "_pad_packed_sequence"):
     case(_name, lambda x, d: _packed(x, d, lambda x: torch.full((x.shape[0],), x.shape[1])), layouts=SEQ)
-    case(_name, lambda x, d: _packed(x, d, lambda x: torch.arange(x.shape[0], 0, -1) % x.shape[1] + 1), layouts=SEQ, positional=True)
-case("_pack_padded_sequence", lambda x, d: pack_padded_sequence(x, torch.full((x.shape[0],), 2), batch_first=True).data, layouts=SEQ)
+    case(_name, lambda x, d: _packed(x, d, lambda x: torch.arange(x.shape[0], 0, -1) % x.shape[1] + 1), layouts=SEQ,
+         positional=True)
+case("_pack_padded_sequence",
+     lambda x, d: pack_padded_sequence(x, torch.full((x.shape[0],), 2), batch_first=True).data, layouts=SEQ)
 
 LOSS = (((3, 4), 0), ((4, 4), 0), ((4, 4), 1), ((1, 4), 0), ((3, 4, 2), 0))
 _T = lambda x: shared(x, shape=x.shape[1:]).sigmoid().expand_as(x)  # noqa: E731  (a target shared by the samples)
@@ -705,13 +749,16 @@ case("margin_ranking_loss", lambda x, d: F.margin_ranking_loss(x, _T(x), torch.o
      lambda x, d: F.margin_ranking_loss(x, x.mT, torch.ones_like(x), reduction="none"), layouts=LOSS)
 case("hinge_embedding_loss", lambda x, d: F.hinge_embedding_loss(x, torch.ones_like(x), reduction="none"),
      lambda x, d: F.hinge_embedding_loss(x, (x.mT > 0).double() * 2 - 1, reduction="none"), layouts=LOSS)
-case("multilabel_margin_loss", lambda x, d: F.multilabel_margin_loss(x, torch.zeros_like(x, dtype=torch.long), reduction="none"),
+case("multilabel_margin_loss",
+     lambda x, d: F.multilabel_margin_loss(x, torch.zeros_like(x, dtype=torch.long), reduction="none"),
      lambda x, d: F.multilabel_margin_loss(x, (x.mT.abs() * 9).long() % x.shape[1], reduction="none"), layouts=LOSS[:4])
-case("multi_margin_loss", lambda x, d: F.multi_margin_loss(x, _CLS(x)[:, None].squeeze(-1) if x.ndim == 2 else _CLS(x)[:, 0], reduction="none"),
+case("multi_margin_loss",
+     lambda x, d: F.multi_margin_loss(x, torch.ones(x.shape[0], dtype=torch.long), reduction="none"),
      lambda x, d: F.multi_margin_loss(x, (x.mT.abs() * 9).long()[:, 0] % x.shape[1], reduction="none"), layouts=LOSS[:4])
 case("triplet_margin_loss", lambda x, d: F.triplet_margin_loss(x, _T(x), other(x, d), reduction="none"),
      lambda x, d: F.triplet_margin_loss(x, _T(x), x.mT, reduction="none"), layouts=LOSS[:4])
-case("triplet_margin_with_distance_loss", lambda x, d: F.triplet_margin_with_distance_loss(x, _T(x), other(x, d), reduction="none"),
+case("triplet_margin_with_distance_loss",
+     lambda x, d: F.triplet_margin_with_distance_loss(x, _T(x), other(x, d), reduction="none"),
      lambda x, d: F.triplet_margin_with_distance_loss(x, x.mT, _T(x), reduction="none"), layouts=LOSS[:4])
 case("ctc_loss", lambda x, d: F.ctc_loss(x.log_softmax(-1), torch.ones(x.shape[1], 2, dtype=torch.long),
                                          torch.full((x.shape[1],), x.shape[0]), torch.full((x.shape[1],), 2), reduction="none"),
