@@ -39,13 +39,13 @@ from dptorch.grad_sample.tracking.tags import DIM
 EXEMPT = {
     **{name: "returns no tensor (a shape, a flag, a string, an iterator of unbind's rows)"
        for name in ("size dim ndimension numel nelement data_ptr stride storage_offset is_contiguous element_size "
-                    "__len__ __bool__ __format__ __repr__ __hash__ __setstate__ __iter__ __contains__ retain_grad "
+                    "__len__ __bool__ __hash__ __setstate__ __iter__ __contains__ retain_grad "
                     "is_floating_point is_complex is_signed get_device is_pinned is_shared is_set_to type_as_ __dir__ "
                     "__sizeof__ _is_view is_nonzero has_names is_inference is_same_size dim_order "
                     "__array_wrap__ get:shape").split()},
     **{name: "a read out of torch: refused inside the forward (escapes.py)"
        for name in ("item tolist numpy __array__ __float__ __int__ __index__ __complex__ __reduce_ex__ __getstate__ "
-                    "untyped_storage storage register_hook").split()},
+                    "untyped_storage storage register_hook __repr__ __format__").split()},
     **{name: "sets an attribute that holds no data" for name in
        ("set:requires_grad", "set:grad", "set:retains_grad", "set:names", "set:name")},
     "backward": "the loss check (loss.py): no tensor result", "grad": "the loss check (loss.py): no tensor result",

@@ -270,3 +270,13 @@ def test_a_total_scaled_inside_the_forward_is_refused_at_backward(mode):
     found = _judge(LossInside(lambda x: 1), lambda m, x, y: m(x) / 2.0, mode)
     assert found["outcome"] == "refused" and "inside the model's forward" in found["message"], found
     assert _judge(OneInput(), lambda m, x, y: m(x).pow(2).sum() / 2.0, mode)["outcome"] == "exact"
+
+
+@pytest.mark.parametrize("show", [repr, str, lambda t: f"{t.mean():.6f}"])
+def test_a_tensor_made_a_string_inside_the_forward_is_refused(show):
+    """A string carries the values out of torch as well as ``.item()`` (and back, parsed): refused in the forward."""
+    def mix(z):
+        text = show(z.mean())
+        return z - float(text.split("(")[-1].split(",")[0].rstrip(")")) if "(" in text else z - float(text)
+
+    _refused(_judge(OneInput(mix), lambda m, x, y: m(x).sum(), "hooks"))

@@ -1,7 +1,7 @@
 """Data leaving torch, or coming back: where the tracker cannot follow values, it refuses.
 
 Inside the capturing root forward, reading a batch-derived tensor's values out of torch
-(``.numpy()``, ``.tolist()``, ``.item()``, ``float(t)``, its storage, pickling) is refused: what
+(``.numpy()``, ``.tolist()``, ``.item()``, ``float(t)``, ``str(t)``, its storage, pickling) is refused: what
 comes back (``torch.from_numpy``, ``torch.tensor`` of a list, a Python number in ``h * x``) is
 invisible to a ``TorchFunctionMode``, so it could carry one sample's data into every other's
 computation. After the forward (the loss, metrics, logging) such a read is allowed and recorded
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
 
 _READS = """item tolist numpy __array__ __float__ __int__ __index__ __complex__ __reduce_ex__ __getstate__
-untyped_storage storage""".split()
+untyped_storage storage __repr__ __format__""".split()
 
 
 def escape(tr: BatchTracker, func, args, kwargs):

@@ -62,7 +62,7 @@ def _what(func) -> str:
 
 _SKIP = """
 dim ndimension data_ptr stride storage_offset is_contiguous element_size __bool__
-__format__ __repr__ __hash__ __setstate__ __iter__ __contains__ retain_grad is_floating_point is_complex is_signed
+__hash__ __setstate__ __iter__ __contains__ retain_grad is_floating_point is_complex is_signed
 get_device is_pinned is_shared is_set_to type_as_ __dir__ __sizeof__ _is_view is_nonzero has_names is_inference
 is_same_size dim_order __array_wrap__
 """
