@@ -195,6 +195,7 @@ class PhysicalBatchLoader:
             self.optimizer.signal_skip_step(do_skip=not closes_logical)
             drawn.hand_out(batch)
             yield batch
+        drawn.hand_out(())  # the pass is over
 
 
 class BatchMemoryManager:

@@ -689,7 +689,11 @@ class _HandingOutIterator:
         return len(self._inner)
 
     def __next__(self) -> Any:
-        batch = next(self._inner)
+        try:
+            batch = next(self._inner)
+        except StopIteration:
+            drawn.hand_out(())  # the pass is over: no batch of it is the loop's any more
+            raise
         position, size = self._sizes.popleft() if self._sizes else (None, None)
         if not self._ordered:
             size = None  # the sizes queue is in draw order, the batches may not be

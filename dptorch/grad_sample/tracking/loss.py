@@ -24,7 +24,7 @@ from torch import Tensor
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tracking.args import arg, caller, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
-from dptorch.grad_sample.tracking.writes import written
+from dptorch.grad_sample.tracking.writes import derived, written
 
 if TYPE_CHECKING:
     from dptorch.grad_sample.tracking.mode import BatchTracker
@@ -179,7 +179,14 @@ def read_from_batch(tr: BatchTracker) -> Optional[str]:
     a number scaling the loss after it may come from it, so the scaling is not known to be a constant
     (unless the scaling is done by one of ``_CONSTANT_SCALERS``)."""
     read = tr.escaped or tr.counted
-    return None if read is None or caller().startswith(_CONSTANT_SCALERS) else read
+    if read is None:
+        return None
+    scaler = caller()  # (this library's own arithmetic, the optimizer's divisor say, is not the loop's)
+    return None if scaler.startswith(_CONSTANT_SCALERS) or _is_dptorch(scaler) else read
+
+
+def _is_dptorch(module: str) -> bool:
+    return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
 
 
 def _has_number(args: tuple, kwargs: dict) -> bool:
@@ -191,12 +198,15 @@ def scales_after_read(tr: BatchTracker, func, args: tuple, kwargs: dict) -> bool
     """Whether, after a read from the batch into Python outside the forward, an operation scales a tensor
     by a Python number (``per_sample_loss / len(y)`` before its sum) or makes a tensor of one
     (``torch.tensor(1 / len(y))``): the number may be the batch size, or a value of the batch."""
-    if not tr.forward_done or read_from_batch(tr) is None or tr.n <= 1:
+    if not tr.forward_done or (tr.escaped is None and tr.counted is None) or tr.n <= 1:
         return False
     name = op_name(func)
     if name in _SCALING or name in _DIVIDING:
-        return _has_number(args, kwargs) and any(isinstance(a, Tensor) for a in (*args, *kwargs.values()))
-    return name in _FROM_NUMBER and _has_number(args, kwargs)
+        scales = _has_number(args, kwargs) and any(isinstance(a, Tensor) and derived(tr.get(a))
+                                                   for a in (*args, *kwargs.values()))
+    else:
+        scales = name in _FROM_NUMBER and _has_number(args, kwargs)
+    return scales and read_from_batch(tr) is not None  # (not DeepSpeed's, Accelerate's or this library's own)
 
 
 def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
