@@ -535,7 +535,8 @@ class GradSampleHooks:
                 self._tracker = self._start_tracking(args, kwargs, self._batch_size, *watched)
                 if units is not None:
                     self._token_tracker = self._start_token_tracking(units, args, kwargs)
-            else:
+            else:  # not a training forward: the loop's own (its outputs derive from the batch)
+                draw_watch.rest()
                 draw_watch.resume()
             if self.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size and not self._paused:
                 self._expanded = expanded_weights.expanded(module, self._batch_size, self.loss_reduction)
@@ -643,6 +644,7 @@ class GradSampleHooks:
     def _enter_loss_phase(self) -> None:
         """End of the root forward: the tracker goes on following the loss, from the bottom of
         torch's mode stack, until backward (where the loss is checked) or the next root forward."""
+        draw_watch.rest()
         tracker, self._tracker = self._tracker, None
         if tracker is None:
             return
@@ -662,7 +664,6 @@ class GradSampleHooks:
         now on; it leaves the mode stack at the next chance outside torch's dispatch."""
         if tracker is self._loss_tracker:
             tracker.done = True
-            draw_watch.resume()
 
     def _drop_loss_tracker(self, finished_only: bool = False) -> None:
         tracker = self._loss_tracker
@@ -1464,6 +1465,7 @@ class GradSampleHooks:
             for listener in list(self._listeners):
                 listener(self)
             self._round_consumed = True
+        draw_watch.resume()  # the loop's code until the next forward is the draw's watch's to follow
 
 
     def _unsummed_partial_gradients(self, partial: List[nn.Parameter], summed: List[nn.Parameter]) -> List[nn.Parameter]:

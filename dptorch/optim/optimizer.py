@@ -53,6 +53,7 @@ from dptorch.distributed.tensor_parallel import (
 from dptorch.grad_sample.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.hooks import GradSampleHooks, _name_list
+from dptorch.grad_sample.tracking import watch as draw_watch
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.gradient_writer import GradientWriter, WholeParameters
 from dptorch.optim.loss_scaling import plain_scaler_error, unscale_factors, unscale_norms
@@ -608,8 +609,9 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.pre_step():
-            self.original_optimizer.step()
+        with draw_watch.aside():  # the step's own arithmetic is not the training loop's
+            if self.pre_step():
+                self.original_optimizer.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -8,8 +8,9 @@ the bottom of torch's mode stack and follows the batch's tensors (batched along 
 were collated along). Each capturing root forward adopts what it learnt: the tensors derived from the
 draw (batched, some of its rows, or ``Lost`` where they were mixed), the batch sizes and values read
 into Python. A root argument it did not see derived from the draw is then shared by the samples, not a
-weak guess. The watch pauses while a forward and its loss are followed by the controller's tracker,
-and goes on after their backward (the next micro-batch of the same draw).
+weak guess. The watch leaves torch's mode stack during a forward, waits while its loss and backward
+are followed by the controller, and goes on after that backward (the next micro-batch of the same
+draw); the optimizer's step is set aside (``aside``).
 
 The watch refuses nothing itself (a value read, a backward of another model): it only tags. It
 runs only while some controller is attached, and stops at the next hand-out, or when the
@@ -19,7 +20,7 @@ controllers detach.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -27,6 +28,7 @@ from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking.stack import remove, sink
 
 _WATCH: List[BatchTracker] = []  # the running watch, at most one
+_OFF: List[BatchTracker] = []  # the watch while it is off the mode stack (during a forward)
 
 
 def start(tensors: List[Tensor], active: Callable[[], bool]) -> None:
@@ -47,25 +49,54 @@ def start(tensors: List[Tensor], active: Callable[[], bool]) -> None:
 
 
 def pause() -> Tuple[Optional[BatchTracker], bool]:
-    """A root forward starts: the watch (None if none runs), paused until ``resume``, for the forward's
+    """A root forward starts: the watch (None if none runs) leaves torch's mode stack until ``rest`` (a
+    mode there costs every operation of the forward a dispatch), paused until ``resume``, for the forward's
     tracker to adopt what it learnt; and whether it saw the whole way from the draw (it was not paused
     already: an earlier forward of the draw without a backward leaves a gap it did not follow)."""
     if not _WATCH:
         return None, False
-    whole = not _WATCH[0].paused
-    _WATCH[0].paused = True
-    return _WATCH[0], whole
+    watch = _WATCH[0]
+    whole = not watch.paused
+    watch.paused = True
+    if not _OFF:
+        remove(watch)
+        _OFF.append(watch)
+    return watch, whole
+
+
+def rest() -> None:
+    """The forward ended: the watch goes back to the bottom of the stack, still paused (its loss and
+    backward are the controller's to follow). Only outside a mode's ``__torch_function__``."""
+    if _OFF:
+        sink(_OFF.pop())
 
 
 def resume() -> None:
-    """The forward's loss was back-propagated: follow the draw again (the next micro-batch of it)."""
+    """The forward's backward is over: follow the loop again (the next micro-batch of the draw)."""
     if _WATCH:
         _WATCH[0].paused = False
+
+
+@contextlib.contextmanager
+def aside() -> Iterator[None]:
+    """The library's own work between two forwards (the optimizer's step): nothing of it is the loop's."""
+    watch = _WATCH[0] if _WATCH else None
+    paused = watch is not None and watch.paused
+    if watch is not None:
+        watch.paused = True
+    try:
+        yield
+    finally:
+        if watch is not None:
+            watch.paused = paused
 
 
 def stop() -> None:
     """End the watch, forgetting what it learnt."""
     if _WATCH:
         tracker = _WATCH.pop()
-        remove(tracker)
+        if _OFF:
+            _OFF.pop()
+        else:
+            remove(tracker)
         tracker.close()
