@@ -15,6 +15,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
+from torch.nn import Parameter
 
 from dptorch.grad_sample.tracking.tags import Lost
 from dptorch.grad_sample.tracking.writes import derived, storage_key
@@ -44,12 +45,15 @@ class BatchMemory:
                 self._held.setdefault(key, []).append(weakref.ref(t))
 
     def holds(self, t: Tensor) -> bool:
-        """Whether ``t``'s memory may hold batch data (a quick test; ``tag_of`` decides)."""
-        return storage_key(t) in self._held
+        """Whether ``t``'s memory may hold batch data (a quick test; ``tag_of`` decides). A parameter's does
+        not: it was made before the forward, and ``p.data = v`` tags ``p`` itself."""
+        return type(t) is not Parameter and storage_key(t) in self._held
 
     def tag_of(self, t: Tensor, tag_of_tagged: Callable[[Tensor], Any]) -> Optional[Any]:
         """The tag of an untagged ``t``: that of the tagged tensor laid out as ``t`` in the same memory, a
         ``Lost`` if tagged batch data lives there otherwise, None if none does."""
+        if type(t) is Parameter:
+            return None
         key = storage_key(t)
         refs = self._held.get(key) if key is not None else None
         if not refs:

@@ -79,16 +79,17 @@ def resume() -> None:
 
 @contextlib.contextmanager
 def aside() -> Iterator[None]:
-    """The library's own work between two forwards (the optimizer's step): nothing of it is the loop's."""
-    watch = _WATCH[0] if _WATCH else None
-    paused = watch is not None and watch.paused
+    """The library's own work between two forwards (the optimizer's step): nothing of it is the loop's, and
+    the watch leaves the mode stack meanwhile (a mode there costs every operation a dispatch). Only outside a
+    mode's ``__torch_function__``."""
+    watch = _WATCH[0] if _WATCH and not _OFF else None
     if watch is not None:
-        watch.paused = True
+        remove(watch)
     try:
         yield
     finally:
-        if watch is not None:
-            watch.paused = paused
+        if watch is not None and _WATCH and _WATCH[0] is watch:
+            sink(watch)
 
 
 def stop() -> None:
