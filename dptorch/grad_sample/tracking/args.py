@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -43,6 +43,19 @@ def tensors_of(args: tuple, kwargs: dict):
             yield ("k", k), a
 
 
+def any_tensor(args: tuple, kwargs: dict, test: Callable[[Tensor], bool]) -> bool:
+    """Whether ``test`` holds for a tensor argument, or a tensor in a list argument, of an operation."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Tensor):
+            if test(a):
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Tensor) and test(b):
+                    return True
+    return False
+
+
 def replace_arg(args: tuple, kwargs: dict, where, value):
     if where[0] == "a":
         args = args[: where[1]] + (value,) + args[where[1] + 1 :]
@@ -69,3 +82,9 @@ def caller() -> str:
             return module
         frame = frame.f_back
     return ""
+
+
+def is_library(module: str) -> bool:
+    """Whether ``module`` is this library's own code (its losses, checks and optimizer), not a user's: its
+    examples are a user's code."""
+    return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 from torch import Tensor
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.tracking.args import arg, caller, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import any_tensor, arg, caller, is_library, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import derived, written
 
@@ -51,13 +51,7 @@ def is_total(tag: Any) -> bool:
 
 def has_total(tr: BatchTracker, args: tuple, kwargs: dict) -> bool:
     """Whether a tensor argument (or one in a list argument) is a total."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            if is_total(tr.get(a)):
-                return True
-        elif isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and is_total(tr.get(b)) for b in a):
-            return True
-    return False
+    return any_tensor(args, kwargs, lambda t: is_total(tr.get(t)))
 
 
 def total(tr: BatchTracker, kind: str, reason: str) -> Optional[Lost]:
@@ -182,11 +176,7 @@ def read_from_batch(tr: BatchTracker) -> Optional[str]:
     if read is None:
         return None
     scaler = caller()  # (this library's own arithmetic, the optimizer's divisor say, is not the loop's)
-    return None if scaler.startswith(_CONSTANT_SCALERS) or _is_dptorch(scaler) else read
-
-
-def _is_dptorch(module: str) -> bool:
-    return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
+    return None if scaler.startswith(_CONSTANT_SCALERS) or is_library(scaler) else read
 
 
 def _has_number(args: tuple, kwargs: dict) -> bool:

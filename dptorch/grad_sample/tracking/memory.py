@@ -71,12 +71,6 @@ class BatchMemory:
             found = found or Lost(_ALIAS_REASON)
         return found
 
-    def aliases(self, t: Tensor) -> List[Tensor]:
-        """The live tagged tensors in ``t``'s memory (other than ``t``)."""
-        key = storage_key(t)
-        refs = self._held.get(key, ()) if key is not None else ()
-        return [o for o in (r() for r in refs) if o is not None and o is not t and storage_key(o) == key]
-
     def take(self, other: "BatchMemory") -> None:
         """Hold ``other``'s memory too (a tracker continuing another's table)."""
         for key, refs in other._held.items():

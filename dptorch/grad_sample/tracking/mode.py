@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import tap
-from dptorch.grad_sample.tracking.args import op_name
+from dptorch.grad_sample.tracking.args import any_tensor, op_name
 from dptorch.grad_sample.tracking.loss import backward_rule, has_total, read_scaling_rule, scales_after_read, total_rule
 from dptorch.grad_sample.tracking.memory import BatchMemory
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
@@ -50,7 +50,6 @@ class BatchTracker(TorchFunctionMode):
         # the loss (loss.py): the controller's reduction, what backward() tells it, totals formed so far,
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
         self.loss_reduction: Optional[str] = None
-        self.warned_reduction = False
         self.unit_kind: Callable[[], str] = lambda: "rows"  # or "grouped" rows, or "tokens" (the controller says)
         self.owner: Callable[[], Any] = lambda: True  # the controller (a weak reference): gone, the tracker idles
         self.on_backward: Callable[[], None] = lambda: None
@@ -152,7 +151,7 @@ class BatchTracker(TorchFunctionMode):
                     break
             else:
                 if not (self.writes.dirty and self.writes.touches(args, kwargs)) and not (
-                        self.memory and _in_memory(self.memory, args, kwargs)):
+                        self.memory and any_tensor(args, kwargs, self.memory.holds)):
                     return func(*args, **kwargs)
         self._out = _NOT_RUN
         out_arg = kwargs.get("out")
@@ -350,17 +349,6 @@ def _same_rows(ordered: List[Tuple[Lost, bool]], batched: List[int], items: List
     return (not batched and losts == len(ordered) and all(flat for _, flat in ordered)
             and all(t.kind == first.kind and t.dim == first.dim and t.order is not None and first.order is not None
                     and torch.equal(t.order, first.order) for t, _ in ordered))
-
-
-def _in_memory(memory: BatchMemory, args: tuple, kwargs: dict) -> bool:
-    """Whether a tensor argument (or one in a list argument) lives in memory that holds batch data."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, Tensor):
-            if memory.holds(a):
-                return True
-        elif isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and memory.holds(b) for b in a):
-            return True
-    return False
 
 
 _NOT_RUN: Any = object()

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from torch import Tensor
 from torch._C import DisableTorchFunction
 
+from dptorch.grad_sample.tracking.args import any_tensor
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, Lost
 
 if TYPE_CHECKING:
@@ -104,21 +105,15 @@ class Writes:
         return ref is not None and ref() is t
 
     def untagged(self, t: Tensor) -> Optional[Lost]:
-        """The tag of an untagged tensor: ``Lost`` if it aliases dirty memory (and was not itself rewritten)."""
-        if self.fresh(t):
-            return None
+        """The tag of an untagged tensor that was not itself rewritten (``fresh``): ``Lost`` if it aliases
+        dirty memory."""
         key = storage_key(t)
         entry = self.dirty.get(key) if key is not None else None
         return None if entry is None else Lost(entry[1])
 
     def touches(self, args: tuple, kwargs: dict) -> bool:
         """Whether an operation's tensor arguments alias dirty memory."""
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor) and storage_key(a) in self.dirty:
-                return True
-            if isinstance(a, (list, tuple)) and any(isinstance(b, Tensor) and storage_key(b) in self.dirty for b in a):
-                return True
-        return False
+        return any_tensor(args, kwargs, lambda t: storage_key(t) in self.dirty)
 
     def clear(self) -> None:
         self.dirty.clear()

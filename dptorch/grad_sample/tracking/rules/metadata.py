@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
-from dptorch.grad_sample.tracking.args import caller, norm_dim, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import caller, is_library, norm_dim, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM
 from dptorch.grad_sample.tracking.writes import derived
 
@@ -32,16 +32,9 @@ def count(tr, func, args, kwargs):
     out = func(*args, **kwargs)
     if tr.forward_done and tr.counted is None and args and tr.n > 1:
         tag = tr.get(args[0])
-        if type(tag) is int and _reads_batch(op_name(func), args, kwargs, tag & DIM) and not _read_by_dptorch():
+        if type(tag) is int and _reads_batch(op_name(func), args, kwargs, tag & DIM) and not is_library(caller()):
             tr.counted = f"{_what(func)} of a tensor that carries the batch (the number of samples drawn)"
     return out
-
-
-def _read_by_dptorch() -> bool:
-    """Whether the size is read by this library's own code (its losses and checks, which never scale by
-    the batch size), not the training loop's."""
-    module = caller()
-    return module.startswith("dptorch.") and not module.startswith("dptorch.cli.examples")
 
 
 def _reads_batch(name: str, args: tuple, kwargs: dict, dim: int) -> bool:
