@@ -84,7 +84,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     import torch
 
     from dptorch.grad_sample import GradSampleHooks
-    from dptorch.grad_sample.dp_loss import DPLoss
+    from dptorch.grad_sample.capture.dp_loss import DPLoss
     from dptorch.optim import DPOptimizer
 
     family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
@@ -148,7 +148,7 @@ class FloorStep:
 
         import torch
 
-        from dptorch.grad_sample.shared_inputs import AffineUse, memory_key, shared_affine_norms_and_grads
+        from dptorch.grad_sample.norms.shared_inputs import AffineUse, memory_key, shared_affine_norms_and_grads
         from dptorch.grad_sample.layers.hf_conv1d import looks_like_hf_conv1d
 
         self.optimizer, self.affine, self.embeddings, shared = optimizer, [], [], {}
@@ -185,8 +185,8 @@ class FloorStep:
         import torch
 
         from dptorch.grad_sample.layers.embedding import embedding_norms_sq_by_rows
-        from dptorch.grad_sample.linear_forms import squared_norms, weighted_sum
-        from dptorch.grad_sample.shared_inputs import shared_affine_norms_sq
+        from dptorch.grad_sample.norms.linear_forms import squared_norms, weighted_sum
+        from dptorch.grad_sample.norms.shared_inputs import shared_affine_norms_sq
         from dptorch.noise import gaussian_noise
 
         self.optimizer.step()

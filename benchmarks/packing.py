@@ -197,8 +197,8 @@ def plain_packed_loss(logits: "torch.Tensor", labels: "torch.Tensor", units: "to
     """What ``packed_loss`` computes, without a controller: each example's mean loss over its own targets, summed."""
     import torch.nn.functional as F
 
-    from dptorch.grad_sample.packed_loss import per_unit_losses, unit_token_targets
-    from dptorch.grad_sample.token_units import TokenUnits
+    from dptorch.grad_sample.units.packed_loss import per_unit_losses, unit_token_targets
+    from dptorch.grad_sample.units.token_units import TokenUnits
 
     token_units = TokenUnits(units)
     targets, unit, keep = unit_token_targets(token_units, labels, shift=True)

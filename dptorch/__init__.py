@@ -19,8 +19,8 @@ _EXPORTS = {
     "GradSampleModule": "dptorch.grad_sample",
     "register_grad_sampler": "dptorch.grad_sample",
     "ModuleValidator": "dptorch.validate",
-    "DPLoss": "dptorch.grad_sample.dp_loss",
-    "packed_loss": "dptorch.grad_sample.packed_loss",
+    "DPLoss": "dptorch.grad_sample.capture.dp_loss",
+    "packed_loss": "dptorch.grad_sample.units.packed_loss",
 }
 
 _paths.install()  # Opacus' import paths and dptorch's earlier ones (dptorch.compat)

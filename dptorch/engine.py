@@ -2,7 +2,7 @@
 
 ``make_private`` returns ``(module, optimizer, data_loader)`` in every mode, and
 ``(module, optimizer, criterion, data_loader)`` when the caller passes ``criterion=`` (wrapped in
-:class:`~dptorch.grad_sample.dp_loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the first item is the
+:class:`~dptorch.grad_sample.capture.dp_loss.DPLoss`, as Opacus does). With ``wrap_model=False`` the first item is the
 :class:`~dptorch.grad_sample.GradSampleHooks` controller, as in Opacus 1.6 (also ``engine.hooks``): the model
 stays the very object passed in, in the caller's variable, and ``hooks.cleanup()`` (or
 ``engine.detach()``) removes the controller without a trace.
@@ -41,9 +41,9 @@ from dptorch.data.poisson import (
     poisson_sampler_of,
 )
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
-from dptorch.grad_sample.auto import describe_mode, resolve_grad_sample_mode
-from dptorch.grad_sample.hooks import _name_list, is_attached
-from dptorch.grad_sample.dp_loss import DPLoss
+from dptorch.grad_sample.modes.auto import describe_mode, resolve_grad_sample_mode
+from dptorch.grad_sample.capture.hooks import _name_list, is_attached
+from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.adaclip import AdaClipDPOptimizer
 from dptorch.optim.optimizer import DPOptimizer
@@ -144,11 +144,11 @@ class PrivacyEngine:
         "private") records clipping statistics per step (docs/clipping.md).
 
         With ``criterion=`` (Opacus' argument) it returns ``(module, optimizer, criterion,
-        data_loader)``, the criterion wrapped in :class:`~dptorch.grad_sample.dp_loss.DPLoss` (one loss per sample,
+        data_loader)``, the criterion wrapped in :class:`~dptorch.grad_sample.capture.dp_loss.DPLoss` (one loss per sample,
         ``loss.backward()`` is one backward pass), in every ``grad_sample_mode``; the mode alone
         never changes the shape. ``grad_sample_mode="auto"`` (the default) runs an exact
         mode for the optimizer's parameters: ``"bk"`` when one of them is in a layer with a norm
-        sampler, else ``"hooks"`` (:mod:`dptorch.grad_sample.auto`); the mode that ran is logged
+        sampler, else ``"hooks"`` (:mod:`dptorch.grad_sample.modes.auto`); the mode that ran is logged
         (logger ``dptorch.engine``, info), is ``engine.grad_sample_mode`` and is in ``privacy_report``.
         ``poisson_sampling=False`` keeps the loader's own fixed-size batches (shuffled or in order) and
         accounts each pass over the data as one Gaussian of noise multiplier ``noise_multiplier / 2``

@@ -1,22 +1,24 @@
-"""Per-sample gradients: the GradSampleHooks controller, the optional wrapper and the registry.
+"""Per-sample gradients: the public surface of the per-sample room.
 
-Importing the package registers the built-in layer families (``layers``) into the registry.
+The room holds the stages of one batch's way, each a subpackage (docs/architecture.md draws them):
+``norms/`` the norm algebra, ``layers/`` the layer families and their registry, ``tracking/`` the batch
+tracker and its operation rules, ``units/`` token privacy units, ``modes/`` how each mode computes
+per-sample results, ``capture/`` the ``GradSampleHooks`` controller and what it delegates to.
+Importing the package registers the built-in layer families (``layers``). Opacus' further names on
+this path (``GradSampleModuleFastGradientClipping``, ...) live in ``dptorch.compat``.
 """
 
-from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
-from dptorch.grad_sample.hooks import GradSampleHooks
 from dptorch.grad_sample import layers  # noqa: F401  (import registers the built-in layer families)
-from dptorch.grad_sample.module import GradSampleModule
-from dptorch.grad_sample.fast_gradient_clipping import GradSampleHooksFastGradientClipping, GradSampleModuleFastGradientClipping
-from dptorch.grad_sample.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
+from dptorch.grad_sample.capture.hooks import GradSampleHooks
+from dptorch.grad_sample.capture.wrapper import GradSampleModule
+from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
+from dptorch.grad_sample.layers.checks import incompatibilities, register_module_check
+from dptorch.grad_sample.layers.registry import find_grad_sampler, register_duck_grad_sampler, register_grad_sampler
 from dptorch.grad_sample.tracking import register_batch_rule, remove_batch_rule
-from dptorch.grad_sample.validation import incompatibilities, register_module_check
 
 __all__ = [
     "GradSampleHooks",
-    "GradSampleHooksFastGradientClipping",
     "GradSampleModule",
-    "GradSampleModuleFastGradientClipping",
     "PerSampleGradientError",
     "UnsupportedModuleError",
     "find_grad_sampler",

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler
 
 
 class AppendedVector(nn.Module):

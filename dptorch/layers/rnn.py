@@ -28,7 +28,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_
 
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.layers.linear import linear_map_grad_samples
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler
 from dptorch.layers.recurrence import CELL_KINDS, CellKind, sweep, sweep_backprops
 
 _TORCH_NAME = re.compile(r"^(weight_ih|weight_hh|bias_ih|bias_hh|weight_hr)_(l\d+(?:_reverse)?)$")

@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler
 
 
 class SequenceBias(nn.Module):

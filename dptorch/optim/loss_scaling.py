@@ -20,7 +20,7 @@ scaler.update()``) and changes what they decide:
 
 The scale and the growth factor are powers of two, so scaling and unscaling are exact in
 float16 and float32 (outside the subnormal range): the norms the clip factors are formed from,
-and their rounding bounds (``dptorch.grad_sample.certified``), are those of the unscaled gradient.
+and their rounding bounds (``dptorch.grad_sample.norms.certified``), are those of the unscaled gradient.
 
 The cost of a fixed schedule is that an overflow is not recovered from: a unit whose scaled
 gradient exceeds float16's 65504 anywhere in the backward pass contributes nothing to that step.

@@ -1,6 +1,6 @@
 """ModuleValidator: list what keeps a model from exact per-sample gradients, and fix it.
 
-Validation reads the rule registry of ``dptorch.grad_sample.validation`` (the one the controller
+Validation reads the rule registry of ``dptorch.grad_sample.layers.checks`` (the one the controller
 enforces at attach time); fixing applies the fixer registered for each flagged module's type to
 a deep copy of the model.
 """
@@ -14,7 +14,7 @@ from typing import Any, Dict, List
 from torch import nn
 
 from dptorch.grad_sample.errors import UnsupportedModuleError
-from dptorch.grad_sample.validation import Incompatibility, incompatibilities
+from dptorch.grad_sample.layers.checks import Incompatibility, incompatibilities
 from dptorch.validate.fixers import apply_fixer, find_module_fixer, known_options
 
 logger = logging.getLogger(__name__)

@@ -123,7 +123,7 @@ def test_the_grad_sampler_paths_are_dptorchs_samplers():
     from dptorch.grad_sample.conv import convolution2d_backward_as_a_convolution
     from dptorch.grad_sample.embedding_norm_sample import compute_embedding_norm_sample
     from dptorch.grad_sample.linear import compute_linear_grad_sample
-    from dptorch.grad_sample.registry import find_grad_sampler
+    from dptorch.grad_sample.layers.registry import find_grad_sampler
 
     assert compute_linear_grad_sample is find_grad_sampler(nn.Linear(2, 2))
     assert convolution2d_backward_as_a_convolution is find_grad_sampler(nn.Conv2d(1, 1, 1))

@@ -19,7 +19,7 @@ from torch.utils.data import (
 
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, register_grad_sampler
-from dptorch.grad_sample.auto import choose_grad_sample_mode
+from dptorch.grad_sample.modes.auto import choose_grad_sample_mode
 from dptorch.grad_sample.errors import PerSampleGradientError
 
 

@@ -129,7 +129,7 @@ def test_a_buffer_registered_during_the_forward_is_refused_and_removed():
 
 
 def test_a_large_buffer_written_at_every_forward_is_put_back():
-    from dptorch.grad_sample.buffer_check import SMALL_BUFFER_BYTES
+    from dptorch.grad_sample.capture.buffer_check import SMALL_BUFFER_BYTES
 
     size = SMALL_BUFFER_BYTES // 4 + 1  # float32: one element over the size copied at every forward
     torch.manual_seed(0)
@@ -142,7 +142,7 @@ def test_a_large_buffer_written_at_every_forward_is_put_back():
 
 
 def test_a_large_buffer_first_written_by_a_later_forward_is_named_as_not_put_back():
-    from dptorch.grad_sample.buffer_check import SMALL_BUFFER_BYTES
+    from dptorch.grad_sample.capture.buffer_check import SMALL_BUFFER_BYTES
 
     size = SMALL_BUFFER_BYTES // 4 + 1
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.buffers import BufferPool
+from dptorch.grad_sample.modes.buffers import BufferPool
 from dptorch.optim import DPOptimizer
 from tests.grad_sample.test_shared_inputs import TiedLM
 from tests.helpers import projection_loss, reference_per_sample_grads

@@ -29,8 +29,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError
-from dptorch.grad_sample.certified import certified_norms_sq, gamma, magnitudes
-from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
+from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, magnitudes
+from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.optim import DPOptimizer
 from dptorch.clipping.factors import ROUNDING_MARGIN, flat_norms
 from tests.helpers import call, reference_per_sample_grads

@@ -28,12 +28,12 @@ from torch import nn
 
 from dptorch import ModuleValidator
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError, find_grad_sampler
-from dptorch.grad_sample import registry
-from dptorch.grad_sample.expanded_weights import zero_padding_rows
+from dptorch.grad_sample.layers import registry
+from dptorch.grad_sample.modes.expanded_weights import zero_padding_rows
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
 from dptorch.grad_sample.layers.linear import linear_grad_sampler, linear_norm_sampler
-from dptorch.grad_sample.registry import find_norm_sampler
-from dptorch.grad_sample.dp_loss import DPLoss
+from dptorch.grad_sample.layers.registry import find_norm_sampler
+from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.optim import DPOptimizer
 from dptorch.clipping.factors import ROUNDING_MARGIN, clip_factors, flat_norms
 from tests.helpers import call, check_per_sample_grads, projection_loss, reference_per_sample_grads
@@ -206,7 +206,7 @@ def test_full_precision_matmuls_restore_every_user_setting():
     API, never mixed) reads back as before. A subprocess: the settings are process-wide."""
     code = r"""
 import torch
-from dptorch.grad_sample.strategies import float32_matmuls_at_full_precision as full
+from dptorch.grad_sample.modes.strategies import float32_matmuls_at_full_precision as full
 new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
 def state():
     if new_api:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError, registry
-from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
+from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
 from dptorch.layers import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
 from dptorch.layers.attention import AppendedVector

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.strategies import group_rows_by_unit
-from dptorch.grad_sample.dp_loss import DPLoss
+from dptorch.grad_sample.modes.strategies import group_rows_by_unit
+from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator
 from dptorch.optim import DPOptimizer
 from tests.grad_sample.test_hf_models import tiny_bert, tiny_gpt2, tiny_llama

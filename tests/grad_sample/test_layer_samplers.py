@@ -17,11 +17,11 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from dptorch.grad_sample.layers import norms
+from dptorch.grad_sample.layers import normalization as norms
 from dptorch.grad_sample.layers.conv import unfold_strided
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_grad_sampler
-from dptorch.grad_sample.layers.norms import hf_rms_norm_grad_sampler, looks_like_hf_rms_norm, verify_duck_sampler
-from dptorch.grad_sample.registry import find_grad_sampler
+from dptorch.grad_sample.layers.normalization import hf_rms_norm_grad_sampler, looks_like_hf_rms_norm, verify_duck_sampler
+from dptorch.grad_sample.layers.registry import find_grad_sampler
 
 FEW = settings(max_examples=12, deadline=None)
 SOME = settings(max_examples=25, deadline=None)
@@ -129,7 +129,7 @@ def test_layers_import_without_transformers():
     # Loading the registry loads its package, which registers the built-in layer families
     # (the registry imports none of them), and none of that imports transformers.
     code = (
-        "import sys, torch, dptorch.grad_sample.registry as r; "
+        "import sys, torch, dptorch.grad_sample.layers.registry as r; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'), "
         "r.find_norm_sampler(torch.nn.Linear(2, 2)) is not None, r.find_grad_sampler(torch.nn.Conv1d(1, 1, 1)) is not None)"
     )

@@ -14,9 +14,9 @@ from torch import nn
 
 from dptorch.clipping.factors import clip_factors
 from dptorch.grad_sample import GradSampleHooks, packed_affine
-from dptorch.grad_sample.packed_affine import PackedLayout, bucket_bounds
-from dptorch.grad_sample.shared_inputs import AffineUse
-from dptorch.grad_sample.token_units import TokenUnits
+from dptorch.grad_sample.units.packed_affine import PackedLayout, bucket_bounds
+from dptorch.grad_sample.norms.shared_inputs import AffineUse
+from dptorch.grad_sample.units.token_units import TokenUnits
 from dptorch.integrations.hf.packing import PackingCollator
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
 from tests.grad_sample.test_token_units import C, alone, examples, packed_clipped_sum, reference_clipped_sum
@@ -50,7 +50,7 @@ def spy(monkeypatch):
         seen.append(len(uses))
         return inner(uses, layout)
 
-    monkeypatch.setattr("dptorch.grad_sample.strategies.packed_affine_norms_and_grads", counted)
+    monkeypatch.setattr("dptorch.grad_sample.modes.strategies.packed_affine_norms_and_grads", counted)
     return seen
 
 
@@ -118,8 +118,8 @@ def test_the_layout_holds_every_real_token_once_and_no_pad():
 
 
 def test_a_batch_of_pads_only_gives_zero_units_and_zero_sums():
-    from dptorch.grad_sample.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
-    from dptorch.grad_sample.shared_inputs import AffineUse
+    from dptorch.grad_sample.units.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
+    from dptorch.grad_sample.norms.shared_inputs import AffineUse
 
     layer = nn.Linear(4, 3)
     layout = PackedLayout(TokenUnits(torch.full((2, 5), -1)))
@@ -183,7 +183,7 @@ def reference_grads(use: AffineUse, ids: torch.Tensor, units: int) -> dict:
     (INTERLEAVED, 6, 5, 3), (MIXED, 64, 400, 1)],
     ids=["small", "small-interleaved", "ghost", "ghost-interleaved", "middle-dims", "middle-dims-interleaved", "mixed"])
 def test_packed_norms_and_clipped_sums_equal_each_unit_alone(ids, d, p, middle):
-    from dptorch.grad_sample.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
+    from dptorch.grad_sample.units.packed_affine import packed_affine_clipped_sums, packed_affine_norms_and_grads
 
     layout = PackedLayout(TokenUnits(ids))
     assert (layout.spans is None) == (ids is INTERLEAVED)
@@ -217,7 +217,7 @@ def test_packed_norms_and_clipped_sums_equal_each_unit_alone(ids, d, p, middle):
 
 @pytest.mark.parametrize("ids", [RUNS, INTERLEAVED], ids=["runs", "interleaved"])
 def test_per_unit_grads_of_a_tied_call_equal_each_unit_alone(ids):
-    from dptorch.grad_sample.packed_affine import packed_per_unit_grads
+    from dptorch.grad_sample.units.packed_affine import packed_per_unit_grads
 
     layout = PackedLayout(TokenUnits(ids))
     use = packed_uses(7, 5, 1, ids)[0]
@@ -239,7 +239,7 @@ def test_a_layout_does_not_keep_its_units_alive():
     import gc
     import weakref
 
-    from dptorch.grad_sample.packed_affine import layout_of
+    from dptorch.grad_sample.units.packed_affine import layout_of
 
     units = TokenUnits(RUNS)
     layout_of(units)

@@ -118,7 +118,7 @@ def test_a_moe_block_that_mixes_flattened_tokens_is_refused(how, match):
 def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch, mode):
     """The router's weight gradient is a linear layer's over (tokens, hidden) rows (``linear_head``): the per-token
     replay, which would hold a (hidden x experts) gradient per token, never runs."""
-    import dptorch.grad_sample.hooks as hooks_module
+    import dptorch.grad_sample.capture.hooks as hooks_module
 
     def no_replay(*args, **kwargs):
         raise AssertionError("the router was replayed per token")
@@ -132,7 +132,7 @@ def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch
 def test_routers_of_row_units_are_sampled_as_linear_layers_too(monkeypatch, mode):
     """Unpacked (one sample per row), the router is a bias-free linear layer on the (B * T, H) rows as well,
     exact against each sample alone, with the torch.func replay disabled."""
-    import dptorch.grad_sample.hooks as hooks_module
+    import dptorch.grad_sample.capture.hooks as hooks_module
     from tests.grad_sample.oracle import assert_exact
     from tests.models.zoo import ZOO
 
@@ -157,7 +157,7 @@ def _router(seed: int = 0) -> nn.Module:
 def _head(router: nn.Module, x: torch.Tensor, grads):
     from torch.utils._pytree import tree_flatten
 
-    from dptorch.grad_sample.linear_head import linear_head
+    from dptorch.grad_sample.modes.linear_head import linear_head
 
     leaves, spec = tree_flatten(((x,), {}))
     return linear_head(router, router.weight, leaves, spec, grads)

@@ -17,7 +17,7 @@ from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks, register_grad_sampler
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
-from dptorch.grad_sample.registry import register_norm_sampler
+from dptorch.grad_sample.layers.registry import register_norm_sampler
 from dptorch.optim import DPOptimizer
 from dptorch.clipping.factors import clip_factors, flat_norms
 from tests.helpers import projection_loss, reference_per_sample_grads, single_thread  # noqa: F401  (autouse fixture)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptorch.grad_sample.shared_inputs import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
+from dptorch.grad_sample.norms.shared_inputs import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
 from tests.grad_sample.test_fast_clipping import assert_modes_agree
 from tests.helpers import projection_loss
 
@@ -131,8 +131,8 @@ def _blocks(t, d, widths, batch=3, dtype=torch.float32):
 
 
 def _patch_stack_limit(monkeypatch, limit):
-    import dptorch.grad_sample.linear_forms as linear_forms
-    import dptorch.grad_sample.shared_inputs as shared_inputs
+    import dptorch.grad_sample.norms.linear_forms as linear_forms
+    import dptorch.grad_sample.norms.shared_inputs as shared_inputs
 
     monkeypatch.setattr(linear_forms, "STACK_LIMIT", limit)
     monkeypatch.setattr(shared_inputs, "STACK_LIMIT", limit)
@@ -141,7 +141,7 @@ def _patch_stack_limit(monkeypatch, limit):
 @pytest.mark.parametrize("t,d", [(4, 12), (20, 6)], ids=["ghost", "instantiated"])
 def test_stacked_groups_equal_each_group_alone_and_the_exact_values(monkeypatch, t, d):
     """Groups of one shape are computed as one stack; each gets its own norms and clipped sums."""
-    from dptorch.grad_sample.shared_inputs import shared_affine_norms_and_grads, stacks
+    from dptorch.grad_sample.norms.shared_inputs import shared_affine_norms_and_grads, stacks
 
     torch.manual_seed(0)
     layers, uses = _blocks(t, d, [20, 20, 20, 7, 20])
@@ -174,7 +174,7 @@ def test_stacked_groups_equal_each_group_alone_and_the_exact_values(monkeypatch,
 
 def test_large_groups_are_not_stacked(monkeypatch):
     """Above the limit nothing is stacked (so nothing is copied): each group is its own stack."""
-    from dptorch.grad_sample.shared_inputs import stacks
+    from dptorch.grad_sample.norms.shared_inputs import stacks
 
     torch.manual_seed(0)
     _, uses = _blocks(4, 12, [20] * 4)
@@ -187,7 +187,7 @@ def test_large_groups_are_not_stacked(monkeypatch):
 
 def test_weighted_sums_equal_each_alone(monkeypatch):
     """Per-sample tensors sharing a factor and a shape are summed in one stack, each its own sum."""
-    from dptorch.grad_sample.linear_forms import weighted_sum, weighted_sums
+    from dptorch.grad_sample.norms.linear_forms import weighted_sum, weighted_sums
 
     torch.manual_seed(0)
     f, g = torch.rand(3), torch.rand(3)
@@ -233,7 +233,7 @@ def test_certified_norms_copy_to_float64_a_block_of_samples_at_a_time(monkeypatc
     certified norms take ``WIDE_BLOCK`` elements of the widest operand at a time, each sample's
     arithmetic its own (the same norms as in one block, up to the float64 rounding of a batched matmul,
     which may depend on the number of matrices)."""
-    import dptorch.grad_sample.shared_inputs as shared_inputs
+    import dptorch.grad_sample.norms.shared_inputs as shared_inputs
 
     torch.manual_seed(0)
     x = torch.randn(6, t, 12)

@@ -5,9 +5,9 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.registry import find_grad_sampler
-from dptorch.grad_sample.stacked_calls import merged, stack_key
-from dptorch.grad_sample.strategies import LayerCall
+from dptorch.grad_sample.layers.registry import find_grad_sampler
+from dptorch.grad_sample.modes.stacked_calls import merged, stack_key
+from dptorch.grad_sample.modes.strategies import LayerCall
 from tests.helpers import check_per_sample_grads, projection_loss
 
 
@@ -37,7 +37,7 @@ def test_stacked_norms_equal_each_sample_alone():
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_stacked_equal_sampled_alone(monkeypatch, mode):
     """The same per-sample gradients, norms and clipped sums as with every call sampled on its own."""
-    import dptorch.grad_sample.stacked_calls as stacked_calls
+    import dptorch.grad_sample.modes.stacked_calls as stacked_calls
 
     torch.manual_seed(0)
     model, x = Blocks(), torch.randn(5, 3, 6)
@@ -50,7 +50,7 @@ def test_stacked_equal_sampled_alone(monkeypatch, mode):
         hooks.cleanup()
         return result
 
-    import dptorch.grad_sample.strategies as strategies
+    import dptorch.grad_sample.modes.strategies as strategies
 
     runs = []
     monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
@@ -108,8 +108,8 @@ class Conv1DBlocks(nn.Module):
 def test_conv1d_calls_stack_exactly(monkeypatch):
     """HF Conv1D's rules are the Linear ones (no parameter data read): its calls stack in hooks mode, with the
     per-sample gradients of every call sampled alone and of each sample run alone."""
-    import dptorch.grad_sample.stacked_calls as stacked_calls
-    import dptorch.grad_sample.strategies as strategies
+    import dptorch.grad_sample.modes.stacked_calls as stacked_calls
+    import dptorch.grad_sample.modes.strategies as strategies
 
     torch.manual_seed(0)
     model, x = Conv1DBlocks(), torch.randn(5, 3, 6)
@@ -146,7 +146,7 @@ def _weight_scaled_grads(module, activations, backprops):
 def test_a_users_sampler_is_never_stacked(monkeypatch):
     """A sampler registered by the user may read its module's weights, so one module's call cannot stand for
     another's: each call is sampled by its own module, even for a subclass of a stackable layer."""
-    import dptorch.grad_sample.strategies as strategies
+    import dptorch.grad_sample.modes.strategies as strategies
     from dptorch.grad_sample import register_grad_sampler
 
     register_grad_sampler(WeightScaled)(_weight_scaled_grads)

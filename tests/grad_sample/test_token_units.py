@@ -16,7 +16,7 @@ from torch import nn
 from dptorch import packed_loss
 from dptorch.clipping.factors import clip_factors, flat_norms
 from dptorch.grad_sample import GradSampleHooks, PerSampleGradientError
-from dptorch.grad_sample.token_units import (
+from dptorch.grad_sample.units.token_units import (
     TokenUnits,
     units_from_cu_seq_lens,
     units_from_position_ids,

@@ -18,7 +18,7 @@ from transformers import Trainer  # noqa: E402
 
 from dptorch.accounting import create_accountant  # noqa: E402
 from dptorch.grad_sample.errors import PerSampleGradientError  # noqa: E402
-from dptorch.grad_sample.hooks import is_attached  # noqa: E402
+from dptorch.grad_sample.capture.hooks import is_attached  # noqa: E402
 from dptorch.integrations.hf import (  # noqa: E402
     EPSILON_IF_POISSON,
     DataCollatorForPrivateCausalLanguageModeling,

@@ -21,7 +21,7 @@ from dptorch.accounting.base import Accountant
 from dptorch.data import BatchMemoryManager, DPDataLoader
 from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad_sampler
-from dptorch.grad_sample.registry import find_grad_sampler
+from dptorch.grad_sample.layers.registry import find_grad_sampler
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from dptorch.compat.opacus import OpacusCompatibilityError
 from dptorch.optim import DPOptimizer

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks, register_grad_sampler
-from dptorch.grad_sample.registry import register_norm_sampler
+from dptorch.grad_sample.layers.registry import register_norm_sampler
 from dptorch.noise import NoiseGenerator
 from dptorch.optim import DPOptimizer, NonFiniteGradientWarning
 from dptorch.clipping.factors import ROUNDING_MARGIN

@@ -43,8 +43,8 @@ from dptorch.data.poisson import PoissonBatchSampler, distributed_rank_and_world
 from dptorch.distributed.ddp import DifferentiallyPrivateDistributedDataParallel
 from dptorch.engine import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule, register_grad_sampler
-from dptorch.grad_sample.dp_loss import DPLoss
-from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
+from dptorch.grad_sample.capture.dp_loss import DPLoss
+from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.layers import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention, DPRNNBase
 from dptorch.optim import AdaClipDPOptimizer, DPOptimizer
 from dptorch.validate import ModuleValidator, register_module_fixer
@@ -295,7 +295,7 @@ def get_hooks_class(grad_sample_mode: str) -> Type[GradSampleHooks]:
 
 #: ``opacus.grad_sample.utils`` names with no counterpart.
 GRAD_SAMPLE_UNMAPPED = {
-    "register_norm_sampler": "dptorch.grad_sample.registry.register_norm_sampler (a NormSampler object, "
+    "register_norm_sampler": "dptorch.grad_sample.layers.registry.register_norm_sampler (a NormSampler object, "
     "not a function)",
 }
 

@@ -1,12 +1,12 @@
 """The built-in layer families, one file each holding all of that layer's math: grad sampler and,
 where the layer has them, norm sampler, clipped sum and linear form (linear, embedding, hf_conv1d,
-conv, norms, and the expert banks of mixture-of-experts models: experts). Importing this package registers
+conv, normalization, and the expert banks of mixture-of-experts models: experts). Importing this package registers
 them; the package ``dptorch.grad_sample`` imports it.
 """
 
 from torch import nn
 
-from dptorch.grad_sample.layers import conv, embedding, experts, hf_conv1d, linear, norms  # noqa: F401  (import registers)
+from dptorch.grad_sample.layers import conv, embedding, experts, hf_conv1d, linear, normalization  # noqa: F401  (import registers)
 
 
 def reads_no_parameter_data(module: nn.Module) -> bool:
@@ -16,7 +16,7 @@ def reads_no_parameter_data(module: nn.Module) -> bool:
     ``nn.Embedding``, ``nn.LayerNorm`` (any ``normalized_shape``), ``nn.RMSNorm`` and the HF RMSNorm family
     (``LlamaRMSNorm``, ...)."""
     exact = (nn.Linear, nn.Embedding, nn.LayerNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-    return isinstance(module, exact) or norms.looks_like_hf_rms_norm(module)
+    return isinstance(module, exact) or normalization.looks_like_hf_rms_norm(module)
 
 
 
@@ -25,8 +25,8 @@ def reads_no_parameter_data(module: nn.Module) -> bool:
 #: ``nn.Embedding``, ``nn.LayerNorm``, ``nn.RMSNorm`` and the HF RMSNorm family.
 _SHAPE_ONLY_SAMPLERS = frozenset(
     {linear.linear_grad_sampler, hf_conv1d.hf_conv1d_grad_sampler, embedding.embedding_grad_sampler,
-     norms.layer_norm_grad_sampler, norms.hf_rms_norm_grad_sampler}
-    | ({norms.rms_norm_grad_sampler} if hasattr(norms, "rms_norm_grad_sampler") else set())
+     normalization.layer_norm_grad_sampler, normalization.hf_rms_norm_grad_sampler}
+    | ({normalization.rms_norm_grad_sampler} if hasattr(normalization, "rms_norm_grad_sampler") else set())
 )
 
 

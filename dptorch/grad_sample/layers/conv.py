@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dptorch.grad_sample.layers.linear import common_dtype, non_centred, param_shape
-from dptorch.grad_sample.registry import register_grad_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler
 
 
 def pad_like_conv(module: nn.modules.conv._ConvNd, inputs: torch.Tensor) -> torch.Tensor:

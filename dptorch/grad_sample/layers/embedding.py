@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptorch.grad_sample.certified import certified_norms_sq, gamma, wide_dtype
-from dptorch.grad_sample.linear_forms import CLIP_ROUNDINGS, LinearForm, at_least_float32, at_least_float32_dtype
+from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, wide_dtype
+from dptorch.grad_sample.norms.linear_forms import CLIP_ROUNDINGS, LinearForm, at_least_float32, at_least_float32_dtype
 from dptorch.grad_sample.layers.linear import param_shape
-from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler, register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
 

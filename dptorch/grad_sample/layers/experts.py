@@ -31,10 +31,10 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import gamma, magnitudes, wide_dtype
+from dptorch.grad_sample.norms.certified import gamma, magnitudes, wide_dtype
 from dptorch.grad_sample.layers.linear import linear_weight_norms_sq, linear_weight_sum
-from dptorch.grad_sample.linear_forms import at_least_float32_dtype, flatten_middle_dims
-from dptorch.grad_sample.registry import register_duck_grad_sampler, register_norm_sampler
+from dptorch.grad_sample.norms.linear_forms import at_least_float32_dtype, flatten_middle_dims
+from dptorch.grad_sample.layers.registry import register_duck_grad_sampler, register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
 _FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,

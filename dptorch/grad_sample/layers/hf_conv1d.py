@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.layers.linear import affine_forms, linear_map_grad_samples, linear_norms, linear_sums, param_shape
-from dptorch.grad_sample.layers.norms import register_verified_duck_sampler
-from dptorch.grad_sample.linear_forms import LinearForm
-from dptorch.grad_sample.registry import register_norm_sampler
+from dptorch.grad_sample.layers.normalization import register_verified_duck_sampler
+from dptorch.grad_sample.norms.linear_forms import LinearForm
+from dptorch.grad_sample.layers.registry import register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
 

@@ -13,8 +13,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import wide_dtype
-from dptorch.grad_sample.linear_forms import (
+from dptorch.grad_sample.norms.certified import wide_dtype
+from dptorch.grad_sample.norms.linear_forms import (
     LinearForm,
     at_least_float32,
     certify_linear,
@@ -22,7 +22,7 @@ from dptorch.grad_sample.linear_forms import (
     gram_norms_sq,
     squared_norms,
 )
-from dptorch.grad_sample.registry import register_grad_sampler, register_norm_sampler
+from dptorch.grad_sample.layers.registry import register_grad_sampler, register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
 

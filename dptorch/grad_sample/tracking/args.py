@@ -1,4 +1,5 @@
-"""Reading an operation's arguments: positional or keyword, dims normalised."""
+"""Reading an operation's arguments: positional or keyword, dims normalised; and ``Tracker``, the name
+the rules give the tracker that runs them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+#: The ``BatchTracker`` (``mode.py``) that runs a rule, as the rules and the files below ``mode.py`` name it:
+#: ``mode.py`` imports them, so none of them imports it, not even for type checking.
+Tracker = Any
 
 def arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any = None) -> Any:
     if len(args) > pos:

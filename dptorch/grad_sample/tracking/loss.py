@@ -17,17 +17,14 @@ mode stack, so that the user's own modes open and close above it).
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 from torch import Tensor
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.tracking.args import any_tensor, arg, caller, is_library, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, any_tensor, arg, caller, is_library, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import derived, written
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 TOTALS = ("sum", "mean")
 
@@ -49,12 +46,12 @@ def is_total(tag: Any) -> bool:
     return type(tag) is Lost and tag.kind in TOTALS
 
 
-def has_total(tr: BatchTracker, args: tuple, kwargs: dict) -> bool:
+def has_total(tr: Tracker, args: tuple, kwargs: dict) -> bool:
     """Whether a tensor argument (or one in a list argument) is a total."""
     return any_tensor(args, kwargs, lambda t: is_total(tr.get(t)))
 
 
-def total(tr: BatchTracker, kind: str, reason: str) -> Optional[Lost]:
+def total(tr: Tracker, kind: str, reason: str) -> Optional[Lost]:
     """A total of ``kind`` (None for a batch of at most one sample, which nothing can mix)."""
     if tr.n <= 1:
         return None
@@ -62,20 +59,20 @@ def total(tr: BatchTracker, kind: str, reason: str) -> Optional[Lost]:
     return Lost(reason, kind)
 
 
-def units_total(tr: BatchTracker, kind: str) -> Lost:
+def units_total(tr: Tracker, kind: str) -> Lost:
     """The tag of ``dptorch.packed_loss``'s result: a total of packed token units' own losses."""
     tr.totals += 1
     return Lost(f"the {kind} of packed examples' own losses (dptorch.packed_loss)", kind, units=True)
 
 
-def batch_total(tr: BatchTracker, name: str, tag: int) -> Optional[Lost]:
+def batch_total(tr: Tracker, name: str, tag: int) -> Optional[Lost]:
     """The tag of reduction ``name`` over the batch dim of a tensor batched as ``tag``."""
     if name in TOTALS and not tag & WEAK:
         return total(tr, name, f"the {name} over the batch dimension")
     return tr.lost(f"{name} over the batch dimension", tag)
 
 
-def loss_total(tr: BatchTracker, func, args: tuple, kwargs: dict, tag: Any) -> Optional[Lost]:
+def loss_total(tr: Tracker, func, args: tuple, kwargs: dict, tag: Any) -> Optional[Lost]:
     """The tag of a torch loss reduced over the batch: a total where its divisor is a constant.
 
     The divisor of ``reduction="mean"`` must not be counted from the data: cross entropy and NLL
@@ -115,7 +112,7 @@ def _bind(func, args: tuple, kwargs: dict) -> dict:
         return dict(kwargs)
 
 
-def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+def total_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     """An operation with a total among its inputs: a total again only if it is linear in it."""
     name = op_name(func)
     if name in _BACKWARD:
@@ -168,7 +165,7 @@ def total_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
 _CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer")
 
 
-def read_from_batch(tr: BatchTracker) -> Optional[str]:
+def read_from_batch(tr: Tracker) -> Optional[str]:
     """What was read from the batch into Python since its draw, outside the forward (a value, or its size):
     a number scaling the loss after it may come from it, so the scaling is not known to be a constant
     (unless the scaling is done by one of ``_CONSTANT_SCALERS``)."""
@@ -184,7 +181,7 @@ def _has_number(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(a, (int, float)) and not isinstance(a, bool) for a in (*args, *kwargs.values()))
 
 
-def scales_after_read(tr: BatchTracker, func, args: tuple, kwargs: dict) -> bool:
+def scales_after_read(tr: Tracker, func, args: tuple, kwargs: dict) -> bool:
     """Whether, after a read from the batch into Python outside the forward, an operation scales a tensor
     by a Python number (``per_sample_loss / len(y)`` before its sum) or makes a tensor of one
     (``torch.tensor(1 / len(y))``): the number may be the batch size, or a value of the batch."""
@@ -199,7 +196,7 @@ def scales_after_read(tr: BatchTracker, func, args: tuple, kwargs: dict) -> bool
     return scales and read_from_batch(tr) is not None  # (not DeepSpeed's, Accelerate's or this library's own)
 
 
-def read_scaling_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+def read_scaling_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     """A tensor scaled by, or made of, a number after a read from the batch: ``Lost`` (the number may be the
     batch size, so each sample's gradient would depend on how many others were drawn)."""
     out = tr.run(func, args, kwargs)
@@ -218,7 +215,7 @@ def _mixing_reason(name: str, tag: Lost, escaped: Optional[str]) -> str:
     return reason
 
 
-def backward_rule(tr: BatchTracker, func, args: tuple, kwargs: dict):
+def backward_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     """``backward`` / ``torch.autograd.grad``: refuse a root that mixes samples; then run it."""
     if func is Tensor.backward:
         roots, grads = [arg(args, kwargs, 0, "self")], _as_list(arg(args, kwargs, 1, "gradient"))
@@ -246,7 +243,7 @@ def _as_list(value: Any) -> List[Any]:
     return [value]
 
 
-def _root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
+def _root_problem(tr: Tracker, root: Any, grad: Any) -> Optional[str]:
     if not isinstance(root, Tensor):
         return None
     tag = tr.get(root)
@@ -290,7 +287,7 @@ def _scaled_inside(root: Tensor, tag: Lost) -> Optional[str]:
             "or pass loss_reduction='mean' for a mean. Nothing was updated.")
 
 
-def _token_root_problem(tr: BatchTracker, root: Any, grad: Any) -> Optional[str]:
+def _token_root_problem(tr: Tracker, root: Any, grad: Any) -> Optional[str]:
     """Packed token units: the root must be (a constant multiple of) ``dptorch.packed_loss``'s total."""
     if not isinstance(root, Tensor):
         return None

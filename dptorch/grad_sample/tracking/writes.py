@@ -14,16 +14,13 @@ forward.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor
 from torch._C import DisableTorchFunction
 
-from dptorch.grad_sample.tracking.args import any_tensor
+from dptorch.grad_sample.tracking.args import Tracker, any_tensor
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, Lost
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 _DIRTY_REASON = ("memory that an in-place write (an operation the tracker could not prove per-sample, or batch "
                  "data written into a shared tensor) changed behind this alias")
@@ -78,7 +75,7 @@ class Writes:
         self.dirty: Dict[int, Tuple[Any, str]] = {}
         self.rewritten: Dict[int, Any] = {}  # id -> weakref of a tensor whose untagged contents are fresh
 
-    def wrote(self, tr: BatchTracker, target: Tensor, old: Any, new: Any, reason: Optional[str] = None) -> None:
+    def wrote(self, tr: Tracker, target: Tensor, old: Any, new: Any, reason: Optional[str] = None) -> None:
         """``target`` was written in place; its tag was ``old`` and is now ``new``."""
         if benign(old, new) or tr.n <= 1:
             tr.put(target, new)
@@ -120,7 +117,7 @@ class Writes:
         self.rewritten.clear()
 
 
-def _base_tag(tr: BatchTracker, base: Tensor, old: Any, view: Tensor, new: Any) -> Any:
+def _base_tag(tr: Tracker, base: Tensor, old: Any, view: Tensor, new: Any) -> Any:
     """The tag of ``base`` (tagged ``old``) after a write made its ``view`` tagged ``new``: batched
     where the stride of the view's batch dim says which dim of the base it is, else ``Lost``."""
     if type(new) is int:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional, Union
 
 from dptorch.accounting import check_accountant_name, check_calibration_accountant
-from dptorch.grad_sample.auto import MODES as _ACCEPTED_MODES
+from dptorch.grad_sample.modes.auto import MODES as _ACCEPTED_MODES
 from dptorch.noise.banded.mechanism import NOISE_MECHANISMS, _check_mechanism
 from dptorch.clipping.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.clipping.factors import CLIPPING_MODES

@@ -67,7 +67,7 @@ from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.data.shuffled import permutation_problem
 from dptorch.distributed.agreement import check_ranks_agree
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.auto import resolve_grad_sample_mode
+from dptorch.grad_sample.modes.auto import resolve_grad_sample_mode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback

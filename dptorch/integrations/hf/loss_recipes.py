@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import Trainer
 
-from dptorch.grad_sample.packed_loss import packed_loss
+from dptorch.grad_sample.units.packed_loss import packed_loss
 from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
 
 ComputeLoss = Callable[..., Any]

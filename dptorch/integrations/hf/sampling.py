@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 
 from dptorch.data.cyclic_poisson import CyclicPoissonBatchSampler, partitions
 from dptorch.data.poisson import PoissonBatchSampler
-from dptorch.grad_sample.token_units import units_from_position_ids
+from dptorch.grad_sample.units.token_units import units_from_position_ids
 from dptorch.integrations.hf.units import PrivacyUnits
 
 #: Batch key carrying the privacy unit of each example (removed before the model sees the batch).

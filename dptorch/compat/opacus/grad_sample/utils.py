@@ -11,7 +11,10 @@ from dptorch.compat.opacus import (
     wrap_model,
 )
 from dptorch.compat.opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
-from dptorch.grad_sample import GradSampleHooksFastGradientClipping, GradSampleModuleFastGradientClipping
+from dptorch.compat.opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+    GradSampleHooksFastGradientClipping,
+    GradSampleModuleFastGradientClipping,
+)
 
 __all__ = [
     "GradSampleHooksFastGradientClipping",

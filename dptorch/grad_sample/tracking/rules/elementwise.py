@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg, op_name, replace_arg, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, arg, op_name, replace_arg, tensors_of
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
 from dptorch.grad_sample.tracking.tags import DIM, WEAK
 
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
-
-def broadcast(tr: BatchTracker, func, args, kwargs, inplace: bool = False, name: str = ""):
+def broadcast(tr: Tracker, func, args, kwargs, inplace: bool = False, name: str = ""):
     """Elementwise operations, broadcasting their tensor arguments."""
     if not inplace and not tr.writes.dirty:  # fast path: one tagged argument (the others shared), nothing meets
         table, memory = tr._table, tr.memory
@@ -75,7 +72,7 @@ def _full(t: Tensor, tag: int, result: Tensor) -> bool:
     return d < t.ndim and 0 <= at < result.ndim and t.shape[d] == result.shape[at]
 
 
-def _broadcast_rows(tr: BatchTracker, tag: int):
+def _broadcast_rows(tr: Tracker, tag: int):
     """The tag of a result into whose rows a batched argument of fewer rows was broadcast: its rows are not
     the samples' (a batch dim cut to one row, sample 0's, would reach every sample)."""
     return tr.lost("an elementwise operation broadcasting a batch dimension of other size than the result's", tag)

@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 import torch
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg
+from dptorch.grad_sample.tracking.args import Tracker, arg
 from dptorch.grad_sample.tracking.rules.structural import structural
 from dptorch.grad_sample.tracking.tags import DIM
 from dptorch.grad_sample.tracking.writes import derived
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 def _d_leading(d, shape, args, kwargs, out):  # embedding, one_hot: new trailing dims
     return d
 
 
-def _embedding_bag(tr: BatchTracker, func, args, kwargs):
+def _embedding_bag(tr: Tracker, func, args, kwargs):
     x = arg(args, kwargs, 0, "input")
     offsets = arg(args, kwargs, 2, "offsets")
     tag = tr.get(x)

@@ -17,22 +17,19 @@ the gradient in backward, where nothing is followed).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 from torch import Tensor
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.tracking.args import arg, caller, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, arg, caller, op_name, tensors_of
 from dptorch.grad_sample.tracking.writes import derived
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 _READS = """item tolist numpy __array__ __float__ __int__ __index__ __complex__ __reduce_ex__ __getstate__
 untyped_storage storage __repr__ __format__""".split()
 
 
-def escape(tr: BatchTracker, func, args, kwargs):
+def escape(tr: Tracker, func, args, kwargs):
     name = op_name(func)
     x = args[0] if args else None
     tag = tr.get(x) if isinstance(x, Tensor) else None
@@ -61,7 +58,7 @@ def _registered_by_torch() -> bool:
     return module == "torch" or module.startswith("torch.") or module == "deepspeed.runtime.utils"
 
 
-def _copy(tr: BatchTracker, func, args, kwargs):
+def _copy(tr: Tracker, func, args, kwargs):
     """``copy.deepcopy(t)``, ``torch.tensor(t)``, ``x.new_tensor(t)``: a copy of a tensor's values."""
     data = args[1] if op_name(func) == "new_tensor" and len(args) > 1 else arg(args, kwargs, 0, "data")
     if op_name(func) == "new_tensor" and len(args) <= 1:
@@ -75,7 +72,7 @@ def _copy(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _set_data(tr: BatchTracker, func, args, kwargs):
+def _set_data(tr: Tracker, func, args, kwargs):
     """``t.data = v``: ``t`` now holds ``v``'s values (its old memory, and its aliases, are untouched)."""
     target, value = args[0], args[1]
     out = tr.run(func, args, kwargs)
@@ -83,7 +80,7 @@ def _set_data(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _keep(tr: BatchTracker, func, args, kwargs):  # setting an attribute that holds no data of the batch
+def _keep(tr: Tracker, func, args, kwargs):  # setting an attribute that holds no data of the batch
     return tr.run(func, args, kwargs)
 
 

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import derived
 
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
-
-def _gather(tr: BatchTracker, func, args, kwargs):
+def _gather(tr: Tracker, func, args, kwargs):
     """gather(x, dim, index), take_along_dim(x, index, dim), scatter*(x, dim, index, src), index_*(x, dim, index, src).
 
     Along a dim other than ``dim``, position ``p`` of the result reads position ``p`` of each argument, so a
@@ -165,7 +162,7 @@ def _advanced_block(layout: List[Any], advanced) -> Tuple[List[Any], int, int]:
     return rest[:start] + ["A"] * rank + rest[start:], start, rank
 
 
-def _getitem(tr: BatchTracker, func, args, kwargs):
+def _getitem(tr: Tracker, func, args, kwargs):
     x, index = args[0], args[1]
     xtag = tr.get(x)
     out = tr.run(func, args, kwargs)
@@ -179,7 +176,7 @@ def _getitem(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int) -> Any:
+def _index_tag(tr: Tracker, x: Tensor, index: Any, xtag: Any, out_ndim: int) -> Any:
     layout, advanced, removed, partial_ = _index_layout(x, index)
     layout, start, rank = _advanced_block(layout, advanced)
     items = []
@@ -222,7 +219,7 @@ def _index_tag(tr: BatchTracker, x: Tensor, index: Any, xtag: Any, out_ndim: int
     return tag
 
 
-def _setitem(tr: BatchTracker, func, args, kwargs):
+def _setitem(tr: Tracker, func, args, kwargs):
     x, index, value = args[0], args[1], args[2]
     xtag = tr.get(x)
     vtag = tr.get(value) if isinstance(value, Tensor) else None
@@ -299,7 +296,7 @@ def _index_tensors(index: Any) -> List[Tensor]:
     return [it for it in items if isinstance(it, Tensor)]
 
 
-def _index_select(tr: BatchTracker, func, args, kwargs):
+def _index_select(tr: Tracker, func, args, kwargs):
     """index_select along the batch dim: a permutation of the rows keeps track of their samples."""
     x = args[0]
     tag = tr.get(x)
@@ -328,7 +325,7 @@ def _index_select(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _reorder(tr: BatchTracker, tag: int, order: Optional[Tensor], dim: int, index: Tensor, n: int) -> Any:
+def _reorder(tr: Tracker, tag: int, order: Optional[Tensor], dim: int, index: Tensor, n: int) -> Any:
     index = index.reshape(-1).to("cpu")
     identity = torch.arange(n)
     new = index if order is None else order.to("cpu")[index]
@@ -339,7 +336,7 @@ def _reorder(tr: BatchTracker, tag: int, order: Optional[Tensor], dim: int, inde
     return tr.lost("index_select along the batch dimension", tag)
 
 
-def _rows_of_batch(tr: BatchTracker, x: Tensor, index: Any, d: int, at: int, xtag: int,
+def _rows_of_batch(tr: Tracker, x: Tensor, index: Any, d: int, at: int, xtag: int,
                    order: Optional[Tensor] = None) -> Any:
     """``x[index]`` slicing the batch dim ``d`` (to dim ``at`` of the result): some of the batch's rows,
     each one sample's (a micro-batch cut from a draw), a ``Lost`` of kind "rows" saying which (of ``order``,

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
-from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name
+from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
 
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
-
-def _cat(tr: BatchTracker, func, args, kwargs):
+def _cat(tr: Tracker, func, args, kwargs):
     tensors = list(arg(args, kwargs, 0, "tensors"))
     dim = arg(args, kwargs, 1, "dim", 0)
     stack = op_name(func) == "stack"
@@ -46,7 +43,7 @@ def _cat(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _split(tr: BatchTracker, func, args, kwargs):
+def _split(tr: Tracker, func, args, kwargs):
     name = op_name(func)
     x = args[0]
     tag = tr.get(x)

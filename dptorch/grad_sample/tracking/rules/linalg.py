@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg, norm_dim, op_name
+from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK, Lost
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 def _matmul_dims(d: int, ndim: int, other_ndim: int, out_ndim: int, left: bool) -> Any:
@@ -31,7 +28,7 @@ def _matmul_dims(d: int, ndim: int, other_ndim: int, out_ndim: int, left: bool) 
     return d + (out_ndim - (2 if other_ndim > 1 else 1)) - (ndim - 2)
 
 
-def _matmul(tr: BatchTracker, func, args, kwargs):
+def _matmul(tr: Tracker, func, args, kwargs):
     name = op_name(func)
     if name == "__rmatmul__":
         return _matmul_pair(tr, func, args, kwargs, 1, 0)
@@ -79,7 +76,7 @@ def _addmm(tr, func, args, kwargs):  # addmm(input, m1, m2), baddbmm(input, b1, 
     return _matmul_pair(tr, func, args, kwargs, 1, 2, extra=0)
 
 
-def _linear(tr: BatchTracker, func, args, kwargs):
+def _linear(tr: Tracker, func, args, kwargs):
     x = arg(args, kwargs, 0, "input")
     weight = arg(args, kwargs, 1, "weight")
     bias = arg(args, kwargs, 2, "bias")
@@ -98,7 +95,7 @@ def _linear(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _einsum(tr: BatchTracker, func, args, kwargs):
+def _einsum(tr: Tracker, func, args, kwargs):
     equation = args[0]
     operands = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
     tags = [tr.get(t) for t in operands]
@@ -113,7 +110,7 @@ def _einsum(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _einsum_tag(tr: BatchTracker, equation: str, operands: List[Tensor], tags: List[Any]) -> Any:
+def _einsum_tag(tr: Tracker, equation: str, operands: List[Tensor], tags: List[Any]) -> Any:
     equation = equation.replace(" ", "")
     lhs, _, rhs = equation.partition("->")
     inputs = lhs.split(",")
@@ -147,7 +144,7 @@ def _einsum_tag(tr: BatchTracker, equation: str, operands: List[Tensor], tags: L
     return tr.combine(items)[0]
 
 
-def _sdpa(tr: BatchTracker, func, args, kwargs):
+def _sdpa(tr: Tracker, func, args, kwargs):
     names = ("query", "key", "value", "attn_mask")
     values = [arg(args, kwargs, i, n) for i, n in enumerate(names)]
     q = values[0]
@@ -182,7 +179,7 @@ def _sdpa(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _cosine(tr: BatchTracker, func, args, kwargs):  # cosine_similarity(x1, x2, dim=1), pairwise_distance
+def _cosine(tr: Tracker, func, args, kwargs):  # cosine_similarity(x1, x2, dim=1), pairwise_distance
     name = op_name(func)
     x1, x2 = args[0], args[1]
     out_ndim = max(x1.ndim, x2.ndim)

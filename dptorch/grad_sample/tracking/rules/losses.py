@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import op_name, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, op_name, tensors_of
 from dptorch.grad_sample.tracking.loss import loss_total
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 # targets (and ctc's lengths) with fewer dims than the input, their dim 0 the batch's: not broadcast from the right
 _LEADING = {"cross_entropy", "nll_loss", "multi_margin_loss", "cosine_embedding_loss", "gaussian_nll_loss", "ctc_loss"}
 
 
-def loss_rule(tr: BatchTracker, func, args, kwargs):
+def loss_rule(tr: Tracker, func, args, kwargs):
     x = args[0] if args else kwargs.get("input")
     tag = tr.get(x)
     name = op_name(func)

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import op_name, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, op_name, tensors_of
 from dptorch.grad_sample.tracking.writes import derived, written
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 UNFOLLOWED: Counter = Counter()  # names of operations the tracker has no rule for (diagnostics)
@@ -31,7 +28,7 @@ def lost_if_tagged(tr, func, args, kwargs, reason: Optional[str] = None):
     return out
 
 
-def default(tr: BatchTracker, func, args, kwargs):
+def default(tr: Tracker, func, args, kwargs):
     """An operation without a rule fails closed: if any input derives from the batch, every tensor
     output, and every tensor it writes into, is ``Lost`` (a layer fed one is refused, naming the
     operation). Inputs derived only from origin calls give outputs derived from those origins."""

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
 from torch import Tensor
 
-from dptorch.grad_sample.tracking.args import arg, dims_arg, op_name
+from dptorch.grad_sample.tracking.args import Tracker, arg, dims_arg, op_name
 from dptorch.grad_sample.tracking.loss import batch_total
 from dptorch.grad_sample.tracking.rules.elementwise import broadcast
 from dptorch.grad_sample.tracking.rules.structural import dim_is_batch, structural
 from dptorch.grad_sample.tracking.tags import DIM, KEEP
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 _KEEPDIM_AT = {"std": 3, "var": 3, "std_mean": 3, "var_mean": 3, "norm": 3, "median": 2, "nanmedian": 2, "mode": 2,
@@ -22,7 +19,7 @@ _DIM_AT = {"norm": 2, "kthvalue": 2}
 _DEFAULT_DIM = {"mode": -1, "kthvalue": -1}
 
 
-def reduction(tr: BatchTracker, func, args, kwargs):
+def reduction(tr: Tracker, func, args, kwargs):
     name = op_name(func)
     if name in ("max", "min") and len(args) > 1 and isinstance(args[1], Tensor):
         return broadcast(tr, func, args, kwargs)

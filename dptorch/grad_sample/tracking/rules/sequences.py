@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict
+from typing import Callable, Dict
 
-from dptorch.grad_sample.tracking.args import arg
+from dptorch.grad_sample.tracking.args import Tracker, arg
 from dptorch.grad_sample.tracking.tags import PACKED, packed
 from dptorch.grad_sample.tracking.tags import WEAK, Lost
 
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
-
-def _pad_packed(tr: BatchTracker, func, args, kwargs):
+def _pad_packed(tr: Tracker, func, args, kwargs):
     data = args[0]
     dim = 0 if bool(arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(data)
@@ -25,7 +22,7 @@ def _pad_packed(tr: BatchTracker, func, args, kwargs):
     return out
 
 
-def _pack_padded(tr: BatchTracker, func, args, kwargs):
+def _pack_padded(tr: Tracker, func, args, kwargs):
     x = args[0]
     dim = 0 if bool(arg(args, kwargs, 2, "batch_first", False)) else 1
     tag = tr.get(x)

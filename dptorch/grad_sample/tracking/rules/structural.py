@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from dptorch.grad_sample.tracking.args import arg, dims_arg, norm_dim, op_name, shape_args, tensors_of
+from dptorch.grad_sample.tracking.args import Tracker, arg, dims_arg, norm_dim, op_name, shape_args, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, INNER, KEEP, WEAK
 from dptorch.grad_sample.tracking.writes import derived
-
-if TYPE_CHECKING:
-    from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, shape_only: bool = False,
@@ -26,7 +23,7 @@ def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, sha
     (``x.cumsum_(1)``).
     """
 
-    def rule(tr: BatchTracker, func, args, kwargs):
+    def rule(tr: Tracker, func, args, kwargs):
         x = args[0] if args else next(iter(kwargs.values()))
         tag = tr.get(x)
         shape = tuple(x.shape)
@@ -117,7 +114,7 @@ def _d_squeeze(d, shape, args, kwargs, out):
     return d - sum(1 for i in removed if i < d)
 
 
-def _reshape(tr: BatchTracker, func, args, kwargs):
+def _reshape(tr: Tracker, func, args, kwargs):
     """view, reshape, flatten, unflatten...: the batch dim keeps its place in the row-major order."""
     x = args[0] if args else next(iter(kwargs.values()))
     tag = tr.get(x)
@@ -230,7 +227,6 @@ def d_first(d, shape, args, kwargs, out):
 
 def d_first_two(d, shape, args, kwargs, out):
     return d if d in (0, 1) else "works across the batch dimension"
-
 
 
 def _d_pad(d, shape, args, kwargs, out):

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.token_units import TokenUnits
+from dptorch.grad_sample.units.token_units import TokenUnits
 from dptorch.grad_sample.tracking.loss import units_total
 
 IGNORE_INDEX = -100

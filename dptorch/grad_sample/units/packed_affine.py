@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.layers.linear import common_dtype, linear_map_grad_samples
-from dptorch.grad_sample.linear_forms import STACK_LIMIT, at_least_float32_dtype, squared_norms
-from dptorch.grad_sample.shared_inputs import (
+from dptorch.grad_sample.norms.linear_forms import STACK_LIMIT, at_least_float32_dtype, squared_norms
+from dptorch.grad_sample.norms.shared_inputs import (
     AffineUse,
     ghost_is_cheaper,
     group_by_input,
@@ -45,7 +45,7 @@ from dptorch.grad_sample.shared_inputs import (
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
 )
-from dptorch.grad_sample.token_units import TokenUnits, scatter_rows
+from dptorch.grad_sample.units.token_units import TokenUnits, scatter_rows
 
 #: Buckets of units of similar length: each is one set of batched matmuls per layer call.
 MAX_BUCKETS = 4

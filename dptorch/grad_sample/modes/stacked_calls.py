@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.layers import samples_from_shapes_alone
-from dptorch.grad_sample.linear_forms import STACK_LIMIT
+from dptorch.grad_sample.norms.linear_forms import STACK_LIMIT
 
 
 def stack_key(call: Any) -> Optional[tuple]:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from dptorch.grad_sample.layers.linear import common_dtype, non_centred, param_shape
-from dptorch.grad_sample.registry import (
+from dptorch.grad_sample.layers.registry import (
     GradSampler,
     ModulePredicate,
     matches_torch_func,

@@ -46,8 +46,8 @@ from dptorch.distributed.tensor_parallel import (
     torch_style_hooks,
     whole_on_every_rank,
 )
-from dptorch.grad_sample import expanded_weights
-from dptorch.grad_sample.buffer_check import BufferGuard
+from dptorch.grad_sample.modes import expanded_weights
+from dptorch.grad_sample.capture.buffer_check import BufferGuard
 from dptorch.grad_sample.layers import reads_no_parameter_data
 from dptorch.grad_sample.tracking import (
     INNER,
@@ -64,25 +64,24 @@ from dptorch.grad_sample.tracking import (
 )
 from dptorch.grad_sample.tracking.reads import ParameterReads
 from dptorch.grad_sample.tracking.tags import DIM, ORDERED
-from dptorch.grad_sample.linear_head import HEAD_NORM_SAMPLER, HEAD_SAMPLER, linear_head
-from dptorch.grad_sample.tracking.tokens import TOKEN_DIM, TokenTracker, token_call
-from dptorch.grad_sample.tracking.tokens import refuse as refused_for_tokens
-from dptorch.grad_sample.token_units import TokenUnits
-from dptorch.grad_sample import claims
-from dptorch.grad_sample.buffers import BufferPool
+from dptorch.grad_sample.modes.linear_head import HEAD_NORM_SAMPLER, HEAD_SAMPLER, linear_head
+from dptorch.grad_sample.units.token_tracker import TOKEN_DIM, TokenTracker, token_call
+from dptorch.grad_sample.units.token_tracker import refuse as refused_for_tokens
+from dptorch.grad_sample.units.token_units import TokenUnits
+from dptorch.grad_sample.capture import claims
+from dptorch.grad_sample.modes.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
-from dptorch.grad_sample.functorch import functorch_per_sample_grads
-from dptorch.grad_sample.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
-from dptorch.grad_sample.strategies import BookKeeping, Instantiate, LayerCall, affine_layout
+from dptorch.grad_sample.modes.functorch import functorch_per_sample_grads
+from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
+from dptorch.grad_sample.modes.strategies import BookKeeping, Instantiate, LayerCall, affine_layout
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
 from dptorch.grad_sample.tracking import watch as draw_watch
-from dptorch.grad_sample.validation import incompatibilities
+from dptorch.grad_sample.layers.checks import incompatibilities
+from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES, LOSS_REDUCTIONS
 
-GRAD_SAMPLE_MODES = ("hooks", "functorch", "bk", "ghost", "ew")
-LOSS_REDUCTIONS = ("mean", "sum")
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, GradSampleHooks]" = weakref.WeakKeyDictionary()
 drawn.watch(lambda tensors: draw_watch.start(tensors, active=lambda: bool(_ATTACHED)))
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features", "x", "input")
@@ -457,7 +456,7 @@ class GradSampleHooks:
         again.
 
         ``unit_ids[b, t]`` (2-D, ``(B, T)``) names the unit of each token of the next root forward:
-        several examples packed in one row (``dptorch.grad_sample.token_units`` derives the ids from
+        several examples packed in one row (``dptorch.grad_sample.units.token_units`` derives the ids from
         packed ``position_ids`` or sequence lengths; -1 marks a pad token of no unit). That forward is
         then followed along its tokens too (``tracking/tokens.py``), and its loss must be
         ``dptorch.packed_loss``. Call it before every packed forward.

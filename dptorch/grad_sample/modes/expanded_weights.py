@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn.utils._expanded_weights import ExpandedWeight
 from torch.nn.utils.stateless import _reparametrize_module
 
-from dptorch.grad_sample.registry import matches_torch_func, overrides_forward, registered_probe
-from dptorch.grad_sample.validation import Incompatibility
+from dptorch.grad_sample.layers.registry import matches_torch_func, overrides_forward, registered_probe
+from dptorch.grad_sample.layers.checks import Incompatibility
 
 SUPPORTED = (
     nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.LayerNorm, nn.GroupNorm,

@@ -15,8 +15,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.certified import magnitudes, wide_dtype
-from dptorch.grad_sample.linear_forms import (
+from dptorch.grad_sample.norms.certified import magnitudes, wide_dtype
+from dptorch.grad_sample.norms.linear_forms import (
     STACK_LIMIT,
     WIDE_BLOCK,
     at_least_float32,

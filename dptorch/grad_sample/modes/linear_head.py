@@ -27,8 +27,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.grad_sample.layers.linear import linear_map_grad_samples, linear_norms, linear_sums
-from dptorch.grad_sample.linear_forms import LinearForm, flatten_middle_dims
-from dptorch.grad_sample.registry import NormSampler
+from dptorch.grad_sample.norms.linear_forms import LinearForm, flatten_middle_dims
+from dptorch.grad_sample.layers.registry import NormSampler
 
 Tensors = Tuple[torch.Tensor, ...]
 _RANDOM = ("rand", "dropout", "bernoulli", "normal", "multinomial", "uniform", "exponential", "cauchy", "geometric")

@@ -25,7 +25,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from torch import Tensor, nn
 
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.token_units import TokenUnits, crossing_attention
+from dptorch.grad_sample.units.token_units import TokenUnits, crossing_attention
 from dptorch.grad_sample.tracking.args import arg, op_name
 from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking.registry import rule_of

@@ -15,7 +15,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from dptorch.grad_sample.hooks import LOSS_REDUCTIONS, GradSampleHooks
+from dptorch.grad_sample.capture.hooks import GradSampleHooks
+from dptorch.grad_sample.modes.names import LOSS_REDUCTIONS
 
 
 class DPLoss:

@@ -12,7 +12,7 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-from dptorch.grad_sample.hooks import GradSampleHooks
+from dptorch.grad_sample.capture.hooks import GradSampleHooks
 
 
 class GradSampleModule(nn.Module):

@@ -21,8 +21,8 @@ from typing import Iterable, Optional
 
 from torch import nn
 
-from dptorch.grad_sample.hooks import GRAD_SAMPLE_MODES
-from dptorch.grad_sample.registry import find_norm_sampler
+from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
+from dptorch.grad_sample.layers.registry import find_norm_sampler
 
 AUTO = "auto"
 #: What ``make_private``, ``PrivacyArguments`` and the examples accept: "auto" and the controller's modes.

@@ -44,12 +44,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.buffers import BufferPool
+from dptorch.grad_sample.modes.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.layers.embedding import embedding_grad_sampler, embedding_rows
 from dptorch.grad_sample.layers.hf_conv1d import hf_conv1d_clipped_sum, hf_conv1d_grad_sampler, hf_conv1d_norm_sampler
 from dptorch.grad_sample.layers.linear import linear_clipped_sum, linear_grad_sampler, linear_norm_sampler, param_shape
-from dptorch.grad_sample.linear_forms import (
+from dptorch.grad_sample.norms.linear_forms import (
     at_least_float32,
     at_least_float32_dtype,
     flatten_per_sample,
@@ -59,16 +59,16 @@ from dptorch.grad_sample.linear_forms import (
     weighted_sum,
     weighted_sums,
 )
-from dptorch.grad_sample.packed_affine import (
+from dptorch.grad_sample.units.packed_affine import (
     layout_of,
     packed_affine_clipped_sums,
     packed_affine_norms_and_grads,
     packed_per_unit_grads,
 )
-from dptorch.grad_sample.registry import GradSampler, NormSampler
-from dptorch.grad_sample.stacked_calls import fits, merged, split, stack_key
-from dptorch.grad_sample.token_units import TokenUnits
-from dptorch.grad_sample.shared_inputs import (
+from dptorch.grad_sample.layers.registry import GradSampler, NormSampler
+from dptorch.grad_sample.modes.stacked_calls import fits, merged, split, stack_key
+from dptorch.grad_sample.units.token_units import TokenUnits
+from dptorch.grad_sample.norms.shared_inputs import (
     AffineUse,
     memory_key,
     shared_affine_clipped_sums,

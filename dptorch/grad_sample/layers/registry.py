@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
-from dptorch.grad_sample.linear_forms import form_inner_products
+from dptorch.grad_sample.norms.linear_forms import form_inner_products
 
 GradSampler = Callable[[nn.Module, Tuple[torch.Tensor, ...], torch.Tensor], Dict[nn.Parameter, torch.Tensor]]
 ModulePredicate = Callable[[nn.Module], bool]

@@ -18,7 +18,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from dptorch.grad_sample.certified import certified_norms_sq, magnitudes, wide_dtype
+from dptorch.grad_sample.norms.certified import certified_norms_sq, magnitudes, wide_dtype
 
 #: Roundings a term of a clipped sum undergoes besides its own tokens' summation: the factor times
 #: the call's scale, the factor's cast, its product with ``a`` or ``b``, and the product ``b a``.
