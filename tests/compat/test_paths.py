@@ -52,3 +52,24 @@ def test_python_m_runs_a_moved_module():
                           text=True, timeout=120, cwd=Path(dptorch.__file__).parents[1])
     assert done.returncode == 0, done.stderr
     assert "--epsilon" in done.stdout
+
+
+@pytest.mark.parametrize("package", sorted(paths.SHARED))
+def test_a_shared_package_serves_its_twins_names_and_no_other(package):
+    served, twin = importlib.import_module(package), importlib.import_module(paths.SHARED[package])
+    assert twin.__all__
+    for name in twin.__all__:
+        assert getattr(served, name) is getattr(twin, name)
+        assert name not in vars(served)  # served from the twin, not defined in dptorch's package
+    with pytest.raises(AttributeError, match="no attribute 'not_an_opacus_name'"):
+        served.not_an_opacus_name  # noqa: B018
+    assert not hasattr(served, "__not_a_dunder__")
+
+
+def test_an_opacus_script_renamed_imports_the_fast_gradient_clipping_classes_from_grad_sample():
+    done = subprocess.run([sys.executable, "-c", "from dptorch.grad_sample import GradSampleModuleFastGradientClipping as G, "
+                           "GradSampleModule; import torch; m = G(torch.nn.Linear(2, 1), max_grad_norm=1.0); "
+                           "print(isinstance(m, GradSampleModule), m.hooks.grad_sample_mode)"],
+                          capture_output=True, text=True, timeout=120, cwd=Path(dptorch.__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "ghost"]

@@ -168,14 +168,12 @@ def test_the_architecture_page_places_every_room(name):
     assert re.search(rf"\b{name}/?\b", ARCHITECTURE.read_text())
 
 
-def floors():
-    """The rooms of each floor of docs/architecture.md's picture, bottom floor first."""
-    block = re.search(r"<!-- floors -->\n```\n(.*?)```", ARCHITECTURE.read_text(), re.S).group(1)
-    return [re.findall(r"^([a-z_]+)(?:/|\.py)|\s{3,}([a-z_]+)(?:/|\.py)", line) for line in reversed(block.strip().splitlines())]
-
-
-def floor_rooms():
-    return [[a or b for a, b in floor] for floor in floors()]
+def floor_rooms(picture: str = "floors"):
+    """The rooms of each floor of a picture of docs/architecture.md (``<!-- floors -->``: dptorch/'s;
+    ``<!-- grad_sample floors -->``: the per-sample room's), bottom floor first."""
+    block = re.search(rf"<!-- {picture} -->\n```\n(.*?)```", ARCHITECTURE.read_text(), re.S).group(1)
+    return [[a or b for a, b in re.findall(r"^([a-z_]+)(?:/|\.py)|\s{3,}([a-z_]+)(?:/|\.py)", line)]
+            for line in reversed(block.strip().splitlines())]
 
 
 def test_the_architecture_page_lists_the_floors_in_order():
@@ -187,4 +185,35 @@ def test_rooms_import_only_floors_below_them():
     sideways_or_up = sorted({f"{room(src)} -> {room(dst)}" for src, dst, where, _, _ in IMPORTS
                              if where != "typing" and room(src) and room(dst) and room(src) != room(dst)
                              and level[room(dst)] >= level[room(src)]})
+    assert sideways_or_up == []
+
+
+def test_the_root_imports_upward_only_the_import_hook():
+    """``dptorch/__init__.py`` installs ``compat/paths.py``'s import hook (the one arrow that runs up,
+    docs/architecture.md says why); its public names load lazily, by ``import_module``."""
+    assert sorted({dst for src, dst, where, _, _ in IMPORTS if src == "dptorch"}) == ["dptorch.compat", "dptorch.compat.paths"]
+    assert not [dst for src, dst, *_ in IMPORTS if src in ("dptorch.compat", "dptorch.compat.paths")]
+
+
+#: The per-sample room, ``grad_sample/``: its subpackages and base modules, as the picture shows them.
+GRAD_SAMPLE = "dptorch.grad_sample"
+
+
+def inner_room(module: str) -> str:
+    """The entry of ``grad_sample/`` that ``module`` lies in ("" for the package itself, its public surface)."""
+    return module[len(GRAD_SAMPLE) + 1:].split(".")[0] if module.startswith(GRAD_SAMPLE + ".") else ""
+
+
+def test_the_per_sample_room_lists_its_stages():
+    room_dir = PACKAGE / "grad_sample"
+    entries = {p.stem for p in room_dir.iterdir() if p.name not in ("__init__.py", "__pycache__")
+               and (p.suffix == ".py" or (p / "__init__.py").exists())}
+    assert entries == {name for floor in floor_rooms("grad_sample floors") for name in floor}
+
+
+def test_the_per_sample_stages_import_only_floors_below_them():
+    level = {name: i for i, floor in enumerate(floor_rooms("grad_sample floors")) for name in floor}
+    sideways_or_up = sorted({f"{inner_room(src)} -> {inner_room(dst)}" for src, dst, where, _, _ in IMPORTS
+                             if where != "function" and src.startswith(GRAD_SAMPLE + ".") and dst.startswith(GRAD_SAMPLE + ".")
+                             and inner_room(src) != inner_room(dst) and level[inner_room(dst)] >= level[inner_room(src)]})
     assert sideways_or_up == []
