@@ -10,20 +10,8 @@ from dptorch.compat.opacus import (
     unmapped_names,
     wrap_model,
 )
-from dptorch.compat.opacus.grad_sample.gsm_exp_weights import GradSampleModuleExpandedWeights
-from dptorch.compat.opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
-    GradSampleHooksFastGradientClipping,
-    GradSampleModuleFastGradientClipping,
-)
+from dptorch.compat.opacus import grad_sample as _package
+from dptorch.compat.opacus.grad_sample import *  # noqa: F403  (the wrapper classes Opacus reaches from here)
 
-__all__ = [
-    "GradSampleHooksFastGradientClipping",
-    "GradSampleModuleExpandedWeights",
-    "GradSampleModuleFastGradientClipping",
-    "get_gsm_class",
-    "get_hooks_class",
-    "prepare_module",
-    "register_grad_sampler",
-    "wrap_model",
-]
+__all__ = sorted(_package.__all__ + ["get_hooks_class", "prepare_module", "register_grad_sampler"])
 __getattr__ = unmapped_names(__name__, GRAD_SAMPLE_UNMAPPED)
