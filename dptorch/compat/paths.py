@@ -97,7 +97,9 @@ MOVED = {
     "dptorch.grad_sample.packed_affine": "dptorch.grad_sample.units.packed_affine",
     "dptorch.grad_sample.packed_loss": "dptorch.grad_sample.units.packed_loss",
     "dptorch.grad_sample.tracking.tokens": "dptorch.grad_sample.units.token_tracker",
-    "dptorch.grad_sample.strategies": "dptorch.grad_sample.modes.strategies",
+    # strategies.py split up (modes/): book_keeping holds BookKeeping and imports Instantiate and LayerCall
+    "dptorch.grad_sample.strategies": "dptorch.grad_sample.modes.book_keeping",
+    "dptorch.grad_sample.modes.strategies": "dptorch.grad_sample.modes.book_keeping",
     "dptorch.grad_sample.functorch": "dptorch.grad_sample.modes.functorch",
     "dptorch.grad_sample.expanded_weights": "dptorch.grad_sample.modes.expanded_weights",
     "dptorch.grad_sample.auto": "dptorch.grad_sample.modes.auto",

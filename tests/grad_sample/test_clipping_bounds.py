@@ -206,7 +206,7 @@ def test_full_precision_matmuls_restore_every_user_setting():
     API, never mixed) reads back as before. A subprocess: the settings are process-wide."""
     code = r"""
 import torch
-from dptorch.grad_sample.modes.strategies import float32_matmuls_at_full_precision as full
+from dptorch.grad_sample.modes.precision import float32_matmuls_at_full_precision as full
 new_api = hasattr(torch.backends.cuda.matmul, "fp32_precision")
 def state():
     if new_api:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.modes.strategies import group_rows_by_unit
+from dptorch.grad_sample.modes.unit_rows import group_rows_by_unit
 from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator
 from dptorch.optim import DPOptimizer

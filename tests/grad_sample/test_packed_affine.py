@@ -50,7 +50,7 @@ def spy(monkeypatch):
         seen.append(len(uses))
         return inner(uses, layout)
 
-    monkeypatch.setattr("dptorch.grad_sample.modes.strategies.packed_affine_norms_and_grads", counted)
+    monkeypatch.setattr("dptorch.grad_sample.modes.book_keeping.packed_affine_norms_and_grads", counted)
     return seen
 
 

@@ -6,8 +6,8 @@ from torch import nn
 
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.layers.registry import find_grad_sampler
+from dptorch.grad_sample.modes.layer_call import LayerCall
 from dptorch.grad_sample.modes.stacked_calls import merged, stack_key
-from dptorch.grad_sample.modes.strategies import LayerCall
 from tests.helpers import check_per_sample_grads, projection_loss
 
 
@@ -50,10 +50,10 @@ def test_stacked_equal_sampled_alone(monkeypatch, mode):
         hooks.cleanup()
         return result
 
-    import dptorch.grad_sample.modes.strategies as strategies
+    import dptorch.grad_sample.modes.instantiate as instantiate
 
     runs = []
-    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    monkeypatch.setattr(instantiate, "merged", lambda run: runs.append(len(run)) or merged(run))
     together = run()
     assert sorted(runs) == [3, 4]  # the four LayerNorms of one eps, the three RMSNorms
     monkeypatch.setattr(stacked_calls, "STACK_LIMIT", 0)
@@ -109,7 +109,7 @@ def test_conv1d_calls_stack_exactly(monkeypatch):
     """HF Conv1D's rules are the Linear ones (no parameter data read): its calls stack in hooks mode, with the
     per-sample gradients of every call sampled alone and of each sample run alone."""
     import dptorch.grad_sample.modes.stacked_calls as stacked_calls
-    import dptorch.grad_sample.modes.strategies as strategies
+    import dptorch.grad_sample.modes.instantiate as instantiate
 
     torch.manual_seed(0)
     model, x = Conv1DBlocks(), torch.randn(5, 3, 6)
@@ -123,7 +123,7 @@ def test_conv1d_calls_stack_exactly(monkeypatch):
         return result
 
     runs = []
-    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    monkeypatch.setattr(instantiate, "merged", lambda run: runs.append(len(run)) or merged(run))
     together = grad_samples()
     assert runs == [4]
     monkeypatch.setattr(stacked_calls, "STACK_LIMIT", 0)
@@ -146,14 +146,14 @@ def _weight_scaled_grads(module, activations, backprops):
 def test_a_users_sampler_is_never_stacked(monkeypatch):
     """A sampler registered by the user may read its module's weights, so one module's call cannot stand for
     another's: each call is sampled by its own module, even for a subclass of a stackable layer."""
-    import dptorch.grad_sample.modes.strategies as strategies
+    import dptorch.grad_sample.modes.instantiate as instantiate
     from dptorch.grad_sample import register_grad_sampler
 
     register_grad_sampler(WeightScaled)(_weight_scaled_grads)
     torch.manual_seed(0)
     model, x = nn.Sequential(WeightScaled(4, 4), WeightScaled(4, 4)), torch.randn(3, 2, 4)
     runs = []
-    monkeypatch.setattr(strategies, "merged", lambda run: runs.append(len(run)) or merged(run))
+    monkeypatch.setattr(instantiate, "merged", lambda run: runs.append(len(run)) or merged(run))
     hooks = GradSampleHooks(model, grad_sample_mode="hooks", loss_reduction="sum")
     model(x).sum().backward()
     assert runs == []
