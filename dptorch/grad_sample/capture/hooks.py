@@ -11,7 +11,7 @@ round ends, listeners (the DP optimizer) are told; a further backward pass while
 results are still held, and nobody consumed them, is an error rather than a silent mix.
 
 What is kept of each layer call, and how norms and clipped sums are formed from it, is the
-mode's strategy (``strategies.py``); the capture itself is the same for every mode.
+mode's strategy (``modes/instantiate.py``, ``modes/book_keeping.py``); the capture itself is the same for every mode.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ from dptorch.grad_sample.modes.buffers import BufferPool
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.modes.functorch import functorch_per_sample_grads
 from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
-from dptorch.grad_sample.modes.strategies import BookKeeping, Instantiate, LayerCall, affine_layout
+from dptorch.grad_sample.modes.book_keeping import BookKeeping
+from dptorch.grad_sample.modes.instantiate import Instantiate
+from dptorch.grad_sample.modes.layer_call import LayerCall, affine_layout
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
