@@ -42,7 +42,8 @@ from dptorch.data.poisson import (
 )
 from dptorch.grad_sample import GradSampleHooks, GradSampleModule
 from dptorch.grad_sample.modes.auto import describe_mode, resolve_grad_sample_mode
-from dptorch.grad_sample.capture.hooks import _name_list, is_attached
+from dptorch.grad_sample.capture.hooks import is_attached
+from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.adaclip import AdaClipDPOptimizer

@@ -52,7 +52,8 @@ from dptorch.distributed.tensor_parallel import (
 )
 from dptorch.grad_sample.capture.claims import check_sole_claim, controller_of
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.grad_sample.capture.hooks import GradSampleHooks, _name_list
+from dptorch.grad_sample.capture.hooks import GradSampleHooks
+from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.grad_sample.tracking import watch as draw_watch
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
 from dptorch.optim.gradient_writer import GradientWriter, WholeParameters

@@ -311,7 +311,7 @@ def test_without_param_grads_per_sample_grads_stay_exact():
 def test_the_unhooked_parameter_check_sees_every_parameter_once():
     """The walk behind the check for gradients on parameters without a hook finds what ``parameters()``
     finds, in its order: nested and shared modules, a tied weight once, a None bias skipped."""
-    from dptorch.grad_sample.capture.hooks import _all_parameters
+    from dptorch.grad_sample.capture.attachment import _all_parameters
 
     shared = nn.Linear(3, 3, bias=False)
     model = nn.Sequential(nn.Embedding(5, 3), nn.Sequential(shared, nn.LayerNorm(3)), shared, nn.Linear(3, 5))

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from dptorch.clipping.factors import clip_factors
-from dptorch.grad_sample import GradSampleHooks, packed_affine
+from dptorch.grad_sample import packed_affine
+from dptorch.grad_sample.capture.backward import CallBackward
 from dptorch.grad_sample.units.packed_affine import PackedLayout, bucket_bounds
 from dptorch.grad_sample.norms.shared_inputs import AffineUse
 from dptorch.grad_sample.units.token_units import TokenUnits
@@ -77,7 +78,7 @@ def test_packed_affine_equals_the_regroup_and_drops_a_unit_to_zero(arch, monkeyp
     dropped = torch.zeros(len(items), dtype=torch.bool)
     dropped[3] = True
     fast = packed_clipped_sum(model, batch, "bk", dropped)
-    monkeypatch.setattr(GradSampleHooks, "_packed_affine", lambda *args: False)
+    monkeypatch.setattr(CallBackward, "_packed_affine", lambda *args: False)
     slow = packed_clipped_sum(model, batch, "bk", dropped)
     torch.testing.assert_close(fast[0], slow[0], rtol=1e-4, atol=1e-7)
     for p in slow[1]:

@@ -118,12 +118,12 @@ def test_a_moe_block_that_mixes_flattened_tokens_is_refused(how, match):
 def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch, mode):
     """The router's weight gradient is a linear layer's over (tokens, hidden) rows (``linear_head``): the per-token
     replay, which would hold a (hidden x experts) gradient per token, never runs."""
-    import dptorch.grad_sample.capture.hooks as hooks_module
+    import dptorch.grad_sample.capture.replays as replays_module
 
     def no_replay(*args, **kwargs):
         raise AssertionError("the router was replayed per token")
 
-    monkeypatch.setattr(hooks_module, "functorch_per_sample_grads", no_replay)
+    monkeypatch.setattr(replays_module, "functorch_per_sample_grads", no_replay)
     items = examples([5, 3, 4, 2])
     assert_matches(moe("olmoe"), PackingCollator(pad_token_id=0, max_length=8)(items), items, mode)
 
@@ -132,14 +132,14 @@ def test_routers_are_sampled_as_linear_layers_not_replayed_per_token(monkeypatch
 def test_routers_of_row_units_are_sampled_as_linear_layers_too(monkeypatch, mode):
     """Unpacked (one sample per row), the router is a bias-free linear layer on the (B * T, H) rows as well,
     exact against each sample alone, with the torch.func replay disabled."""
-    import dptorch.grad_sample.capture.hooks as hooks_module
+    import dptorch.grad_sample.capture.replays as replays_module
     from tests.grad_sample.oracle import assert_exact
     from tests.models.zoo import ZOO
 
     def no_replay(*args, **kwargs):
         raise AssertionError("the router was replayed per sample")
 
-    monkeypatch.setattr(hooks_module, "functorch_per_sample_grads", no_replay)
+    monkeypatch.setattr(replays_module, "functorch_per_sample_grads", no_replay)
     torch.manual_seed(0)
     model = ZOO["mixtral"].build()
     inputs = ZOO["mixtral"].inputs(3, 5, torch.Generator().manual_seed(7))

@@ -76,7 +76,7 @@ from dptorch.distributed.ddp import ddp_wrappers, keep_out_of_gradient_sync
 from dptorch.distributed.fsdp import is_sharded
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.modes.auto import describe_mode, resolve_grad_sample_mode
-from dptorch.grad_sample.capture.hooks import _name_list
+from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
