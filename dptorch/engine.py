@@ -124,6 +124,7 @@ class PrivacyEngine:
         noise_mechanism: str = "independent",
         bands: Optional[int] = None,
         planned_steps: Optional[int] = None,
+        model_loss: Optional[str] = None,
     ):
         """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
 
@@ -161,6 +162,9 @@ class PrivacyEngine:
         clipping only, no privacy, and ``get_epsilon`` returns infinity. Under a process group of several
         ranks every rank must build the same plan (same dataset length, batch size, noise, clipping, accountant,
         ...): a difference is refused on every rank with one message (:mod:`dptorch.distributed.agreement`).
+        ``model_loss="mean"`` (or ``"sum"``), for a HuggingFace model whose forward computes its loss through
+        ``self.loss_function``, makes ``outputs.loss`` per-sample: each unit's mean (sum) over its own target
+        tokens, reduced over the rows as ``loss_reduction`` says (:mod:`dptorch.grad_sample.capture.model_loss`).
         """
         options = clipping_plan_fields(
             clipping, gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
@@ -177,7 +181,7 @@ class PrivacyEngine:
         check_ranks_agree(plan, loss_reduction=loss_reduction)  # one plan on every rank, or every rank refuses
         made = self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
                             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
-                            strict=strict, criterion=criterion)
+                            strict=strict, criterion=criterion, model_loss=model_loss)
         return self._onto_deepspeed(deepspeed_engine, made)
 
     def make_private_with_epsilon(
@@ -341,7 +345,8 @@ class PrivacyEngine:
                     secure_mode=self.secure_mode, track_draws=True, **(options or {}))
 
     def _attach(self, module, optimizer, dp_loader, plan, *, batch_first=True, loss_reduction="mean",
-                grad_sample_mode="auto", wrap_model=True, noise_generator=None, strict=True, criterion=None):
+                grad_sample_mode="auto", wrap_model=True, noise_generator=None, strict=True, criterion=None,
+                model_loss=None):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         ran = resolve_grad_sample_mode(grad_sample_mode, module, params)
         logger.info(describe_mode(grad_sample_mode, ran))
@@ -370,6 +375,7 @@ class PrivacyEngine:
             hooks = GradSampleHooks(module, **hooks_kwargs)
             returned = hooks  # Opacus 1.6: the controller; the model stays in the caller's variable
         try:
+            hooks.use_model_loss(model_loss)
             optimizer_class = AdaClipDPOptimizer if plan.clipping == "adaptive" else DPOptimizer  # Opacus' class
             dp_optimizer = optimizer_class(
                 optimizer,

@@ -112,6 +112,7 @@ MOVED = {
     "dptorch.grad_sample.module": "dptorch.grad_sample.capture.wrapper",
     "dptorch.grad_sample.fast_gradient_clipping": "dptorch.compat.opacus.grad_sample.grad_sample_module_fast_gradient_clipping",
     "dptorch.grad_sample.dp_loss": "dptorch.grad_sample.capture.dp_loss",
+    "dptorch.integrations.hf.losses": "dptorch.grad_sample.units.per_sample_losses",
 }
 
 #: dptorch packages whose path Opacus shares -> the module that holds Opacus' further names on it.

@@ -11,6 +11,12 @@ The parent module presents torch's interface: constructor arguments, ``batch_fir
 ``state_dict`` (``weight_ih_l0``, ``bias_hh_l1_reverse``, ``weight_hr_l0``...) and as
 attributes, so weights load both ways. Sequences in a ``PackedSequence`` run padded with a mask:
 every call keeps one row per sample and a finished sequence keeps its last state.
+
+Opacus' submodule paths resolve too (``lstm.get_submodule("l0.ih")``, ``l1_reverse.hh.bias``): ``l0``
+is a :class:`SweepView` made on access, whose ``ih`` and ``hh`` hold that sweep's very parameters as
+``weight`` and ``bias`` (reading, and assigning, as transformers' weight tying does). The views are not
+registered, so ``state_dict``, ``named_parameters()`` and the modules the controller hooks are unchanged;
+only where torch lists every path to a parameter (``remove_duplicate=False``) are Opacus' paths listed too.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 import numbers
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, MutableMapping, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +133,58 @@ def recurrent_sweep_grad_sampler(
     return grads
 
 
+class _MapParameters(MutableMapping):
+    """A sweep's parameters of one linear map (``"ih"``: ``weight_ih``, ``bias_ih``) under ``nn.Linear``'s
+    names, read from and written to the sweep itself: the ``_parameters`` of a :class:`MapView`."""
+
+    def __init__(self, sweep: RecurrentSweep, which: str) -> None:
+        self._sweep = sweep
+        self._names = {"weight": f"weight_{which}", "bias": f"bias_{which}"}
+
+    def __getitem__(self, key: str) -> Optional[nn.Parameter]:
+        return getattr(self._sweep, self._names[key])
+
+    def __setitem__(self, key: str, value: Optional[nn.Parameter]) -> None:
+        if key not in self._names:
+            raise KeyError(f"{key!r}: a recurrent map holds only 'weight' and 'bias'")
+        setattr(self._sweep, self._names[key], value)
+
+    def __delitem__(self, key: str) -> None:
+        raise TypeError("the parameters of a DP recurrent layer cannot be deleted through Opacus' submodule view")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class MapView(nn.Module):
+    """Opacus' ``l0.ih`` / ``l0.hh`` (an ``nn.Linear`` there): ``weight`` and ``bias`` are the sweep's
+    ``weight_ih`` and ``bias_ih`` (or ``_hh``), the same Parameter objects. It runs nothing: the sweep
+    runs the whole sequence."""
+
+    def __init__(self, sweep: RecurrentSweep, which: str) -> None:
+        super().__init__()
+        self.__dict__["_parameters"] = _MapParameters(sweep, which)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Opacus' l{i}.ih / l{i}.hh of a DP recurrent layer is a view of its weights, not a layer: "
+                        "call the recurrent layer itself")
+
+
+class SweepView(nn.Module):
+    """Opacus' ``l0`` (a cell there) of one layer-direction: ``ih`` and ``hh``, views of the sweep's maps."""
+
+    def __init__(self, sweep: RecurrentSweep) -> None:
+        super().__init__()
+        self.ih, self.hh = MapView(sweep, "ih"), MapView(sweep, "hh")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Opacus' l{i} of a DP recurrent layer is a view of its weights, not a cell: call the "
+                        "recurrent layer itself")
+
+
 class DPRNNBase(nn.Module):
     """The machinery shared by DPRNN, DPGRU and DPLSTM (``mode`` as in ``nn.RNNBase``)."""
 
@@ -202,6 +260,9 @@ class DPRNNBase(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            sweeps = self.__dict__.get("_modules", {}).get(_SWEEPS)
+            if sweeps is not None and name in sweeps:  # Opacus' l0, l1_reverse
+                return SweepView(sweeps[name])
             target = self._torch_named(name)
             if target is None:
                 raise
@@ -213,6 +274,15 @@ class DPRNNBase(nn.Module):
             super().__setattr__(name, value)
         else:
             setattr(*target, value)
+
+    def named_modules(self, memo: Optional[set] = None, prefix: str = "", remove_duplicate: bool = True):
+        """torch's; with ``remove_duplicate=False`` (every path a module is reachable by, as tied weights are
+        listed) also Opacus' views (``l0``, ``l0.ih``, ...), so ``named_parameters(remove_duplicate=False)``
+        lists ``l0.ih.weight`` beside ``sweeps.l0.weight_ih`` (transformers expands tied-weight keys from it)."""
+        yield from super().named_modules(memo, prefix, remove_duplicate)
+        if not remove_duplicate:
+            for name, sweep in self.sweeps.items():
+                yield from SweepView(sweep).named_modules(None, f"{prefix}.{name}" if prefix else name, False)
 
     def forward(self, input: Union[Tensor, PackedSequence], hx: Optional[HiddenState] = None):
         if isinstance(input, PackedSequence):

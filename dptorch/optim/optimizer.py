@@ -273,6 +273,12 @@ class DPOptimizer(torch.optim.Optimizer):
         return f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm={self.max_grad_norm}, clipping={self.clipping!r}, optimizer={self.original_optimizer!r})"
 
     @property
+    def _is_last_step_skipped(self) -> bool:
+        """Opacus' name: whether the last ``step()`` was a skipped (virtual) one, its clipped sums kept for the
+        logical step; read-only (the optimizer decides it from ``signal_skip_step``)."""
+        return self._last_step_skipped
+
+    @property
     def accumulated_iterations(self) -> int:
         """Backward passes whose clipped gradients are held for the next ``step()``, as in Opacus.
 

@@ -32,6 +32,7 @@ from torch import nn
 from dptorch.grad_sample.capture.attachment import Attachment, is_attached
 from dptorch.grad_sample.capture.backward import CallBackward
 from dptorch.grad_sample.capture.calls import LayerCalls
+from dptorch.grad_sample.capture.model_loss import ModelLoss
 from dptorch.grad_sample.capture.replays import Replays
 from dptorch.grad_sample.capture.rounds import Rounds
 from dptorch.grad_sample.capture.session import RootForward
@@ -130,6 +131,7 @@ class GradSampleHooks:
         tags = WrapperTags(session)
         calls = LayerCalls(settings, switches, attachment, sharding, session, backward, replays, tags, rounds.reads)
         attachment.attach(self, session, calls, tags, sharding.tensor_parallel_modules, rounds.on_grad_accumulated)
+        self._model_loss: Optional[ModelLoss] = None
 
     # the options, kept where the collaborators read them (the DP optimizer turns keep_param_grads off)
     loss_reduction = _Delegated("_settings")
@@ -147,12 +149,20 @@ class GradSampleHooks:
         self._session.drop_loss_tracker()
         self.clear()
         self._rounds.reads.remove()
+        self.use_model_loss(None)
         self._attachment.detach(self)
         self._rounds.listeners.clear()
         self._sharding.canonical.clear()
 
     #: Opacus' name for :meth:`cleanup`.
     remove_hooks = cleanup
+
+    def use_model_loss(self, per_unit: Optional[str]) -> None:
+        """Make the model's own ``outputs.loss`` per-sample, each unit's token ``"mean"`` or ``"sum"``
+        (``make_private(model_loss=)``, ``capture/model_loss.py``); ``None`` leaves it as the model computes it."""
+        if self._model_loss is not None:
+            self._model_loss.remove()
+        self._model_loss = None if per_unit is None else ModelLoss(self.module, self._settings, per_unit)
 
     def __deepcopy__(self, memo: dict) -> "GradSampleHooks":
         # A deep copy of the model (a reference model, ModuleValidator.fix) carries our hooks;
@@ -168,6 +178,11 @@ class GradSampleHooks:
     @property
     def attached(self) -> bool:
         return self._attachment.attached
+
+    @property
+    def _module(self) -> nn.Module:
+        """Opacus' name for :attr:`module`, the model the controller is attached to (read-only)."""
+        return self.module
 
     # ------------------------------------------------------------------ not the model
 

@@ -271,8 +271,10 @@ def _root_problem(tr: Tracker, root: Any, grad: Any) -> Optional[str]:
     reason = what.reason if type(what) is Lost else "a gradient that does not carry the batch as its tensor does"
     hint = ""
     if "ignore_index" in reason or "weight=" in reason:
-        hint = (" A HuggingFace model's built-in loss (out.loss) does this: compute the per-sample loss from out.logits "
-                "(dptorch.integrations.hf.losses), or train with dptorch.integrations.hf.DPTrainer, which does it for you.")
+        hint = (" A HuggingFace model's built-in loss (out.loss) does this: pass model_loss='mean' to make_private "
+                "(out.loss becomes each sample's mean over its own tokens), compute the per-sample loss from out.logits "
+                "(dptorch.grad_sample.units.per_sample_losses), or train with dptorch.integrations.hf.DPTrainer, which "
+                "does it for you.")
     return f"{_call(root)} derives from {reason}. {fix}{hint}"
 
 

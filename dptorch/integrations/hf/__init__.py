@@ -19,7 +19,7 @@ from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.callback import EPSILON_IF_POISSON, DPCallback
 from dptorch.integrations.hf.collator import DataCollatorForPrivateCausalLanguageModeling
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss, default_per_sample_loss
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss, default_per_sample_loss
 from dptorch.integrations.hf.sampling import EmptyBatch, PoissonMicroBatchSampler, SamplingPlan
 from dptorch.integrations.hf.trainer import PRIVACY_STATE_NAME, DPTrainer, PrivateTrainerMixin, private
 from dptorch.integrations.hf.units import PrivacyUnits

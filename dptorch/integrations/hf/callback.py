@@ -61,7 +61,6 @@ from typing import Any, Deque, Dict, List, Optional
 
 import torch
 from transformers import TrainerCallback
-from transformers.modeling_outputs import ModelOutput
 
 from dptorch.data.poisson import PoissonBatchSampler
 from dptorch.data.shuffled import permutation_problem
@@ -72,7 +71,8 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.loss_recipes import is_causal_lm
-from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss
+from dptorch.grad_sample.units.per_sample_losses import (PerSampleLoss, check_per_sample_losses, default_per_sample_loss,
+                                                         with_loss)
 from dptorch.integrations.hf.sampling import PoissonMicroBatchSampler
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
@@ -338,11 +338,7 @@ class DPCallback(TrainerCallback):
             labels = self._labels.pop() if self._labels else None
             if labels is None:
                 return None
-            losses = check_per_sample_losses(per_sample_loss(output, labels), labels.shape[0])
-            fields = {key: value for key, value in output.items() if key != "loss"}
-            if isinstance(output, ModelOutput):
-                return type(output)(loss=losses.sum(), **fields)
-            return {"loss": losses.sum(), **fields}
+            return with_loss(output, check_per_sample_losses(per_sample_loss(output, labels), labels.shape[0]).sum())
 
         return hook
 

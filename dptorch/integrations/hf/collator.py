@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import torch
 
-from dptorch.integrations.hf.losses import IGNORE_INDEX
+from dptorch.grad_sample.units.per_sample_losses import IGNORE_INDEX
 
 Example = Union[Mapping[str, Any], Sequence[int]]
 

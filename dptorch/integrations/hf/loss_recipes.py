@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer
 
 from dptorch.grad_sample.units.packed_loss import packed_loss
-from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
+from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
 
 ComputeLoss = Callable[..., Any]
 

@@ -82,7 +82,7 @@ from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
 from dptorch.integrations.hf.deepspeed import deepspeed_config, one_deepspeed_step_per_logical_batch
 from dptorch.integrations.hf.loss_recipes import choose_recipe
-from dptorch.integrations.hf.losses import PerSampleLoss
+from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
 from dptorch.integrations.hf.packing import PackingCollator, check_packing, packing_after_sampling, pad_token_id
 from dptorch.integrations.hf.phantom import PhantomBatch

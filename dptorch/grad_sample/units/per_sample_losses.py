@@ -31,17 +31,18 @@ def logits_of(outputs: Any) -> torch.Tensor:
     return outputs[0]
 
 
-def token_mean_per_sample(token_losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each row's mean over its own valid tokens (0 for a row without any)."""
+def token_mean_per_sample(token_losses: torch.Tensor, mask: torch.Tensor, per_unit: str = "mean") -> torch.Tensor:
+    """Each row's mean over its own valid tokens (0 for a row without any), or their sum (``per_unit="sum"``)."""
     mask = mask.to(token_losses.dtype)
-    return (token_losses * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+    sums = (token_losses * mask).sum(dim=1)
+    return sums if per_unit == "sum" else sums / mask.sum(dim=1).clamp(min=1.0)
 
 
 def token_per_sample_loss(
-    logits: torch.Tensor, labels: torch.Tensor, *, shift: bool, label_smoothing: float = 0.0
+    logits: torch.Tensor, labels: torch.Tensor, *, shift: bool, label_smoothing: float = 0.0, per_unit: str = "mean"
 ) -> torch.Tensor:
-    """Cross-entropy averaged over each row's target tokens: causal LM (``shift=True``), MLM or
-    token classification (``shift=False``). Labels of ``-100`` are ignored."""
+    """Cross-entropy averaged (or, ``per_unit="sum"``, summed) over each row's target tokens: causal LM
+    (``shift=True``), MLM or token classification (``shift=False``). Labels of ``-100`` are ignored."""
     if shift:
         logits, labels = logits[:, :-1, :], labels[:, 1:]
     labels = labels.to(logits.device)
@@ -52,7 +53,7 @@ def token_per_sample_loss(
         reduction="none",
         label_smoothing=label_smoothing,
     ).view(labels.shape)
-    return token_mean_per_sample(token_losses, labels != IGNORE_INDEX)
+    return token_mean_per_sample(token_losses, labels != IGNORE_INDEX, per_unit)
 
 
 def causal_lm_per_sample_loss(outputs: Any, labels: torch.Tensor, label_smoothing: float = 0.0) -> torch.Tensor:
@@ -81,15 +82,15 @@ def sequence_per_sample_loss(
 
 
 def default_per_sample_loss(
-    causal: bool, problem_type: Optional[str] = None, label_smoothing: float = 0.0
+    causal: bool, problem_type: Optional[str] = None, label_smoothing: float = 0.0, per_unit: str = "mean"
 ) -> PerSampleLoss:
-    """The per-sample loss for a model: token-level for (B, T, V) logits (shifted when ``causal``),
-    sequence-level for (B, C) logits."""
+    """The per-sample loss for a model: token-level for (B, T, V) logits (shifted when ``causal``; each row's
+    token mean, or sum with ``per_unit="sum"``), sequence-level for (B, C) logits."""
 
     def per_sample_loss(outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         logits = logits_of(outputs)
         if logits.dim() == 3 and labels.dim() == 2:
-            return token_per_sample_loss(logits, labels, shift=causal, label_smoothing=label_smoothing)
+            return token_per_sample_loss(logits, labels, shift=causal, label_smoothing=label_smoothing, per_unit=per_unit)
         if logits.dim() == 2:
             return sequence_per_sample_loss(logits, labels, problem_type, label_smoothing)
         raise ValueError(
@@ -110,3 +111,12 @@ def check_per_sample_losses(losses: Any, rows: int) -> torch.Tensor:
             "each row only (e.g. the mean over that row's tokens)"
         )
     return losses
+
+
+def with_loss(outputs: Any, loss: torch.Tensor) -> Any:
+    """``outputs`` of a model called without labels, with ``loss`` as its loss: a ModelOutput or dict rebuilt
+    with ``loss`` first (its place when the model computes it), a tuple with ``loss`` prepended."""
+    if isinstance(outputs, tuple):
+        return (loss, *outputs)
+    fields = {key: value for key, value in outputs.items() if key != "loss"}
+    return type(outputs)(loss=loss, **fields)
