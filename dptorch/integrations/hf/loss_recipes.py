@@ -24,6 +24,7 @@ from transformers import Trainer
 
 from dptorch.grad_sample.units.packed_loss import packed_loss
 from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
+from dptorch.integrations.hf.seq2seq import check_decoder_inputs_buildable, is_encoder_decoder, with_decoder_inputs
 
 ComputeLoss = Callable[..., Any]
 
@@ -61,12 +62,8 @@ class OutputsRecipe(LossRecipe):
         self.custom = custom  # the user's per_sample_loss_func (one loss per row: not for packed rows)
 
     def check(self, trainer: Trainer) -> None:
-        if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
-            raise ValueError(
-                "encoder-decoder models are not supported by the private trainer yet: it calls the model without "
-                "labels (to compute each sample's loss itself), and an encoder-decoder model builds its decoder inputs "
-                "from the labels, so its decoder would get none; use a decoder-only or encoder-only model"
-            )
+        if is_encoder_decoder(trainer.model):
+            check_decoder_inputs_buildable(trainer.model)
         if trainer.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func receives the batch's token count (num_items_in_batch) and returns a batch-level "
@@ -84,6 +81,8 @@ class OutputsRecipe(LossRecipe):
             )
         if self.causal:
             inputs["use_cache"] = False
+        elif is_encoder_decoder(trainer.model):  # called without labels: the decoder inputs come from each row's own
+            inputs = with_decoder_inputs(trainer.model, inputs, labels)
         outputs = model(**inputs)
         if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
             if self.custom:
