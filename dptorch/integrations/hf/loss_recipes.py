@@ -23,7 +23,13 @@ import torch
 from transformers import Trainer
 
 from dptorch.grad_sample.units.packed_loss import packed_loss
-from dptorch.integrations.hf.losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
+from dptorch.integrations.hf.losses import (
+    PerSampleLoss,
+    check_label_padding,
+    check_per_sample_losses,
+    default_per_sample_loss,
+    logits_of,
+)
 from dptorch.integrations.hf.seq2seq import check_decoder_inputs_buildable, is_encoder_decoder, with_decoder_inputs
 
 ComputeLoss = Callable[..., Any]
@@ -62,6 +68,7 @@ class OutputsRecipe(LossRecipe):
         self.custom = custom  # the user's per_sample_loss_func (one loss per row: not for packed rows)
 
     def check(self, trainer: Trainer) -> None:
+        check_label_padding(trainer.data_collator)
         if is_encoder_decoder(trainer.model):
             check_decoder_inputs_buildable(trainer.model)
         if trainer.compute_loss_func is not None:
