@@ -5,8 +5,9 @@ must be the sum over its privacy units of each unit's own loss. A recipe knows h
 from one trainer family, which settings of that family it must refuse, and which batch rows
 belong to which example:
 
-* :class:`OutputsRecipe` (``Trainer`` and subclasses that keep its ``compute_loss``): calls the
-  model without labels and sums a per-sample loss of its outputs (``per_sample_loss_func``).
+* :class:`OutputsRecipe` (``Trainer`` and subclasses that keep its ``compute_loss``, ``Seq2SeqTrainer``
+  included): calls the model without labels and sums a per-sample loss of its outputs
+  (``per_sample_loss_func``); an encoder-decoder model gets decoder inputs from each row's labels (:mod:`.seq2seq`).
 * :class:`SFTRecipe` (``trl.SFTTrainer``): the same, bypassing TRL's fused LM head and its
   batch-token normalisation.
 * :class:`PreferenceRecipe` (``trl.DPOTrainer``): TRL's own pair losses, un-averaged (times the
