@@ -179,9 +179,18 @@ def test_decoder_inputs_are_each_rows_own_labels_shifted():
     assert with_decoder_inputs(model, {"decoder_input_ids": given}, labels)["decoder_input_ids"] is given
 
 
-def test_labels_padded_with_a_token_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="label_pad_token_id"):
-        DPSeq2SeqTrainer(model=build("t5"), args=cpu_training_args(str(tmp_path), Seq2SeqTrainingArguments),
+class NoShift(T5ForConditionalGeneration):
+    prepare_decoder_input_ids_from_labels = None
+
+
+@pytest.mark.parametrize("model_cls, label_pad, message", [
+    (T5ForConditionalGeneration, 0, "pads labels with 0 .label_pad_token_id."),
+    (NoShift, -100, "without prepare_decoder_input_ids_from_labels"),
+])
+def test_set_ups_it_cannot_keep_per_sample_are_refused_at_construction(tmp_path, model_cls, label_pad, message):
+    with pytest.raises(ValueError, match=message):
+        DPSeq2SeqTrainer(model=model_cls(tiny_t5(TOKENIZER).config),
+                         args=cpu_training_args(str(tmp_path), Seq2SeqTrainingArguments),
                          train_dataset=place_dataset(TOKENIZER, 8),
-                         data_collator=DataCollatorForSeq2Seq(TOKENIZER, label_pad_token_id=TOKENIZER.pad_token_id),
+                         data_collator=DataCollatorForSeq2Seq(TOKENIZER, label_pad_token_id=label_pad),
                          privacy_args=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3))

@@ -17,15 +17,19 @@ from typing import Any, Dict
 import torch
 
 
+def _base(model: Any) -> Any:
+    """The model under a PEFT wrapper (``model`` itself without one)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def is_encoder_decoder(model: Any) -> bool:
     """Whether ``model`` (or the base model under a PEFT wrapper) is an encoder-decoder model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return bool(getattr(getattr(base, "config", None), "is_encoder_decoder", False))
+    return bool(getattr(getattr(_base(model), "config", None), "is_encoder_decoder", False))
 
 
 def check_decoder_inputs_buildable(model: Any) -> None:
-    """Raise before any step if ``model`` cannot build decoder inputs from labels (the batch must then hold them)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    """Raise before any step if ``model`` cannot build decoder inputs from labels."""
+    base = _base(model)
     if not callable(getattr(base, "prepare_decoder_input_ids_from_labels", None)):
         raise ValueError(
             f"{type(base).__name__} is an encoder-decoder model without prepare_decoder_input_ids_from_labels, so the "
@@ -38,8 +42,7 @@ def with_decoder_inputs(model: Any, inputs: Dict[str, Any], labels: torch.Tensor
     """``inputs`` for a forward without labels: ``decoder_input_ids`` (the batch's, else each row's own labels
     shifted by the model, row by row) and no key-value cache (training computes every position at once)."""
     if inputs.get("decoder_input_ids") is None and inputs.get("decoder_inputs_embeds") is None:
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        shift = base.prepare_decoder_input_ids_from_labels
+        shift = _base(model).prepare_decoder_input_ids_from_labels
         inputs["decoder_input_ids"] = torch.cat([shift(labels=row) for row in labels.split(1)])
     inputs["use_cache"] = False
     return inputs
