@@ -146,7 +146,7 @@ class Run:
         import torch
 
         from dptorch import packed_loss
-        from dptorch.integrations.hf.losses import causal_lm_per_sample_loss
+        from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss
         from dptorch.integrations.hf.sampling import UNIT_IDS_KEY
 
         start = time.perf_counter()
@@ -217,7 +217,7 @@ def mean_example_loss(model, examples: List[Dict[str, List[int]]], device: str, 
     """The next-token loss averaged over each example's own targets, then over the examples (no gradients)."""
     import torch
 
-    from dptorch.integrations.hf.losses import causal_lm_per_sample_loss
+    from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss
 
     losses = []
     with torch.no_grad():

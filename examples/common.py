@@ -78,6 +78,33 @@ def tiny_llama(tokenizer):
     return LlamaForCausalLM(config)
 
 
+def tiny_t5(tokenizer):
+    """A T5 encoder-decoder (relative position buckets, tied embedding and LM head), no dropout; decoding starts at
+    pad."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    return T5ForConditionalGeneration(config)
+
+
+def tiny_bart(tokenizer):
+    """A BART encoder-decoder (learned positions, layer norms after embedding), no dropout (BART applies it as a
+    function, out of reach of a module switch); decoding starts at EOS."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    config = BartConfig(
+        vocab_size=len(tokenizer), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=tokenizer.eos_token_id, forced_eos_token_id=None,
+    )
+    return BartForConditionalGeneration(config)
+
+
 def lm_dataset(tokenizer, count: int, seed: int = 0):
     """A ``datasets.Dataset`` of tokenized sentences (``input_ids``), each ending with EOS."""
     from datasets import Dataset
@@ -122,6 +149,19 @@ def sentiment_dataset(count: int, seed: int = 0):
     return Dataset.from_dict({"text": texts, "label": labels})
 
 
+def place_dataset(tokenizer, count: int, seed: int = 0):
+    """A seq2seq task: a sentence (``input_ids``) and where it happens (``labels``, 2 or 3 words and EOS),
+    e.g. "the cat finds a small bird by the lake ." -> "by the lake [EOS]"."""
+    from datasets import Dataset
+
+    rows: Dict[str, List[List[int]]] = {"input_ids": [], "labels": []}
+    for sentence in sentences(count, seed):
+        place = next(p for p in PLACES if sentence.endswith(f" {p} ."))
+        rows["input_ids"].append(tokenizer(sentence)["input_ids"])
+        rows["labels"].append(tokenizer(f"{place} {tokenizer.eos_token}")["input_ids"])
+    return Dataset.from_dict(rows)
+
+
 def minilm_path() -> str:
     """Local folder of the pretrained all-MiniLM-L6-v2 (BERT, 6 layers, 384 wide); offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -141,8 +181,9 @@ def output_folder(example: str) -> Iterator[str]:
         yield folder
 
 
-def cpu_training_args(output_dir: str, **overrides):
-    """TrainingArguments for a quick CPU run: no reporting, no progress bar, fp32."""
+def cpu_training_args(output_dir: str, arguments_class=None, **overrides):
+    """TrainingArguments (or ``arguments_class``, e.g. Seq2SeqTrainingArguments) for a quick CPU run: no
+    reporting, no progress bar, fp32."""
     from transformers import TrainingArguments
 
     settings = dict(
@@ -150,7 +191,7 @@ def cpu_training_args(output_dir: str, **overrides):
         save_strategy="no", learning_rate=5e-3, per_device_train_batch_size=8, max_steps=10,
     )
     settings.update(overrides)
-    return TrainingArguments(**settings)
+    return (arguments_class or TrainingArguments)(**settings)
 
 
 def prompt_completion_dataset(count: int, seed: int = 0):

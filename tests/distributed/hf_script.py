@@ -17,7 +17,8 @@ micro-batches of 1 unit per device on average (some empty on one rank, one on bo
 * ``sft``: ``private(trl.SFTTrainer)``, LoRA Llama; ``dpo``: ``private(trl.DPOTrainer)``, LoRA GPT-2,
   a user (2 examples, 4 rows) per privacy unit (its ``compute_loss`` gathers metrics over the ranks
   on every micro-batch); when TRL is installed;
-* ``ddp`` only: ``skipping``, the full run with empty micro-batches skipped instead of run as
+* ``ddp`` only: ``seq2seq``, ``private(Seq2SeqTrainer)`` on a T5 whose decoder inputs the trainer builds from each
+  row's labels; ``skipping``, the full run with empty micro-batches skipped instead of run as
   phantoms (DDP runs no collective per micro-batch); ``secret_seed``: the sampling seed of a trainer
   built without one (it must be rank 0's secret seed, broadcast); ``disagreeing``: the error of a
   trainer whose per-device batch size differs between the ranks.
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments  # noqa: E402
 
 from dptorch.distributed import ShardedNoise  # noqa: E402
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
@@ -50,10 +52,12 @@ from dptorch.integrations.hf.trainer import _find_dp_optimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     cpu_training_args,
     lm_dataset,
+    place_dataset,
     preference_dataset,
     text_dataset,
     tiny_gpt2,
     tiny_llama,
+    tiny_t5,
     without_dropout,
     word_tokenizer,
 )
@@ -180,6 +184,16 @@ def dp_trainer(output_dir: Path, tokenizer, mode: str, seed=SAMPLING_SEED, **tra
                              privacy_args=PrivacyArguments(sampling_seed=seed, **PRIVACY))
 
 
+def seq2seq_trainer(output_dir: Path, tokenizer):
+    """``private(Seq2SeqTrainer)`` on a T5 (no dropout), decoder inputs built by the trainer from the labels."""
+    torch.manual_seed(0)
+    args = cpu_training_args(str(output_dir), Seq2SeqTrainingArguments, **TRAINING)
+    return type("ObservedSeq2Seq", (Observed, private(Seq2SeqTrainer)), {})(
+        model=tiny_t5(tokenizer), args=args, train_dataset=place_dataset(tokenizer, ROWS),
+        data_collator=DataCollatorForSeq2Seq(tokenizer), privacy_args=PrivacyArguments(sampling_seed=SAMPLING_SEED,
+                                                                                         **PRIVACY))
+
+
 def trl_trainer(kind: str, output_dir: Path, tokenizer, mode: str):
     from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
@@ -278,6 +292,9 @@ def main(out: Path, mode: str) -> None:
         report["skipping"] = summary(skipping)
         report["secret_seed"] = dp_trainer(out / "secret", tokenizer, mode, seed=None)._dp_sampling_seed
         report["disagreeing"] = disagreeing_trainer(out / "disagreeing", tokenizer, mode, rank)
+        seq2seq = seq2seq_trainer(out / "seq2seq", tokenizer)
+        seq2seq.train()
+        report["seq2seq"] = summary(seq2seq)
     try:
         import trl  # noqa: F401
     except ImportError:

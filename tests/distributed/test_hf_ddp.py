@@ -82,7 +82,7 @@ def test_ranks_agree_and_epsilon_is_logged_once_from_rank_zero(hf_ddp):
     # 4 step logs and the summary; the resumed run restores the first 2 and logs 3 of its own
     assert len(first["full"]["logged"]) == 5 and first["resumed"]["logged"][:2] == first["full"]["logged"][:2]
     trl_runs = 5 + 5 if "sft" in first else 0
-    assert stdout.count("'epsilon'") == 5 + 3 + 5 + trl_runs  # full, resumed, skipping (SFT, DPO): rank 0 only
+    assert stdout.count("'epsilon'") == 5 + 3 + 5 + 5 + trl_runs  # full, resumed, skipping, seq2seq (SFT, DPO): rank 0 only
     assert first["full"]["logged"][-1] == pytest.approx(first["full"]["epsilon"])
     # the token count, gathered over the ranks for every micro-batch (0 for an empty one), counts real rows only
     assert first["full"]["tokens"] == sum(len(row) for r in reports for batch in r["full"]["seen"] for row in batch)
@@ -119,3 +119,18 @@ def test_ranks_with_another_per_device_batch_size_are_refused_with_one_message(h
     assert messages[0] == messages[1]
     assert "sample_rate: 0.125 on rank 0 vs 0.25 on rank 1" in messages[0]
     assert "per_device_train_batch_size" in messages[0]
+
+
+def test_seq2seq_trains_with_phantoms_and_the_ranks_agree(hf_ddp):
+    """private(Seq2SeqTrainer) on a T5 under DDP: one noise draw and all-reduced clipped sums (the same parameters on
+    both ranks), every empty micro-batch a phantom, the plan's epsilon for 4 steps."""
+    reports, _ = hf_ddp
+    first, second = (report["seq2seq"] for report in reports)
+    assert first["params"] == second["params"]
+    for report in reports:
+        run = report["seq2seq"]
+        assert run["phantoms"] == run["seen"].count([]) > 0 and run["steps"] == 4
+    plan = PrivacyPlan(noise_multiplier=reports[0]["noise_multiplier"], sample_rate=reports[0]["sample_rate"],
+                       num_units=len(reports[0]["rows"]), accountant="pld")
+    assert first["epsilon"] == second["epsilon"] == plan.epsilon_after(4, 1e-3)
+    assert len(first["logs"]) == 4 and all(h["loss"] > 0 for h in first["logs"])

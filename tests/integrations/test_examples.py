@@ -27,6 +27,7 @@ def load(name):
     "name, run",
     [
         ("trainer_causal_lm", lambda m: m.main(["--max_steps", "2", "--logging_steps", "1"])),
+        ("seq2seq", lambda m: m.main(["--max_steps", "2", "--logging_steps", "1"])),
         ("lora", lambda m: m.main(2)),
         ("sft", lambda m: m.main(2)),
         ("dpo", lambda m: m.main(2)),

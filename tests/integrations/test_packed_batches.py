@@ -5,7 +5,7 @@ import torch
 from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening
 
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY, PrivateCollate
 from tests.integrations.test_hf_trainer import TOKENIZER
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_llama, without_dropout

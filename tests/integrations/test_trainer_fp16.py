@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, DPTrainer, PrivacyArguments  # noqa: E402
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim import DPGradScaler, NonFiniteGradientWarning  # noqa: E402
 from tests.integrations.tiny import cpu_training_args, lm_dataset, tiny_gpt2, trainable_copy, word_tokenizer  # noqa: E402
 

@@ -11,7 +11,7 @@ from peft import LoraConfig, PeftModel  # noqa: E402
 from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
 from dptorch.integrations.hf import PrivacyArguments, private  # noqa: E402
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.integrations.hf.sampling import UNIT_IDS_KEY  # noqa: E402
 from tests.integrations.test_hf_trainer import TOKENIZER  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402

@@ -22,6 +22,9 @@ _spec.loader.exec_module(common)
 word_tokenizer = common.word_tokenizer
 tiny_gpt2 = common.tiny_gpt2
 tiny_llama = common.tiny_llama
+tiny_t5 = common.tiny_t5
+tiny_bart = common.tiny_bart
+place_dataset = common.place_dataset
 lm_dataset = common.lm_dataset
 text_dataset = common.text_dataset
 preference_dataset = common.preference_dataset
@@ -43,7 +46,8 @@ def trainable_copy(model):
 def clipped_unit_update(model, units, collate, per_sample_loss, clip, lr):
     """The batch-of-one reference of one noiseless step at q = 1: ``-lr * sum over units of
     clip(sum of the unit's row gradients) / number of units``, each row alone through a copy of
-    ``model`` (nothing shared with any other sample). ``units``: lists of rows for ``collate``."""
+    ``model`` (nothing shared with any other sample). ``units``: lists of rows for ``collate``;
+    ``per_sample_loss=None``: the model's own loss of the row alone (the labels go into the model)."""
     model = copy.deepcopy(model).train()
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
@@ -51,8 +55,11 @@ def clipped_unit_update(model, units, collate, per_sample_loss, clip, lr):
         model.zero_grad()
         for row in rows:
             batch = collate([row])
-            labels = batch.pop("labels")
-            per_sample_loss(model(**batch), labels).sum().backward()
+            if per_sample_loss is None:
+                model(**batch).loss.backward()
+            else:
+                labels = batch.pop("labels")
+                per_sample_loss(model(**batch), labels).sum().backward()
         grads = [p.grad.clone() for p in params]
         factor = min(1.0, clip / (torch.stack([g.norm() for g in grads]).norm().item() + 1e-6))
         total = [t + factor * g for t, g in zip(total, grads)]

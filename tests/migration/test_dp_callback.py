@@ -25,7 +25,7 @@ from dptorch.integrations.hf import (  # noqa: E402
     DPCallback,
     PrivacyArguments,
 )
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     clipped_unit_update,

@@ -20,7 +20,7 @@ import dptorch.integrations.hf as hf  # noqa: E402
 from dptorch.accounting import create_accountant, get_noise_multiplier  # noqa: E402
 from dptorch.integrations.hf import DataCollatorForPrivateCausalLanguageModeling, PrivacyArguments  # noqa: E402
 from dptorch.integrations.hf.dp_transformers_compat import units_from_author_mapping  # noqa: E402
-from dptorch.integrations.hf.losses import causal_lm_per_sample_loss  # noqa: E402
+from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
     clipped_unit_update,
     cpu_training_args,

@@ -101,6 +101,18 @@ def default_per_sample_loss(
     return per_sample_loss
 
 
+def check_label_padding(collator: Any) -> None:
+    """Refuse a collator that pads labels with a token instead of ``-100``: each row's loss would then average over
+    padding up to the batch's longest row, a length that depends on which other samples were drawn."""
+    pad = getattr(collator, "label_pad_token_id", IGNORE_INDEX)
+    if pad is not None and pad != IGNORE_INDEX:
+        raise ValueError(
+            f"the data collator pads labels with {pad} (label_pad_token_id), so each sample's loss would count "
+            "padding up to the longest sample drawn with it, and its gradient would depend on the other samples; "
+            f"pad labels with {IGNORE_INDEX} (the collator's default)"
+        )
+
+
 def check_per_sample_losses(losses: Any, rows: int) -> torch.Tensor:
     """``losses`` if it has one entry per row; else the error that explains the contract."""
     if not isinstance(losses, torch.Tensor) or losses.shape != (rows,):

@@ -5,8 +5,9 @@ must be the sum over its privacy units of each unit's own loss. A recipe knows h
 from one trainer family, which settings of that family it must refuse, and which batch rows
 belong to which example:
 
-* :class:`OutputsRecipe` (``Trainer`` and subclasses that keep its ``compute_loss``): calls the
-  model without labels and sums a per-sample loss of its outputs (``per_sample_loss_func``).
+* :class:`OutputsRecipe` (``Trainer`` and subclasses that keep its ``compute_loss``, ``Seq2SeqTrainer``
+  included): calls the model without labels and sums a per-sample loss of its outputs
+  (``per_sample_loss_func``); an encoder-decoder model gets decoder inputs from each row's labels (:mod:`.seq2seq`).
 * :class:`SFTRecipe` (``trl.SFTTrainer``): the same, bypassing TRL's fused LM head and its
   batch-token normalisation.
 * :class:`PreferenceRecipe` (``trl.DPOTrainer``): TRL's own pair losses, un-averaged (times the
@@ -23,7 +24,14 @@ import torch
 from transformers import Trainer
 
 from dptorch.grad_sample.units.packed_loss import packed_loss
-from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss, check_per_sample_losses, default_per_sample_loss, logits_of
+from dptorch.grad_sample.units.per_sample_losses import (
+    PerSampleLoss,
+    check_label_padding,
+    check_per_sample_losses,
+    default_per_sample_loss,
+    logits_of,
+)
+from dptorch.integrations.hf.seq2seq import check_decoder_inputs_buildable, is_encoder_decoder, with_decoder_inputs
 
 ComputeLoss = Callable[..., Any]
 
@@ -61,12 +69,9 @@ class OutputsRecipe(LossRecipe):
         self.custom = custom  # the user's per_sample_loss_func (one loss per row: not for packed rows)
 
     def check(self, trainer: Trainer) -> None:
-        if getattr(getattr(trainer.model, "config", None), "is_encoder_decoder", False):
-            raise ValueError(
-                "encoder-decoder models are not supported by the private trainer yet: it calls the model without "
-                "labels (to compute each sample's loss itself), and an encoder-decoder model builds its decoder inputs "
-                "from the labels, so its decoder would get none; use a decoder-only or encoder-only model"
-            )
+        check_label_padding(trainer.data_collator)
+        if is_encoder_decoder(trainer.model):
+            check_decoder_inputs_buildable(trainer.model)
         if trainer.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func receives the batch's token count (num_items_in_batch) and returns a batch-level "
@@ -84,6 +89,8 @@ class OutputsRecipe(LossRecipe):
             )
         if self.causal:
             inputs["use_cache"] = False
+        elif is_encoder_decoder(trainer.model):  # called without labels: the decoder inputs come from each row's own
+            inputs = with_decoder_inputs(trainer.model, inputs, labels)
         outputs = model(**inputs)
         if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
             if self.custom:
