@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from dptorch.accounting import get_noise_multiplier
 from dptorch.accounting.tuning import POISSON, trial_count
 from dptorch.engine import PrivacyEngine
 from dptorch.tuning import (
@@ -127,3 +128,14 @@ def test_scores_that_are_not_numbers_never_win_and_maximize_picks_the_largest():
 def test_a_plain_report_says_the_selection_is_not_accounted():
     line = tuning_summary({"per_trial_epsilon": 2.0, "delta": DELTA, "selection_accounted": False})
     assert "per trial" in line and SELECTION_NOT_ACCOUNTED in line
+
+
+def test_the_worked_example_of_the_docs():
+    """docs/choosing-hyperparameters.md: trials like the example's run (q = 0.064, 48 steps) at epsilon 4 release
+    the best of a logarithmic K of mean 20 at 7.728; trials at target_epsilon=4.1 release within 8."""
+    def release(per_trial_target):
+        sigma = get_noise_multiplier(target_epsilon=per_trial_target, target_delta=1e-5, sample_rate=0.064, steps=48)
+        return selection_report([(sigma, 0.064, 48)], expected_trials=20, shape=0, delta=1e-5)["epsilon"]
+
+    assert round(release(4.0), 3) == 7.728
+    assert 7.9 < release(4.1) <= 8.0
