@@ -135,3 +135,16 @@ def test_a_plain_search_says_its_epsilon_is_per_trial(tmp_path):
     report = trainer.tuning_report
     assert report["selection_accounted"] is False and report["trials"] == 2 and len(models) == 3
     assert report["per_trial_epsilon"] == pytest.approx(2.0, abs=0.05)
+
+
+def test_model_init_is_refused_on_several_processes_only():
+    from tests.distributed.test_parts import fake_trainer
+
+    from dptorch.integrations.hf.checks import setup_problems
+
+    privacy = PrivacyArguments(noise_multiplier=1.0)
+    for world_size, refused in ((1, False), (2, True)):
+        trainer = fake_trainer(world_size=world_size)
+        trainer.model_init = lambda: None
+        problems = setup_problems(trainer, privacy)
+        assert any("model_init" in p for p in problems) == refused
