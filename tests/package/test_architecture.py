@@ -28,6 +28,7 @@ ORDER = [
     "optim",
     "validate",
     "engine",
+    "tuning",
     "auditing",
     "compat",
     "integrations",

@@ -66,8 +66,9 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "fp16 on several processes is not supported yet (one process is: its GradScaler is replaced by a "
          "DPGradScaler, with a fixed scale and no skipped step); the fixed-scale path across DDP or FSDP2 ranks is "
          "untested. Use bf16 (supported everywhere) or fp32, or fp16 on one process"),
-        (trainer.model_init is not None,
-         "model_init is not supported: it builds a new model in train(), after the hooks attached; pass model="),
+        (trainer.model_init is not None and (args.world_size > 1 or deepspeed_config(trainer) is not None),
+         "model_init (a new model, and a new private run, at each train(): hyperparameter_search) is supported on "
+         "one process without DeepSpeed; pass model= there"),
         (args.auto_find_batch_size,
          "auto_find_batch_size changes the batch size, hence the sampling rate, mid-run; set the batch size yourself"),
         (args.neftune_noise_alpha is not None,

@@ -20,6 +20,7 @@ wraps the model: ``trainer.model`` stays the user's object (a ``PeftModel`` stay
 * ``train``: after the parent's, the privacy report goes into the last log entry (and
   ``trainer_state.json``) and one info line; ``_save`` / ``create_model_card``: the report goes into
   the saved model card (``README.md``, :mod:`dptorch.accounting.report`), PEFT's adapter card included.
+* ``model_init`` / ``hyperparameter_search`` (:mod:`.tuning`): a new private run per model; the search's privacy.
 * ``log``: adds ``epsilon``. ``_save_checkpoint`` / ``_load_optimizer_and_scheduler``: the
   privacy plan's state (accountant history, steps) and the sampling seed travel with Trainer
   checkpoints (the DP optimizer's accumulator and noise generator travel inside ``optimizer.pt``;
@@ -94,6 +95,7 @@ from dptorch.integrations.hf.sampling import (
     SamplingPlan,
     is_empty_batch,
 )
+from dptorch.integrations.hf.tuning import PrivateSearchMixin
 from dptorch.integrations.hf.units import PrivacyUnits
 from dptorch.noise import NoiseGenerator, secure_seed
 from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
@@ -112,7 +114,7 @@ PRIVACY_STATE_NAME = "dp_privacy_state.pt"
 _STATE_VERSION = 2
 
 
-class PrivateTrainerMixin:
+class PrivateTrainerMixin(PrivateSearchMixin):
     """DP-SGD for a ``transformers.Trainer`` subclass; see the module docstring.
 
     Extra constructor arguments: ``privacy_args`` (required, :class:`PrivacyArguments`) and
