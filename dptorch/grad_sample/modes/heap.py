@@ -5,9 +5,9 @@ is freed. By default the threshold is dynamic: each such free raises it to the f
 to 32 MiB on 64-bit), so later blocks below it come from the heap, whose freed memory the process
 keeps. A private step allocates blocks of sizes a plain step does not (float64 norm temporaries,
 per-sample gradients, clipped sums); the threshold climbs with them and the heap grows for several
-steps. Measured through ``make_private`` with a DP loader (narrow untied GPT-2, B 16, T 128, bk, 2
-threads): peak RSS 1,352 MB with the dynamic threshold against the plain step's 1,064 MB; 1,133 MB
-with the threshold fixed at 8 MiB, flat from the second step (docs/performance.md).
+steps. Measured through ``make_private`` with a DP loader (bk, B 16, T 128, 2 threads, 8 steps): peak
+RSS 1.16-1.31x the plain step's with the dynamic threshold, 0.95-1.00x with the threshold fixed at
+1 MiB, flat after the first steps (docs/performance.md, "Memory through the engine").
 
 Fixing the threshold (``mallopt(M_MMAP_THRESHOLD)``, which also ends the dynamic adjustment) is a
 setting of the whole process, so it is made once, only on Linux with glibc, and never where the
@@ -21,7 +21,7 @@ import os
 import sys
 
 #: Blocks of at least this size are mmapped and given back when freed (glibc's ``M_MMAP_THRESHOLD``).
-MMAP_THRESHOLD = 8 * 2**20
+MMAP_THRESHOLD = 2**20
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 _fixed = False
 
