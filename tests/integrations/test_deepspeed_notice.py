@@ -1,0 +1,35 @@
+"""DeepSpeed's "Setting accelerator to CPU" notice stays out of a Trainer run on a CPU-only machine."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None:
+    pytest.skip("needs DeepSpeed and transformers (dptorch[hf,deepspeed])", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = (
+    "import torch\n"
+    "from transformers import Trainer, TrainingArguments\n"
+    "Trainer(model=torch.nn.Linear(2, 2), args=TrainingArguments(output_dir='{out}', use_cpu=True, report_to=[]))\n"
+    "import deepspeed.utils\n"
+    "deepspeed.utils.logger.warning('another DeepSpeed warning')\n"
+)
+
+
+def _stderr(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="the notice is left out only where torch sees no accelerator")
+def test_the_notice_is_left_out_and_other_deepspeed_messages_are_not(tmp_path):
+    plain = _stderr(TRAINER.format(out=tmp_path))
+    assert "Setting accelerator to CPU" in plain  # what a user saw in every Trainer run
+    quiet = _stderr("import dptorch.integrations.hf\n" + TRAINER.format(out=tmp_path))
+    assert "Setting accelerator to CPU" not in quiet and "another DeepSpeed warning" in quiet
