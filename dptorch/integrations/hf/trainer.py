@@ -81,6 +81,7 @@ from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
 from dptorch.integrations.hf.deepspeed import deepspeed_config, one_deepspeed_step_per_logical_batch
+from dptorch.integrations.hf.model_card import write_private_model_card
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.integrations.hf.losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
@@ -100,7 +101,7 @@ from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, SamplingMismatchError, check_delta_for_units
-from dptorch.accounting.report import privacy_report, write_model_card
+from dptorch.accounting.report import privacy_report
 
 logger = logging.get_logger(__name__)
 
@@ -594,13 +595,13 @@ class PrivateTrainerMixin:
             if shown:
                 logging.enable_progress_bar()
         if self.privacy_plan is not None and self.args.should_save:
-            write_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
+            write_private_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's model card, with the privacy report added."""
         super().create_model_card(*args, **kwargs)
         if self.privacy_plan is not None and self.args.should_save:
-            write_model_card(self.args.output_dir, self.privacy_report())
+            write_private_model_card(self.args.output_dir, self.privacy_report())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.args.should_save and self.privacy_budget is not None:
