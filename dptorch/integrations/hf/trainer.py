@@ -80,8 +80,13 @@ from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
-from dptorch.integrations.hf.deepspeed import deepspeed_config, one_deepspeed_step_per_logical_batch
+from dptorch.integrations.hf.deepspeed import (
+    clip_each_unit_only,
+    deepspeed_config,
+    one_deepspeed_step_per_logical_batch,
+)
 from dptorch.integrations.hf.model_card import write_private_model_card
+from dptorch.integrations.hf.loss_func_recipe import with_compute_loss_func
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.integrations.hf.losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
@@ -150,7 +155,9 @@ class PrivateTrainerMixin:
         check_setup(self, privacy_args)
         if deepspeed_config(self) is not None:  # the Trainer's accumulation splits the logical batch, not DeepSpeed's
             one_deepspeed_step_per_logical_batch(deepspeed_config(self), self.args)
-        self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
+            clip_each_unit_only(deepspeed_config(self), self.args, privacy_args.per_sample_max_grad_norm)
+        recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
+        self._dp_recipe = with_compute_loss_func(recipe, self)
         self._dp_recipe.check(self)
         if packing is not None:
             check_packing(self, privacy_args, per_sample_loss_func)
