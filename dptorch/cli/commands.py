@@ -26,27 +26,15 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from dptorch import __version__  # the root package: __version__ and lazy public names only
-from dptorch.accounting import (
-    ACCOUNTANTS,
-    DEFAULT_ACCOUNTANT,
-    check_accountant_name,
-    create_accountant,
-    epsilon_curve,
-    get_noise_multiplier,
-    steps_for_epochs,
-)
-from dptorch.accounting.validation import (
-    check_delta_for_units,
-    check_epsilon,
-    check_non_negative,
-    check_noise_multiplier,
-    check_positive,
-    check_sample_rate,
-    check_steps,
-)
 
 PROG = "dptorch"
 USAGE_ERROR = 2
+
+#: The accountants' names as the help texts show them. The accountants themselves (and scipy,
+#: dp_accounting) load only when a command computes, so that ``--help`` and ``--version`` start
+#: at once; tests/test_cli_startup.py checks these names against ``dptorch.accounting.ACCOUNTANTS``.
+ACCOUNTANTS = ("pld", "prv", "rdp", "gdp")
+DEFAULT_ACCOUNTANT = "pld"
 
 
 class CommandError(Exception):
@@ -93,6 +81,7 @@ def _accountant_label(name: str) -> str:
 
 def _accountant_list(values: Optional[List[str]]) -> List[str]:
     """Names from repeated and/or comma-separated ``--accountant`` options, in order, deduplicated."""
+    from dptorch.accounting import check_accountant_name  # start-up time
     names: List[str] = []
     for value in values or [DEFAULT_ACCOUNTANT]:
         for part in value.split(","):
@@ -122,6 +111,8 @@ def _add_dataset_size_option(parser: argparse.ArgumentParser) -> None:
 
 def _steps(args: argparse.Namespace, q: float) -> int:
     """The steps of ``--steps``, or of ``--epochs`` at rate q (the calibration's rule)."""
+    from dptorch.accounting import steps_for_epochs  # start-up time
+    from dptorch.accounting.validation import check_positive, check_steps  # start-up time
     if args.steps is not None:
         return check_steps(args.steps, "--steps")
     return steps_for_epochs(check_positive(args.epochs, "--epochs"), q)
@@ -129,6 +120,7 @@ def _steps(args: argparse.Namespace, q: float) -> int:
 
 def _delta(args: argparse.Namespace, q: float) -> float:
     """``--delta`` checked as the engine checks it: in (0, 1) and below 1/N (N >= 1/q without ``--dataset-size``)."""
+    from dptorch.accounting.validation import check_delta_for_units  # start-up time
     size = args.dataset_size
     if size is not None and size < 1:
         raise ValueError(f"--dataset-size must be a whole number >= 1, got {size}")
@@ -137,6 +129,7 @@ def _delta(args: argparse.Namespace, q: float) -> float:
 
 def _epsilon(name: str, sigma: float, q: float, steps: int, delta: float) -> float:
     """Epsilon of ``steps`` steps at (sigma, q): 0 without steps, infinite without noise (as the plan says)."""
+    from dptorch.accounting import create_accountant  # start-up time
     if steps == 0:
         return 0.0
     if sigma == 0:
@@ -181,6 +174,8 @@ def add_epsilon_command(subparsers: Any) -> None:
 
 
 def run_epsilon(args: argparse.Namespace) -> int:
+    from dptorch.accounting import epsilon_curve  # start-up time
+    from dptorch.accounting.validation import check_non_negative, check_sample_rate  # start-up time
     sigma = check_non_negative(args.noise_multiplier, "--noise-multiplier")
     q = check_sample_rate(args.sample_rate, "--sample-rate")
     steps = _steps(args, q)
@@ -303,6 +298,8 @@ def add_noise_command(subparsers: Any) -> None:
 
 
 def run_noise(args: argparse.Namespace) -> int:
+    from dptorch.accounting import check_accountant_name, get_noise_multiplier  # start-up time
+    from dptorch.accounting.validation import check_epsilon, check_positive, check_sample_rate  # start-up time
     target = check_epsilon(args.target_epsilon, "--target-epsilon")
     q = check_sample_rate(args.sample_rate, "--sample-rate")
     delta = _delta(args, q)
@@ -449,6 +446,10 @@ def add_audit_command(subparsers: Any) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
+    from dptorch.accounting import check_accountant_name  # start-up time
+    from dptorch.accounting.validation import (  # start-up time
+        check_delta_for_units, check_noise_multiplier, check_positive, check_sample_rate, check_steps,
+    )
     from dptorch.auditing import audit_dp_sgd, plot_audit  # here: start-up time (it loads the engine and torch)
 
     sigmas = [check_noise_multiplier(float(part), "--noise-multiplier")

@@ -18,11 +18,17 @@ the per-step counts, MAX) and every rank pads each logical step with empty physi
 the largest count; an empty physical batch adds no sample and no gradient, but it runs forward and
 backward like the others. Every rank then has the same number of physical batches per step.
 
-Length: at the start of each epoch (or on ``plan_epoch()``) the manager first draws all logical
-index lists of the epoch from the underlying batch sampler (indices only, cheap), then splits
-them. From then on ``len()`` is exact for that epoch, until the next epoch is planned. Before
-the first plan, ``len()`` is the estimate ``steps * max(1, ceil(E[batch] / max_physical))``.
-Call ``plan_epoch()`` before building a progress bar to get the exact count.
+Length: the number of physical batches of a Poisson epoch is random (each draw's size is), so no
+formula gives it; it is known once the epoch is drawn. The manager draws all logical index lists
+of an epoch from the underlying batch sampler (indices only, cheap) when the epoch's pass starts,
+on ``plan_epoch()``, or when ``len()`` is asked between passes, and then splits them; the pass
+replays exactly that plan. So ``len()`` is exact: the physical batches of the pass under way, or
+of the next one (a progress bar built from it ends at 100%). Drawing early changes no draw and no
+accounting: a draw is accounted when its first physical batch is handed to the loop, and a plan
+dropped by ``set_epoch`` to another epoch hands nothing out. Distributed, planning is a collective
+(the ranks agree on their counts), so ``len()`` cannot plan on one rank alone: there, before the
+epoch is planned, it is the estimate ``steps * max(1, ceil(E[batch] / max_physical))``; call
+``plan_epoch()`` on every rank first for the exact count.
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ class PhysicalBatchLoader:
         self._plan: Optional[List[Tuple[List[int], bool]]] = None
         self._opens: List[Optional[Tuple[Optional[int], int]]] = []  # per physical batch: (draw, size) it opens
         self._plan_is_fresh = False
+        self._passing = False  # a pass over the current plan is under way
         self._planned_epoch: Optional[int] = None
 
     def plan_epoch(self) -> int:
@@ -159,8 +166,12 @@ class PhysicalBatchLoader:
         return len(self._plan)
 
     def __len__(self) -> int:
-        if self._plan is not None:
+        """The physical batches of the pass under way or of the next one, exact (the next epoch is
+        planned now if it is not yet); distributed and not yet planned, an estimate (module docstring)."""
+        if self._plan is not None and (self._plan_is_fresh or self._passing):
             return len(self._plan)
+        if not self.distributed:
+            return self.plan_epoch()
         return estimated_num_physical_batches(
             len(self.logical_loader.batch_sampler), self._expected_batch_size(), self.max_physical_batch_size
         )
@@ -188,14 +199,18 @@ class PhysicalBatchLoader:
         self._planned.batches = [indices for indices, _ in plan]
         hand_out = getattr(self.logical_loader, "hand_out", None)
         batches = iter(self._physical_loader)
-        for (_, closes_logical), opened in zip(plan, opens):
-            batch = next(batches)
-            if opened is not None and hand_out is not None:
-                hand_out(*opened)  # the first physical batch of a logical one: one Poisson draw
-            self.optimizer.signal_skip_step(do_skip=not closes_logical)
-            drawn.hand_out(batch)
-            yield batch
-        drawn.hand_out(())  # the pass is over
+        self._passing = True
+        try:
+            for (_, closes_logical), opened in zip(plan, opens):
+                batch = next(batches)
+                if opened is not None and hand_out is not None:
+                    hand_out(*opened)  # the first physical batch of a logical one: one Poisson draw
+                self.optimizer.signal_skip_step(do_skip=not closes_logical)
+                drawn.hand_out(batch)
+                yield batch
+            drawn.hand_out(())  # the pass is over
+        finally:
+            self._passing = False
 
 
 class BatchMemoryManager:
@@ -206,7 +221,8 @@ class BatchMemoryManager:
     usual loop (``backward(); optimizer.step(); optimizer.zero_grad()``) adds noise and steps
     once per logical batch. An empty logical batch gives one empty physical batch (its step
     still happens). ``data_loader`` is any map-style DataLoader with a batch sampler, typically
-    a ``DPDataLoader``. See the module docstring for how ``len()`` is computed.
+    a ``DPDataLoader``. ``len()`` is the exact number of physical batches of the next pass (the
+module docstring says how, and what it is distributed).
 
     ``distributed`` (default: whether the loader's batch sampler has ``world_size > 1``, as a
     ``DPDataLoader(distributed=True)`` has) pads every rank's logical steps with empty physical

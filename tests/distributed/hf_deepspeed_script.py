@@ -158,6 +158,10 @@ def main(out: Path) -> None:
     report = {"zero1": trained(zero1), "refused-second-train": refusal(zero1.train)}
     zero2 = ds_trainer(out / "zero2", tokenizer, config(2))
     report["zero2"] = trained(zero2)
+    # "gradient_clipping": "auto" with the default max_grad_norm=1.0: the private Trainer ignores max_grad_norm
+    # as under DDP and sets DeepSpeed's clipping to 0
+    auto = ds_trainer(out / "auto-clipping", tokenizer, config(2), max_grad_norm=1.0, save_strategy="no")
+    report["auto-clipping"] = dict(trained(auto), clipping=auto.model_wrapped.gradient_clipping())
     report["checkpoint"] = sorted(os.listdir(out / "zero2" / "checkpoint-2"))
     report["resumed"] = trained(ds_trainer(out / "resumed", tokenizer, config(2)),
                                 resume_from_checkpoint=str(out / "zero2" / "checkpoint-2"))
@@ -186,7 +190,7 @@ def main(out: Path) -> None:
         "refused-zero3-granularity": refusal(ds_trainer, out / "r3", tokenizer, config(
             3, zero_optimization={"stage": 3, "stage3_module_granularity_threshold": 1000})),
         "refused-stage0": refusal(ds_trainer, out / "r0", tokenizer, config(0)),
-        "refused-clipping": refusal(ds_trainer, out / "rc", tokenizer, config(2), max_grad_norm=1.0),
+        "refused-clipping": refusal(ds_trainer, out / "rc", tokenizer, config(2, gradient_clipping=1.0)),
         "refused-offload": refusal(ds_trainer, out / "ro", tokenizer, config(
             2, zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})),
         "refused-fp16": refusal(ds_trainer, out / "rf", tokenizer,

@@ -120,7 +120,7 @@ def test_bf16_zero_ends_where_fp32_ddp_ends_to_bf16_rounding(hf_deepspeed, hf_dd
 @pytest.mark.parametrize("name, words", [
     ("refused-zero3-granularity", ["stage3_module_granularity_threshold", "leaf modules", "remove it"]),
     ("refused-stage0", ["ZeRO stage 0", "DDP"]),
-    ("refused-clipping", ['"gradient_clipping" is 1.0', "max_grad_norm=0", "noised gradient"]),
+    ("refused-clipping", ['"gradient_clipping" is 1.0', "noised gradient", '"gradient_clipping": "auto" or 0']),
     ("refused-offload", ["offload_optimizer", "remove the offload"]),
     ("refused-fp16", ["fp16", "bf16=True"]),
 ])
@@ -128,6 +128,16 @@ def test_unsupported_set_ups_are_refused_at_construction_on_every_rank(hf_deepsp
     for report in hf_deepspeed:
         assert report[name].startswith("cannot train privately"), report[name]
         assert all(word in report[name] for word in words), report[name]
+
+
+def test_gradient_clipping_auto_is_the_private_trainer_s_per_sample_clipping(hf_deepspeed):
+    """HF's documented DeepSpeed configs write "auto" and max_grad_norm defaults to 1.0: DeepSpeed's clipping becomes 0
+    (max_grad_norm is ignored as under DDP) and the run is the max_grad_norm=0 run, step for step."""
+    for report in hf_deepspeed:
+        got, expected = report["auto-clipping"], report["zero2"]
+        assert got["clipping"] == 0 and got["global_steps"] == expected["global_steps"]
+        assert got["logged"] == expected["logged"]
+        assert_close_params(got["params"], expected["params"], rtol=0, atol=0)
 
 
 def test_a_zero3_full_fine_tune_ends_where_the_ddp_full_fine_tune_ends(hf_deepspeed):

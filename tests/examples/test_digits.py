@@ -3,6 +3,8 @@
 import re
 from pathlib import Path
 
+import pytest
+
 from dptorch.cli.examples import digits
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -31,19 +33,52 @@ def test_private_cnn_on_digits_reaches_reported_accuracy_and_epsilon(capsys):
     assert report["non_private_accuracy"] > 0.95
 
 
-def test_plots_flag_writes_the_three_pictures(tmp_path, capsys):
+def test_plots_flag_writes_the_four_pictures_and_the_accuracy_of_each_epoch(tmp_path, capsys):
     report = digits.main(["--epochs", "2", "--plots", str(tmp_path)])
-    assert f"pictures in {tmp_path}/: epsilon.png, loss.png, clipped_fraction.png" in capsys.readouterr().out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["clipped_fraction.png", "epsilon.png", "loss.png"]
-    private = report["histories"]["private"]
+    pictures = "epsilon.png, loss.png, test_accuracy.png, clipped_fraction.png"
+    assert f"pictures in {tmp_path}/: {pictures}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(pictures.split(", "))
+    private, non_private = report["histories"]["private"], report["histories"]["non_private"]
     assert private.steps == report["steps"] == 24 and len(private.epsilon) == 24
+    # both runs start from the same initialisation: the same accuracy before training
+    assert [epoch for epoch, _ in private.test_accuracy] == [epoch for epoch, _ in non_private.test_accuracy] == [0, 1, 2]
+    assert private.test_accuracy[0] == non_private.test_accuracy[0]
+    assert private.test_accuracy[-1][1] == report["private_accuracy"]
+    assert non_private.test_accuracy[-1][1] == report["non_private_accuracy"]
 
 
 def test_no_baseline_skips_the_non_private_run_and_the_mode_is_reported(tmp_path, capsys):
     report = digits.main(["--epochs", "2", "--no-baseline", "--plots", str(tmp_path)])
     out = capsys.readouterr().out
     assert "non-private not run (--no-baseline)" in out and "per-sample gradients bk" in out
-    assert f"pictures in {tmp_path}/: epsilon.png, loss.png, clipped_fraction.png" in out
+    assert f"pictures in {tmp_path}/: epsilon.png, loss.png, test_accuracy.png, clipped_fraction.png" in out
     assert report["non_private_accuracy"] is None and report["non_private_seconds"] is None
     assert report["histories"]["non_private"].steps == 0 and report["grad_sample_mode"] == "bk"
     assert len(report["histories"]["private"].epsilon) == 24
+
+
+def test_privacy_flags_are_checked_by_their_names_before_training(monkeypatch, capsys):
+    monkeypatch.setattr(digits, "run", lambda **_: pytest.fail("the example trained despite a bad flag"))
+    for flags, named in ((["--epsilon", "-1"], "--epsilon"), (["--delta", "0.01"], "--delta"),
+                         (["--epochs", "0"], "--epochs"), (["--batch-size", "0"], "--batch-size")):
+        with pytest.raises(SystemExit) as exit_request:
+            digits.main(flags)
+        assert exit_request.value.code == 2
+        error = capsys.readouterr().err
+        assert f"error: {named}" in error and "target_" not in error
+
+
+def test_the_baseline_leaves_the_private_run_s_random_draws_alone():
+    import random
+
+    import numpy as np
+    import torch
+
+    from dptorch.cli.examples.random_state import global_generators_kept
+
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    expected = torch.rand(3), np.random.rand(), random.random()
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    with global_generators_kept():
+        torch.rand(5), np.random.rand(2), random.random()
+    assert torch.equal(torch.rand(3), expected[0]) and (np.random.rand(), random.random()) == expected[1:]

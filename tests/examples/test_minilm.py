@@ -47,4 +47,37 @@ def test_private_fine_tuning_learns_at_the_reported_epsilon_and_draws_the_pictur
     for path in report["pictures"]:
         with open(path, "rb") as picture:
             assert picture.read(8) == PNG_SIGNATURE
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["clipped_fraction.png", "epsilon.png", "loss.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "clipped_fraction.png", "epsilon.png", "loss.png", "test_accuracy.png"]
+    assert [epoch for epoch, _ in private.test_accuracy] == [epoch for epoch, _ in non_private.test_accuracy] == [0, 1, 2]
+    assert private.test_accuracy[0] == non_private.test_accuracy[0]  # the same initialisation
+    assert private.test_accuracy[-1][1] == report["private_accuracy"]
+    assert non_private.test_accuracy[-1][1] == report["non_private_accuracy"]
+
+
+def test_privacy_flags_are_checked_by_their_names_before_anything_loads(monkeypatch, capsys):
+    monkeypatch.setattr(minilm, "run", lambda **_: pytest.fail("the example started despite a bad flag"))
+    for flags, named in ((["--epsilon", "-1"], "--epsilon"), (["--delta", "0.001"], "--delta"),
+                         (["--max-grad-norm", "0"], "--max-grad-norm"), (["--lr", "0"], "--lr"),
+                         (["--threads", "-1"], "--threads")):
+        with pytest.raises(SystemExit) as exit_request:
+            minilm.main(flags)
+        assert exit_request.value.code == 2
+        error = capsys.readouterr().err
+        assert f"error: {named}" in error and "target_" not in error
+
+
+def test_the_private_trainer_s_own_checks_run_before_the_baseline_trains(monkeypatch):
+    monkeypatch.setattr(minilm, "fit", lambda *_, **__: pytest.fail("a run trained before the refusal"))
+    with pytest.raises(ValueError, match="needs bands"):
+        minilm.main(["--train-size", "40", "--test-size", "10", "--noise-mechanism", "bandmf", "--bands", "0"])
+
+
+def test_both_examples_offer_every_mode_and_explain_threads_zero():
+    from dptorch.cli.examples import digits
+    from dptorch.grad_sample.modes.auto import MODES
+
+    for parser in (digits.build_parser(), minilm.build_parser()):
+        mode = next(action for action in parser._actions if action.dest == "mode")
+        assert tuple(mode.choices) == MODES and "ghost" in mode.choices
+        assert "0: the CPUs idle now" in " ".join(parser.format_help().split())

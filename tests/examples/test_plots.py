@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from dptorch.cli.examples.plots import RunHistory, format_report, moving_average, save_pictures
+from dptorch.cli.examples.plots import format_report
+from dptorch.cli.plots import RunHistory, moving_average, save_pictures
 
 pytest.importorskip("matplotlib")
 
@@ -29,6 +30,11 @@ def test_pictures_are_png_files(tmp_path):
         non_private.record(loss=1 / step)
     paths = save_pictures(str(tmp_path / "pictures"), private, non_private, delta=1e-5, target_epsilon=2.0)
     assert [p.rsplit("/", 1)[1] for p in paths] == ["epsilon.png", "loss.png", "clipped_fraction.png"]
+    for epoch in range(3):
+        private.record_test_accuracy(epoch, 0.5 + 0.1 * epoch)
+    paths = save_pictures(str(tmp_path / "pictures"), private, delta=1e-5)  # a loop without a baseline
+    assert [p.rsplit("/", 1)[1] for p in paths] == ["epsilon.png", "loss.png", "test_accuracy.png",
+                                                    "clipped_fraction.png"]
     for path in paths:
         with open(path, "rb") as picture:
             assert picture.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -65,7 +71,7 @@ def test_report_without_the_baseline_and_with_the_mode():
 
 
 def test_the_loss_picture_explains_the_private_curve_and_draws_without_a_baseline(tmp_path, monkeypatch):
-    from dptorch.cli.examples import plots
+    from dptorch.cli import plots
 
     texts = []
     monkeypatch.setattr(plots, "_save", lambda figure, path: texts.extend(t.get_text() for t in figure.texts))
@@ -77,7 +83,7 @@ def test_the_loss_picture_explains_the_private_curve_and_draws_without_a_baselin
 
 
 def test_the_clipped_fraction_legend_names_both_series(tmp_path, monkeypatch):
-    from dptorch.cli.examples import plots
+    from dptorch.cli import plots
 
     legends = []
     monkeypatch.setattr(plots, "_save", lambda figure, path: legends.extend(
@@ -87,3 +93,17 @@ def test_the_clipped_fraction_legend_names_both_series(tmp_path, monkeypatch):
         private.record(loss=0.5, epsilon=step / 10, clipped_fraction=1 / step)
     plots.plot_clipped_fraction(private, str(tmp_path / "clipped.png"))
     assert legends == ["each step", "moving average (3 steps)"]
+
+
+def test_the_accuracy_picture_draws_each_run_that_recorded_one(tmp_path, monkeypatch):
+    from dptorch.cli import plots
+
+    drawn = []
+    monkeypatch.setattr(plots, "_save", lambda figure, path: drawn.extend(
+        (line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in figure.axes[0].get_lines()))
+    private, non_private = RunHistory("private"), RunHistory("non-private")
+    for epoch, (a, b) in enumerate([(0.5, 0.5), (0.7, 0.9), (0.8, 0.95)]):
+        private.record_test_accuracy(epoch, a)
+        non_private.record_test_accuracy(epoch, b)
+    plots.plot_test_accuracy(private, non_private, str(tmp_path / "accuracy.png"))
+    assert drawn == [("non-private", [0.0, 1.0, 2.0], [0.5, 0.9, 0.95]), ("private", [0.0, 1.0, 2.0], [0.5, 0.7, 0.8])]

@@ -54,7 +54,7 @@ def test_a_collator_that_merges_examples_without_saying_which_tokens_are_whose_i
 
 def test_a_per_row_loss_function_is_refused_on_packed_rows(tmp_path):
     dp = trainer(tmp_path, DataCollatorWithFlattening(), per_sample_loss_func=causal_lm_per_sample_loss)
-    with pytest.raises(ValueError, match="per_sample_loss_func returns one loss per row"):
+    with pytest.raises(ValueError, match="per_sample_loss_func sees rows, but this batch packs several examples"):
         dp.train()
 
 

@@ -74,11 +74,13 @@ def test_the_saved_model_card_and_the_final_logs_hold_the_report(tmp_path):
     assert saved["epsilon"] == pytest.approx(dp.get_epsilon()) and saved["delta"] == 1e-3
     dp.save_model(str(tmp_path / "final"))
     card = (tmp_path / "final" / "README.md").read_text()
-    assert card.startswith(MODEL_CARD_HEADING) and f"({dp.get_epsilon():.4g}, 0.001)-differential privacy" in card
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- differential-privacy\n- dptorch\n---\n")
+    assert MODEL_CARD_HEADING in card and f"({dp.get_epsilon():.4g}, 0.001)-differential privacy" in card
     for key in ("accountant", "noise_multiplier", "sample_rate", "max_grad_norm", "privacy_unit", "dptorch_version"):
         assert f"| {key} |" in card
     dp.save_model(str(tmp_path / "final"))  # saving again refreshes the section, never doubles it
-    assert (tmp_path / "final" / "README.md").read_text().count(MODEL_CARD_HEADING) == 1
+    again = (tmp_path / "final" / "README.md").read_text()
+    assert again.count(MODEL_CARD_HEADING) == 1 and again.count("- differential-privacy") == 1
 
 
 def test_the_privacy_section_joins_an_existing_card_and_replaces_only_itself():
@@ -89,3 +91,14 @@ def test_the_privacy_section_joins_an_existing_card_and_replaces_only_itself():
     assert again.count(MODEL_CARD_HEADING) == 1 and "(2.5, 1e-05)" in again and "(1.5, 1e-05)" not in again
     middle = add_to_model_card(f"# Card\n\n{MODEL_CARD_HEADING}\nold\n\n## Usage\nload it\n", report)
     assert "old" not in middle and middle.endswith("## Usage\nload it\n") and middle.count(MODEL_CARD_HEADING) == 1
+
+
+def test_the_card_header_keeps_what_is_there_and_adds_the_private_tags():
+    from dptorch.integrations.hf.model_card import card_metadata
+
+    peft = {"library_name": "peft", "base_model": "tiny", "tags": ["lora", "dptorch"]}
+    assert card_metadata(peft, is_adapter=True) == {
+        "library_name": "peft", "base_model": "tiny", "tags": ["lora", "dptorch", "differential-privacy"]}
+    assert card_metadata({"tags": "text"}, is_adapter=True) == {
+        "tags": ["text", "differential-privacy", "dptorch"], "library_name": "peft"}
+    assert card_metadata({}, is_adapter=False)["library_name"] == "transformers"

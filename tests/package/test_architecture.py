@@ -33,6 +33,7 @@ ORDER = [
     "compat",
     "integrations",
     "cli",
+    "__main__",
 ]
 
 #: Why a function-level import of a dptorch module may stay (the comment on its line says which).

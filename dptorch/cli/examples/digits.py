@@ -19,8 +19,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
-from dptorch.cli.examples.flags import add_shared_flags
-from dptorch.cli.examples.plots import RunHistory, save_pictures, show_report
+from dptorch.cli.examples.flags import add_shared_flags, check_shared_flags
+from dptorch.cli.examples.plots import show_report
+from dptorch.cli.examples.random_state import global_generators_kept
+from dptorch.cli.examples.threads import threads_to_use
+from dptorch.cli.plots import RunHistory, save_pictures
 
 
 def load_digits_splits(seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -61,10 +64,12 @@ def train(
     epochs: int,
     history: RunHistory,
     *,
+    test_accuracy: Callable[[], float],
     epsilon: Optional[Callable[[], float]] = None,
     show_progress: bool = True,
 ) -> float:
-    """The same plain loop for both runs; records each step into ``history``; returns seconds.
+    """The same plain loop for both runs; records each step into ``history``, and the test accuracy
+    before training and after each epoch; returns seconds (evaluations included).
 
     ``epsilon`` (private run) is asked after every step; the clipped fraction comes from the
     optimizer when it is a ``DPOptimizer``.
@@ -73,8 +78,9 @@ def train(
 
     criterion = nn.CrossEntropyLoss()
     start = time.perf_counter()
+    history.record_test_accuracy(0, test_accuracy())
     with tqdm(total=epochs * len(loader), desc=history.label, unit="step", disable=not show_progress) as bar:
-        for _ in range(epochs):
+        for epoch in range(1, epochs + 1):
             for x, y in loader:
                 optimizer.zero_grad()
                 loss = math.nan
@@ -93,6 +99,7 @@ def train(
                     shown["epsilon"] = f"{history.epsilon[-1]:.2f}"
                 bar.set_postfix(shown, refresh=False)
                 bar.update()
+            history.record_test_accuracy(epoch, test_accuracy())
     return time.perf_counter() - start
 
 
@@ -107,29 +114,18 @@ def run(
     mode: str = "auto",
     wrap_model: bool = False,
     seed: int = 0,
-    threads: Optional[int] = None,
+    threads: int = 1,
     plots: Optional[str] = None,
     baseline: bool = True,
     verbose: bool = True,
 ) -> Dict[str, Any]:
-    """Train private and (unless ``baseline=False``) non-private models; return the report as a dict
-    (pictures if ``plots``)."""
-    threads = threads or 1  # the CNN is too small to gain from more; the docs' figures are one thread's
+    """Set up the private run (every check of the engine runs before anything trains), train the
+    non-private model (unless ``baseline=False``), then the private one; return the report as a
+    dict (pictures if ``plots``)."""
+    threads = threads_to_use(threads)  # 1 by default: the CNN is too small to gain from more
     torch.set_num_threads(threads)
     start = time.perf_counter()
     train_set, test_set = load_digits_splits(seed)
-
-    non_private_history = RunHistory("non-private")
-    non_private_accuracy = non_private_seconds = None
-    if baseline:
-        torch.manual_seed(seed)
-        plain = digits_cnn()
-        non_private_seconds = train(
-            plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9),
-            DataLoader(train_set, batch_size=batch_size, shuffle=True), epochs, non_private_history,
-            show_progress=verbose,
-        )
-        non_private_accuracy = accuracy(plain, test_set)
 
     torch.manual_seed(seed)
     model = digits_cnn()
@@ -146,9 +142,23 @@ def run(
         wrap_model=wrap_model,
     )
     private_model = first if wrap_model else model  # wrap_model=False: the controller is returned, train the CNN
+
+    non_private_history = RunHistory("non-private")
+    non_private_accuracy = non_private_seconds = None
+    if baseline:
+        with global_generators_kept():
+            torch.manual_seed(seed)
+            plain = digits_cnn()
+            non_private_seconds = train(
+                plain, torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9),
+                DataLoader(train_set, batch_size=batch_size, shuffle=True), epochs, non_private_history,
+                test_accuracy=lambda: accuracy(plain, test_set), show_progress=verbose,
+            )
+        non_private_accuracy = accuracy(plain, test_set)
+
     private_history = RunHistory("private")
     private_seconds = train(
-        private_model, optimizer, loader, epochs, private_history,
+        private_model, optimizer, loader, epochs, private_history, test_accuracy=lambda: accuracy(private_model, test_set),
         epsilon=lambda: engine.get_epsilon(delta), show_progress=verbose,
     )
     report = engine.privacy_report(delta)
@@ -173,21 +183,22 @@ def run(
 
 def build_parser(prog: str = "python -m dptorch.cli.examples.digits") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    add_shared_flags(parser, epsilon=3.0, epochs=20, modes=["hooks", "bk", "ew", "functorch"],
+    add_shared_flags(parser, epsilon=3.0, epochs=20,
                      batch_size_help="batch size B of the plain loader (default 128); Poisson sampling replaces it at "
                      "rate 1 / (its number of batches), so the expected Poisson batch is N / ceil(N / B): 119.75 for "
                      "the 1437 training images at 128")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (default 1, on every machine: the figures the docs quote are those of "
-                        "one thread; another count gives another, equally valid, run)")
     return parser
 
 
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[str, Any]:
     """Run the example with command-line flags ``argv``; print and return the report."""
-    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
+    parser = build_parser(prog) if prog else build_parser()
+    args = parser.parse_args(argv)
+    check_shared_flags(args, parser, dataset_size=len(load_digits_splits(args.seed)[0]))
+    if not args.lr > 0:
+        parser.error(f"--lr must be > 0, got {args.lr}")
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm, lr=args.lr, mode=args.mode, wrap_model=args.wrap_model,

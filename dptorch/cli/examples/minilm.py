@@ -26,7 +26,7 @@ import re
 import tempfile
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imported: never fetch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,46 +48,17 @@ from transformers import (  # noqa: E402
 from transformers.modeling_outputs import SequenceClassifierOutput  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from dptorch.cli.examples.flags import add_shared_flags  # noqa: E402
-from dptorch.cli.examples.plots import RunHistory, save_pictures, show_report  # noqa: E402
+from dptorch.cli.examples.flags import add_shared_flags, check_shared_flags  # noqa: E402
+from dptorch.cli.examples.plots import show_report  # noqa: E402
+from dptorch.cli.examples.random_state import global_generators_kept  # noqa: E402
+from dptorch.cli.examples.threads import threads_to_use  # noqa: E402
+from dptorch.cli.plots import RunHistory, save_pictures  # noqa: E402
 from dptorch.integrations.hf import DPTrainer, PrivacyArguments  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 
 LABELS = ("negative", "positive")
 LORA_RANK = 4
 Example = Tuple[str, int]
-
-
-# ----------------------------------------------------------------------------- threads
-
-
-def default_threads(limit: int = 4) -> int:
-    """Torch threads for a CPU run: the CPUs this process may use that other processes are not
-    busy with right now, between 1 and ``limit``. A thread that waits for a busy core stalls
-    the others at every operation, which slowed these examples down ten times and more on a
-    shared machine; on an idle one, each core helps."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(limit, cpus - _busy_cpus()))
-
-
-def _busy_cpus(samples: int = 5) -> int:
-    """Tasks of other processes running now: the most seen over a few readings of
-    /proc/loadavg's runnable count (which includes this process); elsewhere the 1-minute load."""
-    try:
-        seen = []
-        for _ in range(samples):
-            with open("/proc/loadavg") as handle:
-                seen.append(int(handle.read().split()[3].split("/")[0]) - 1)
-            time.sleep(0.02)
-        return max(0, max(seen))
-    except (OSError, ValueError, IndexError):
-        try:
-            return round(os.getloadavg()[0])
-        except (AttributeError, OSError):
-            return 0
 
 
 # ---------------------------------------------------------------------------------- data
@@ -236,19 +207,25 @@ def accuracy(model: nn.Module, dataset: TokenizedTexts, collate: Any, batch_size
 
 
 class HistoryAndProgress(TrainerCallback):
-    """Records every step of a Trainer run into ``history`` and draws a tqdm bar.
+    """Records every step of a Trainer run into ``history``, and the test accuracy before training
+    and after each epoch, and draws a tqdm bar.
 
     Needs ``logging_steps=1``: each step's log brings the loss and (private trainer) the
     epsilon; the clipped fraction is read from the DP optimizer.
     """
 
-    def __init__(self, history: RunHistory, show_progress: bool = True) -> None:
+    def __init__(self, history: RunHistory, test_accuracy: Callable[[], float], show_progress: bool = True) -> None:
         self.history = history
+        self.test_accuracy = test_accuracy
         self.show_progress = show_progress
         self.bar = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.history.record_test_accuracy(0, self.test_accuracy())
         self.bar = tqdm(total=state.max_steps, desc=self.history.label, unit="step", disable=not self.show_progress)
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self.history.record_test_accuracy(round(state.epoch, 3), self.test_accuracy())
 
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if not logs or "loss" not in logs:
@@ -290,10 +267,11 @@ def trainer_settings(
     return dict(args=args, train_dataset=train_set, data_collator=collate)
 
 
-def fit(trainer: Trainer, history: RunHistory, show_progress: bool) -> float:
-    """``trainer.train()`` with our bar and recorder in place of the Trainer's log printer; seconds."""
+def fit(trainer: Trainer, history: RunHistory, test_accuracy: Callable[[], float], show_progress: bool) -> float:
+    """``trainer.train()`` with our bar and recorder in place of the Trainer's log printer; seconds
+    (the evaluations included)."""
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(HistoryAndProgress(history, show_progress))
+    trainer.add_callback(HistoryAndProgress(history, test_accuracy, show_progress))
     start = time.perf_counter()
     trainer.train()
     return time.perf_counter() - start
@@ -316,15 +294,16 @@ def run(
     seed: int = 0,
     noise_mechanism: str = "independent",
     bands: Optional[int] = None,
-    threads: Optional[int] = None,
+    threads: int = 1,
     plots: Optional[str] = None,
     baseline: bool = True,
     verbose: bool = True,
 ) -> Dict[str, Any]:
-    """Fine-tune MiniLM non-privately (unless ``baseline=False``), then privately; return the report
-    (pictures if ``plots``)."""
+    """Set up the private trainer (every check of the trainer and the engine runs before anything
+    trains), fine-tune MiniLM non-privately (unless ``baseline=False``), then privately; return the
+    report (pictures if ``plots``)."""
     say = print if verbose else (lambda *a, **k: None)
-    threads = threads or default_threads()
+    threads = threads_to_use(threads)
     torch.set_num_threads(threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
@@ -342,15 +321,6 @@ def run(
     trainable, total = parameter_counts(model)
     say(f"all-MiniLM-L6-v2: {trainable:,} of {total:,} parameters train (LoRA in the top {lora_layers} "
         f"layer(s) and the head); {len(train_set)} training and {len(test_set)} test tweets; {threads} thread(s)")
-    non_private_history = RunHistory("non-private")
-    non_private_accuracy = non_private_seconds = None
-    if baseline:
-        plain = minilm_classifier(lora_layers, seed)
-        with tempfile.TemporaryDirectory(prefix="dptorch-minilm-") as workdir:
-            trainer = Trainer(model=plain, **trainer_settings(workdir, lr=non_private_lr, **settings))
-            non_private_seconds = fit(trainer, non_private_history, verbose)
-        non_private_accuracy = accuracy(plain, test_set, collate)
-
     private_history = RunHistory("private")
     privacy = PrivacyArguments(
         target_epsilon=epsilon, target_delta=delta, per_sample_max_grad_norm=max_grad_norm,
@@ -358,11 +328,20 @@ def run(
     )
     with tempfile.TemporaryDirectory(prefix="dptorch-minilm-") as workdir:
         trainer = DPTrainer(model=model, privacy_args=privacy, **trainer_settings(workdir, lr=lr, **settings))
+        non_private_history = RunHistory("non-private")
+        non_private_accuracy = non_private_seconds = None
+        if baseline:
+            with global_generators_kept():
+                plain = minilm_classifier(lora_layers, seed)
+                baseline_trainer = Trainer(model=plain, **trainer_settings(workdir, lr=non_private_lr, **settings))
+                non_private_seconds = fit(baseline_trainer, non_private_history,
+                                          lambda: accuracy(plain, test_set, collate), verbose)
+            non_private_accuracy = accuracy(plain, test_set, collate)
         plan = trainer.sampling_plan
         say(f"private: noise multiplier {trainer.noise_multiplier:.3f} for epsilon {epsilon:g} at delta {delta:g} "
             f"over {plan.total_steps} steps of sample rate {plan.sample_rate:.4f}; per-sample gradients: "
             f"{trainer.grad_sample_mode}")
-        private_seconds = fit(trainer, private_history, verbose)
+        private_seconds = fit(trainer, private_history, lambda: accuracy(model, test_set, collate), verbose)
     if trainer.model is not model:
         raise RuntimeError("DPTrainer replaced the model it was given; non-wrapping mode should keep it")
     trainer.dp_hooks.cleanup()  # every hook and attribute dptorch added is gone: a plain PeftModel again
@@ -390,8 +369,7 @@ def run(
 
 def build_parser(prog: str = "python -m dptorch.cli.examples.minilm") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    # not "ew": expanded weights refuse BERT's position ids, shared by the whole batch
-    add_shared_flags(parser, epsilon=8.0, epochs=3.0, modes=["hooks", "bk", "functorch"])
+    add_shared_flags(parser, epsilon=8.0, epochs=3.0)
     parser.add_argument("--lr", type=float, default=2e-2, help="learning rate, private run (default 2e-2)")
     parser.add_argument("--non-private-lr", type=float, default=1e-2,
                         help="learning rate, non-private run (default 1e-2)")
@@ -399,7 +377,6 @@ def build_parser(prog: str = "python -m dptorch.cli.examples.minilm") -> argpars
     parser.add_argument("--train-size", type=int, default=2000, help="training tweets (default 2000)")
     parser.add_argument("--test-size", type=int, default=500, help="test tweets (default 500)")
     parser.add_argument("--max-length", type=int, default=40, help="tokens kept per tweet (default 40)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: the CPUs not busy now, at most 4)")
     parser.add_argument("--noise-mechanism", choices=["independent", "bandmf"], default="independent",
                         help="independent (DP-SGD, default) or bandmf (banded correlated noise, docs/correlated-noise.md)")
     parser.add_argument("--bands", type=int, help="bands b of the bandmf noise")
@@ -408,7 +385,15 @@ def build_parser(prog: str = "python -m dptorch.cli.examples.minilm") -> argpars
 
 def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[str, Any]:
     """Run the example with command-line flags ``argv``; print and return the report."""
-    args = (build_parser(prog) if prog else build_parser()).parse_args(argv)
+    parser = build_parser(prog) if prog else build_parser()
+    args = parser.parse_args(argv)
+    check_shared_flags(args, parser, dataset_size=max(1, 2 * (args.train_size // 2)))
+    for flag in ("lr", "non_private_lr"):
+        if not getattr(args, flag) > 0:
+            parser.error(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    for flag in ("train_size", "test_size", "max_length"):
+        if getattr(args, flag) < 2:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 2, got {getattr(args, flag)}")
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
         max_grad_norm=args.max_grad_norm, lr=args.lr, non_private_lr=args.non_private_lr, mode=args.mode,

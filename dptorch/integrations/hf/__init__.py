@@ -20,9 +20,12 @@ from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.callback import EPSILON_IF_POISSON, DPCallback
 from dptorch.integrations.hf.collator import DataCollatorForPrivateCausalLanguageModeling
 from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss, default_per_sample_loss
+from dptorch.integrations.hf.deepspeed_notice import leave_out_cpu_fallback_notice
 from dptorch.integrations.hf.sampling import EmptyBatch, PoissonMicroBatchSampler, SamplingPlan
 from dptorch.integrations.hf.trainer import PRIVACY_STATE_NAME, DPTrainer, PrivateTrainerMixin, private
 from dptorch.integrations.hf.units import PrivacyUnits
+
+leave_out_cpu_fallback_notice()  # the HF Trainer imports DeepSpeed, which alarms on a CPU-only machine
 
 # dp-transformers' names (``dp_transformers`` -> ``dptorch.integrations.hf``); after the above.
 from dptorch.integrations.hf import dp_utils  # noqa: E402  (dp_transformers.dp_utils)

@@ -14,7 +14,7 @@ from torch.utils.data import IterableDataset
 from dptorch.distributed.fsdp import fully_shard_params, is_sharded
 from dptorch.distributed.tensor_parallel import transformers_style
 from dptorch.integrations.hf.arguments import PrivacyArguments
-from dptorch.integrations.hf.deepspeed import config_problems, deepspeed_config
+from dptorch.integrations.hf.deepspeed import config_problems, deepspeed_config, written_gradient_clipping
 
 
 def _tensor_parallel(model: Any) -> bool:
@@ -97,7 +97,8 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     ]
     deepspeed = deepspeed_config(trainer)
     if deepspeed is not None:  # ZeRO-1, 2 and 3 train privately (.deepspeed); the rest is refused
-        refusals += [(True, f"DeepSpeed: {problem}") for problem in config_problems(deepspeed)]
+        written = written_gradient_clipping(args)
+        refusals += [(True, f"DeepSpeed: {problem}") for problem in config_problems(deepspeed, written)]
     return [message for refused, message in refusals if refused]
 
 

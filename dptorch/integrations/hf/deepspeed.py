@@ -16,22 +16,34 @@ already partitioned when the model was built after the ``TrainingArguments``, un
 
 The configuration, after the Trainer filled its ``"auto"`` values, is checked at construction
 (:func:`config_problems`) and once more on the engine before its first step (``check_engine``), and
-one value is set:
+two values are set:
 
 * ``gradient_accumulation_steps`` becomes 1 for DeepSpeed (``train_batch_size`` with it). The
   Trainer's own ``gradient_accumulation_steps`` still splits each Poisson logical batch into that
   many micro-batches and calls ``engine.step()`` once per logical batch; DeepSpeed needs no count of
   its own (it would divide the loss by it and step on a fixed count, which a Poisson batch has not),
   and the Trainer's backward never scales by it (``scale_wrt_gas=False``).
-* ``gradient_clipping`` is not rewritten: it must be 0. DeepSpeed's default is 1.0 and the Trainer
-  fills ``"auto"`` from ``TrainingArguments.max_grad_norm`` (default 1.0), which the private Trainer
-  otherwise ignores; either would clip the averaged, noised gradient. Each unit is clipped at
-  ``PrivacyArguments.per_sample_max_grad_norm`` instead.
+* ``gradient_clipping`` becomes 0 where the configuration leaves it to the Trainer: ``"auto"`` (as
+  HF's documented configurations write it) or no key at all. The Trainer would fill ``"auto"`` from
+  ``TrainingArguments.max_grad_norm`` (default 1.0), which the private Trainer ignores on every path
+  (its clipping is each unit's, at ``PrivacyArguments.per_sample_max_grad_norm``), and DeepSpeed's
+  default is 1.0; either would clip the averaged, noised gradient once more. A number written in the
+  configuration is the user's explicit wish for that second clipping: above 0 it is refused, with
+  that reason (the update would no longer be the DP-SGD step the privacy report describes).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import Any, Dict, List, Optional
+
+logger = logging.getLogger(__name__)
+
+#: :func:`written_gradient_clipping` when the configuration has no ``"gradient_clipping"`` key, or
+#: when what was written is not known (Accelerate's plugin: only the filled configuration is seen).
+ABSENT, UNKNOWN = "absent", "unknown"
 
 
 def deepspeed_config(trainer: Any) -> Optional[Dict[str, Any]]:
@@ -41,8 +53,42 @@ def deepspeed_config(trainer: Any) -> Optional[Dict[str, Any]]:
     return trainer.accelerator.state.deepspeed_plugin.hf_ds_config.config
 
 
-def config_problems(config: Dict[str, Any]) -> List[str]:
-    """What in a DeepSpeed configuration the private Trainer refuses (the engine's list, read from the config)."""
+def written_gradient_clipping(args: Any) -> Any:
+    """``"gradient_clipping"`` as the user wrote it in ``TrainingArguments(deepspeed=...)`` (a dict, a JSON
+    file or a JSON string), before the Trainer filled ``"auto"``: the value, :data:`ABSENT` or :data:`UNKNOWN`."""
+    written = getattr(args, "deepspeed", None)
+    if isinstance(written, str):
+        try:
+            if os.path.isfile(written):
+                with open(written, encoding="utf-8") as handle:
+                    written = json.load(handle)
+            else:
+                written = json.loads(written)
+        except (OSError, ValueError):
+            return UNKNOWN
+    if not isinstance(written, dict):
+        return UNKNOWN
+    return written.get("gradient_clipping", ABSENT)
+
+
+def left_to_the_trainer(written_clipping: Any) -> bool:
+    """Whether the configuration leaves ``gradient_clipping`` to the Trainer (``"auto"``, or no key)."""
+    return written_clipping in ("auto", ABSENT)
+
+
+def clip_each_unit_only(config: Dict[str, Any], args: Any, per_sample_max_grad_norm: float) -> None:
+    """Set ``"gradient_clipping"`` to 0 in place where the configuration leaves it to the Trainer, and say so."""
+    written = written_gradient_clipping(args)
+    if left_to_the_trainer(written) and config.get("gradient_clipping", 1.0) != 0:
+        config["gradient_clipping"] = 0.0
+        logger.info('DeepSpeed "gradient_clipping" (%s) set to 0: the private Trainer clips each unit at '
+                    "per_sample_max_grad_norm=%g instead, and max_grad_norm is ignored as on every other path",
+                    '"auto"' if written == "auto" else "absent", per_sample_max_grad_norm)
+
+
+def config_problems(config: Dict[str, Any], written_clipping: Any = UNKNOWN) -> List[str]:
+    """What in a DeepSpeed configuration the private Trainer refuses (the engine's list, read from the config);
+    ``written_clipping`` is :func:`written_gradient_clipping` (``"auto"`` or absent there: set to 0, not refused)."""
     zero = config.get("zero_optimization") or {}
     stage = int(zero.get("stage", 0))
     problems: List[str] = []
@@ -57,11 +103,11 @@ def config_problems(config: Dict[str, Any]) -> List[str]:
                         'dependent event the accountant does not cover: use bf16=True ("bf16": {"enabled": "auto"}) '
                         "or fp32")
     clipping = config.get("gradient_clipping", 1.0)  # DeepSpeed's default when the key is absent
-    if clipping == "auto" or float(clipping) > 0:
-        problems.append(f'"gradient_clipping" is {clipping} (absent: DeepSpeed\'s default 1.0; "auto": the Trainer\'s '
-                        "max_grad_norm, default 1.0): it would clip the averaged, noised gradient, not each unit. Set "
-                        '"gradient_clipping": 0 in the DeepSpeed config, or keep "auto" and pass max_grad_norm=0; each '
-                        "unit is clipped at PrivacyArguments.per_sample_max_grad_norm")
+    if not left_to_the_trainer(written_clipping) and (clipping == "auto" or float(clipping) > 0):
+        problems.append(f'"gradient_clipping" is {clipping}: it would clip the averaged, noised gradient a second '
+                        "time, and the update would no longer be the DP-SGD step the privacy report describes. Set "
+                        '"gradient_clipping": "auto" or 0 in the DeepSpeed config (the private Trainer then clips '
+                        "each unit only, at PrivacyArguments.per_sample_max_grad_norm)")
     offloaded = [name for name in ("offload_optimizer", "offload_param")
                  if str((zero.get(name) or {}).get("device", "none")).lower() != "none"]
     if offloaded:
@@ -86,4 +132,10 @@ def _enabled(section: Any) -> bool:
     return isinstance(section, dict) and section.get("enabled", False) not in (False, "false", None)
 
 
-__all__ = ["config_problems", "deepspeed_config", "one_deepspeed_step_per_logical_batch"]
+__all__ = [
+    "clip_each_unit_only",
+    "config_problems",
+    "deepspeed_config",
+    "one_deepspeed_step_per_logical_batch",
+    "written_gradient_clipping",
+]

@@ -63,21 +63,15 @@ class LossRecipe:
 class OutputsRecipe(LossRecipe):
     """Call the model without labels and sum ``per_sample_loss(outputs, labels)`` over rows."""
 
-    def __init__(self, per_sample_loss: PerSampleLoss, causal: bool, custom: bool = False) -> None:
+    def __init__(self, per_sample_loss: PerSampleLoss, causal: bool, custom: Optional[str] = None) -> None:
         self.per_sample_loss = per_sample_loss
         self.causal = causal
-        self.custom = custom  # the user's per_sample_loss_func (one loss per row: not for packed rows)
+        self.custom = custom  # the name of the user's loss function (it sees rows: not for packed rows), or None
 
     def check(self, trainer: Trainer) -> None:
         check_label_padding(trainer.data_collator)
         if is_encoder_decoder(trainer.model):
             check_decoder_inputs_buildable(trainer.model)
-        if trainer.compute_loss_func is not None:
-            raise ValueError(
-                "compute_loss_func receives the batch's token count (num_items_in_batch) and returns a batch-level "
-                "loss, which couples the samples' gradients. Pass per_sample_loss_func=fn(outputs, labels) -> one "
-                "loss per row to the private trainer instead."
-            )
 
     def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
         labels = inputs.pop("labels", None)
@@ -94,13 +88,17 @@ class OutputsRecipe(LossRecipe):
         outputs = model(**inputs)
         if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
             if self.custom:
-                raise ValueError("per_sample_loss_func returns one loss per row, but this batch packs several examples "
-                                 "in a row; leave it out (each packed example gets dptorch.packed_loss)")
+                raise ValueError(f"{self.custom} sees rows, but this batch packs several examples in a row; leave it "
+                                 "out (each packed example gets dptorch.packed_loss)")
             loss = packed_loss(logits_of(outputs), labels, trainer.dp_hooks, shift=self.causal,
                                label_smoothing=trainer.args.label_smoothing_factor)
         else:
-            loss = check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0]).sum()
+            loss = self.summed(outputs, labels)
         return (loss, outputs) if return_outputs else loss
+
+    def summed(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The sum over rows of ``per_sample_loss`` (checked to be one loss per row)."""
+        return check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0]).sum()
 
 
 class SFTRecipe(OutputsRecipe):
@@ -178,7 +176,7 @@ def choose_recipe(trainer: Trainer, per_sample_loss_func: Optional[PerSampleLoss
         loss = per_sample_loss_func or default_per_sample_loss(
             causal, getattr(getattr(model, "config", None), "problem_type", None), trainer.args.label_smoothing_factor
         )
-        custom = per_sample_loss_func is not None
+        custom = "per_sample_loss_func" if per_sample_loss_func is not None else None
         return SFTRecipe(loss, causal, custom) if owner is not Trainer else OutputsRecipe(loss, causal, custom)
     raise TypeError(
         f"{owner.__name__} overrides compute_loss, so dptorch cannot tell how it reduces the samples' losses. Make "

@@ -81,7 +81,13 @@ from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
-from dptorch.integrations.hf.deepspeed import deepspeed_config, one_deepspeed_step_per_logical_batch
+from dptorch.integrations.hf.deepspeed import (
+    clip_each_unit_only,
+    deepspeed_config,
+    one_deepspeed_step_per_logical_batch,
+)
+from dptorch.integrations.hf.model_card import write_private_model_card
+from dptorch.integrations.hf.loss_func_recipe import with_compute_loss_func
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
@@ -102,7 +108,7 @@ from dptorch.noise.banded.mechanism import _mechanism_fields, resolve_auto_bands
 from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan, SamplingMismatchError, check_delta_for_units
-from dptorch.accounting.report import privacy_report, write_model_card
+from dptorch.accounting.report import privacy_report
 
 logger = logging.get_logger(__name__)
 
@@ -151,7 +157,9 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         check_setup(self, privacy_args)
         if deepspeed_config(self) is not None:  # the Trainer's accumulation splits the logical batch, not DeepSpeed's
             one_deepspeed_step_per_logical_batch(deepspeed_config(self), self.args)
-        self._dp_recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
+            clip_each_unit_only(deepspeed_config(self), self.args, privacy_args.per_sample_max_grad_norm)
+        recipe = choose_recipe(self, per_sample_loss_func, skip=PrivateTrainerMixin)
+        self._dp_recipe = with_compute_loss_func(recipe, self)
         self._dp_recipe.check(self)
         if packing is not None:
             check_packing(self, privacy_args, per_sample_loss_func)
@@ -596,13 +604,13 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             if shown:
                 logging.enable_progress_bar()
         if self.privacy_plan is not None and self.args.should_save:
-            write_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
+            write_private_model_card(output_dir if output_dir is not None else self.args.output_dir, self.privacy_report())
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         """The Trainer's model card, with the privacy report added."""
         super().create_model_card(*args, **kwargs)
         if self.privacy_plan is not None and self.args.should_save:
-            write_model_card(self.args.output_dir, self.privacy_report())
+            write_private_model_card(self.args.output_dir, self.privacy_report())
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         if self.args.should_save and self.privacy_budget is not None:
