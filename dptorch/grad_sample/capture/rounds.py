@@ -16,7 +16,6 @@ from dptorch.grad_sample.capture.settings import Settings, Switches
 from dptorch.grad_sample.capture.sharding import Sharding
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.modes.buffers import BufferPool
-from dptorch.grad_sample.modes.heap import fix_mmap_threshold
 from dptorch.grad_sample.modes.book_keeping import BookKeeping
 from dptorch.grad_sample.modes.instantiate import Instantiate
 from dptorch.grad_sample.modes.layer_call import LayerCall
@@ -36,8 +35,6 @@ class Rounds(HookTarget):
         self._hooks, self._settings, self._switches = hooks, settings, switches
         self._attachment, self._sharding = attachment, sharding
         self.buffers = BufferPool()  # per-sample gradient memory, lent again each round (CPU)
-        if any(p.device.type == "cpu" for p in attachment.module.parameters()):
-            fix_mmap_threshold()  # the heap must not keep a private step's odd-sized blocks (modes/heap.py)
         self.strategy = self._new_strategy()
         self.reads = ParameterReads(attachment.owners, hooks.parameter_name, self.read_backward)  # tracking/reads.py
         self.listeners: List[Callable[[Any], None]] = []
