@@ -222,7 +222,7 @@ class BatchMemoryManager:
     once per logical batch. An empty logical batch gives one empty physical batch (its step
     still happens). ``data_loader`` is any map-style DataLoader with a batch sampler, typically
     a ``DPDataLoader``. ``len()`` is the exact number of physical batches of the next pass (the
-module docstring says how, and what it is distributed).
+    module docstring says how, and what it is distributed).
 
     ``distributed`` (default: whether the loader's batch sampler has ``world_size > 1``, as a
     ``DPDataLoader(distributed=True)`` has) pads every rank's logical steps with empty physical
