@@ -29,6 +29,7 @@ from torch.utils.data import TensorDataset
 from dptorch import PrivacyEngine
 from dptorch.data import DPDataLoader
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
+from dptorch.grad_sample.tracking import unseen
 
 REFUSED = (PerSampleGradientError, UnsupportedModuleError)
 EW_REFUSED = REFUSED + (RuntimeError,)  # torch's expanded weights refuse a direct weight read themselves
@@ -82,6 +83,9 @@ def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max
             torch._C._pop_torch_function_stack()
         if left:
             return Step(error=f"the step left {left} torch function mode(s) on the stack after engine.detach()")
+        if unseen._on_stack():
+            unseen.off()
+            return Step(error="the step left the guard of unseen operations on the dispatch stack after engine.detach()")
     return Step(sums={n: (torch.zeros_like(p) if p.grad is None else p.grad).detach().double()
                       for n, p in model.named_parameters()})
 

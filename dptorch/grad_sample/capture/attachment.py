@@ -23,6 +23,7 @@ from dptorch.grad_sample.layers.checks import incompatibilities
 from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tracking import watch as draw_watch
+from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # root -> its controller
 drawn.watch(lambda tensors: draw_watch.start(tensors, active=lambda: bool(_ATTACHED)))
@@ -183,6 +184,7 @@ class Attachment:
         claims.release(owner, list(self.param_names))
         _ATTACHED.pop(self.module, None)
         draw_watch.stop()  # the draw it watched was for this controller, or another one's: that one falls back
+        follow_unseen()  # the guard of operations run with torch functions off leaves with the last tracker
         self.attached = False
 
     def owners(self) -> Dict[int, List[nn.Module]]:

@@ -24,6 +24,8 @@ from torch import Tensor
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tracking.args import Tracker, any_tensor, arg, caller, is_library, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, WEAK, Lost
+from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
+from dptorch.grad_sample.tracking.unseen import off as unseen_off
 from dptorch.grad_sample.tracking.writes import derived, written
 
 TOTALS = ("sum", "mean")
@@ -232,7 +234,11 @@ def backward_rule(tr: Tracker, func, args: tuple, kwargs: dict):
                 raise PerSampleGradientError(problem)
     finally:
         tr.on_backward()
-    return func(*args, **kwargs)
+    unseen_off()  # backward is not the loop's code: no guard of unseen operations there (unseen.py)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        follow_unseen()  # back in the loop (the draw's watch goes on after backward)
 
 
 def _as_list(value: Any) -> List[Any]:

@@ -27,6 +27,9 @@ from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import count, skip
 from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, ORDERED, WEAK, Lost, as_strong
+from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
+from dptorch.grad_sample.tracking.unseen import register as register_unseen
+from dptorch.grad_sample.tracking.unseen import off as unseen_off
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -36,6 +39,8 @@ class BatchTracker(TorchFunctionMode):
     backward capture is suspended, and a context suspending it (for the vector-Jacobian products
     of meetings).
     """
+
+    follows_batch = True  # what the guard of operations run with torch functions off looks for (unseen.py)
 
     def __init__(self, n: int, skip: Callable[[], bool], quiet: Callable[[], Any]) -> None:
         super().__init__()
@@ -62,6 +67,12 @@ class BatchTracker(TorchFunctionMode):
         self.writes = Writes()  # in-place writes that made aliased memory dirty (writes.py)
         self.memory = BatchMemory()  # the storages that hold batch data (memory.py)
         self.rows: Optional[Tensor] = None  # the rows of a DP loader's draw this forward's batch is, if cut from it
+        register_unseen(self)
+
+    def __enter__(self):
+        entered = super().__enter__()
+        follow_unseen()
+        return entered
 
     # ---------------------------------------------------------------- table
 
@@ -136,7 +147,13 @@ class BatchTracker(TorchFunctionMode):
         if self.forward_done and scales_after_read(self, func, args, kwargs):
             return read_scaling_rule(self, func, args, kwargs)
         if rule is backward_rule:  # even of an untagged root (a batch of one's loss): the loss phase ends there
-            return rule(self, func, args, kwargs) if self.checks_backward else func(*args, **kwargs)
+            if self.checks_backward:
+                return rule(self, func, args, kwargs)
+            unseen_off()  # another model's backward, under the draw's watch: not the loop's code (unseen.py)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                follow_unseen()
         table = self._table
         for a in args:
             if isinstance(a, Tensor):

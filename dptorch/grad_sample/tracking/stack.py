@@ -13,6 +13,8 @@ from typing import List
 import torch
 from torch.overrides import TorchFunctionMode
 
+from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
+
 
 def _modes() -> List[TorchFunctionMode]:
     return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
@@ -23,6 +25,7 @@ def _replace_stack(modes: List[TorchFunctionMode]) -> None:
         torch._C._pop_torch_function_stack()
     for mode in modes:
         torch._C._push_on_torch_function_stack(mode)
+    follow_unseen()  # the guard of operations run with torch functions off follows the trackers (unseen.py)
 
 
 def sink(mode: TorchFunctionMode) -> None:

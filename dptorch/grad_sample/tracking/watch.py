@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking.stack import remove, sink
+from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _WATCH: List[BatchTracker] = []  # the running watch, at most one
 _OFF: List[BatchTracker] = []  # the watch while it is off the mode stack (during a forward)
@@ -75,6 +76,7 @@ def resume() -> None:
     """The forward's backward is over: follow the loop again (the next micro-batch of the draw)."""
     if _WATCH:
         _WATCH[0].paused = False
+        follow_unseen()
 
 
 @contextlib.contextmanager
@@ -83,12 +85,15 @@ def aside() -> Iterator[None]:
     the watch leaves the mode stack meanwhile (a mode there costs every operation a dispatch). Only outside a
     mode's ``__torch_function__``."""
     watch = _WATCH[0] if _WATCH and not _OFF else None
+    paused = watch is not None and watch.paused
     if watch is not None:
+        watch.paused = True  # and the guard of unseen operations is off meanwhile (unseen.py)
         remove(watch)
     try:
         yield
     finally:
         if watch is not None and _WATCH and _WATCH[0] is watch:
+            watch.paused = paused
             sink(watch)
 
 
