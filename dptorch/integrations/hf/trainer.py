@@ -91,7 +91,9 @@ from dptorch.integrations.hf.loss_func_recipe import with_compute_loss_func
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
+from dptorch.integrations.hf.neftune import take_over_neftune
 from dptorch.integrations.hf.packing import PackingCollator, check_packing, packing_after_sampling, pad_token_id
+from dptorch.integrations.hf.physical_batches import check_physical_batches, no_restarts
 from dptorch.integrations.hf.phantom import PhantomBatch
 from dptorch.integrations.hf.sampling import (
     UNIT_IDS_KEY,
@@ -172,6 +174,8 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         # one plan on every rank, or every rank refuses (before a check of this rank's number of units)
         check_ranks_agree(self.privacy_plan, micro_batches=self.sampling_plan.micro_batches)
         check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
+        self._dp_physical = check_physical_batches(self, packing)  # auto_find_batch_size: passes, not the sampling
+        self._dp_neftune = take_over_neftune(self)  # NEFTune scaled by each sample's own length
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
@@ -469,9 +473,19 @@ class PrivateTrainerMixin(PrivateSearchMixin):
                 self._phantom_step(model)
             return torch.zeros((), device=self.args.device)
         example_units = inputs.pop(UNIT_IDS_KEY, None)
-        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._dp_neftune is not None:
+            self._dp_neftune.follow(self.model)
+        if self._dp_physical is None:
+            loss = self._train_pass(model, inputs, example_units, num_items_in_batch)
+        else:  # auto_find_batch_size: the micro-batch in passes of whole units (.physical_batches)
+            loss = self._dp_physical.run(inputs, example_units, partial(self._train_pass, model),
+                                         self.dp_hooks.discard_failed_pass)
         return loss / self.privacy_plan.expected_batch_size
+
+    def _train_pass(self, model: Any, inputs: Dict[str, Any], example_units: Any, num_items_in_batch: Any = None) -> Any:
+        """The parent's forward and backward of ``inputs``, their rows' privacy units told to the controller."""
+        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _count_draw(self, rows: Optional[int]) -> None:
         self._dp_drawn += 1
@@ -573,9 +587,12 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             )
         self._dp_trained, self._dp_drawn, self._dp_training = 0, 0, True
         try:
-            output = super().train(*args, **kwargs)
+            with no_restarts(self.args, self._dp_physical):
+                output = super().train(*args, **kwargs)
         finally:
             self._dp_training = False
+            if self._dp_neftune is not None:
+                self._dp_neftune.remove()
         if self.privacy_plan is not None:
             report = self.privacy_report()
             history = self.state.log_history
