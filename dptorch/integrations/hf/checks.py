@@ -76,10 +76,10 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "Trainer yet: its sampler deals each rank other samples, while tensor parallelism needs one batch on every "
          "rank of a group (Accelerate's tensor parallelism needs a GPU and is untested here). The engine supports it "
          "(PrivacyEngine.make_private on the split model: docs/distributed.md, Tensor parallelism)"),
-        (args.fp16 and args.world_size > 1,
-         "fp16 on several processes is not supported yet (one process is: its GradScaler is replaced by a "
-         "DPGradScaler, with a fixed scale and no skipped step); the fixed-scale path across DDP or FSDP2 ranks is "
-         "untested. Use bf16 (supported everywhere) or fp32, or fp16 on one process"),
+        (args.fp16 and args.world_size > 1 and fsdp is not None,
+         "fp16 under FSDP is not supported yet: the fixed-scale DPGradScaler that replaces Accelerate's GradScaler is "
+         "tested on one process and under DDP, not with FSDP2's sharded gradients. Use bf16 (supported everywhere), "
+         "or fp16 under DDP"),
         (trainer.model_init is not None and (args.world_size > 1 or deepspeed_config(trainer) is not None),
          "model_init (a new model, and a new private run, at each train(): hyperparameter_search) is supported on "
          "one process without DeepSpeed; pass model= there"),
