@@ -43,9 +43,12 @@ it from rank 0. The ranks' plans are compared when the trainer is built, and a d
 per-device batch size, dataset or privacy argument on one rank) is refused on every rank
 (:mod:`dptorch.distributed.agreement`). DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
 until Accelerate built the engine, which is then made private (``engine.step()``, called by Accelerate
-after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 on several processes and
+after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 under FSDP and
 tensor-parallel models are refused (:mod:`.checks` says why);
-``fp16=True`` on one process trains with a :class:`~dptorch.optim.DPGradScaler` in place of Accelerate's GradScaler.
+``fp16=True`` on one process or under DDP trains with a :class:`~dptorch.optim.DPGradScaler` in place of
+Accelerate's GradScaler. ``neftune_noise_alpha`` runs NEFTune scaled by each sample's own length
+(:mod:`.neftune`); ``auto_find_batch_size`` cuts micro-batches into smaller passes after an out-of-memory
+error, the draws untouched (:mod:`.physical_batches`).
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
