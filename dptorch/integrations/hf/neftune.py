@@ -97,7 +97,8 @@ class PrivateNEFTune:
                 "NEFTune (neftune_noise_alpha) in the private Trainer scales each sample's embedding noise by that "
                 "sample's own length, read from the model call's attention_mask (decoder_attention_mask for decoder "
                 "inputs); this training forward embeds ids "
-                + ("whose mask is missing" if found is None else "that are not the call's input_ids or decoder_input_ids")
+                + ("whose mask is missing" if found is None
+                   else "that are not the call's input_ids or decoder_input_ids")
                 + ". Give the masks (the collator's attention_mask), or unset neftune_noise_alpha"
             )
         return output + neftune_noise(output, found, self.alpha)

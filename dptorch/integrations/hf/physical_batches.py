@@ -70,7 +70,8 @@ class PhysicalBatchSearch:
                 if len(take) == 1:
                     raise RuntimeError(
                         "auto_find_batch_size: one privacy unit alone does not fit in memory (a unit is never split "
-                        "over passes: each is clipped once). Shorten the sequences or lower privacy units' rows"
+                        "over passes: each is clipped once). Shorten the sequences, or give a unit fewer rows "
+                        "(privacy_unit_column)"
                     ) from error
                 failed = True
             if failed:  # outside the handler: the error's frames (and their tensors) are gone
