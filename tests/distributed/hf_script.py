@@ -17,7 +17,8 @@ micro-batches of 1 unit per device on average (some empty on one rank, one on bo
 * ``sft``: ``private(trl.SFTTrainer)``, LoRA Llama; ``dpo``: ``private(trl.DPOTrainer)``, LoRA GPT-2,
   a user (2 examples, 4 rows) per privacy unit (its ``compute_loss`` gathers metrics over the ranks
   on every micro-batch); when TRL is installed;
-* ``ddp`` only: ``seq2seq``, ``private(Seq2SeqTrainer)`` on a T5 whose decoder inputs the trainer builds from each
+* ``ddp`` only: ``fp16``, the ``full`` run with ``fp16=True`` and a GPU's fp16 set-up (autocast, a GradScaler that
+  DPTrainer replaces by a DPGradScaler); ``seq2seq``, ``private(Seq2SeqTrainer)`` on a T5 whose decoder inputs the trainer builds from each
   row's labels; ``skipping``, the full run with empty micro-batches skipped instead of run as
   phantoms (DDP runs no collective per micro-batch); ``secret_seed``: the sampling seed of a trainer
   built without one (it must be rank 0's secret seed, broadcast); ``disagreeing``: the error of a
@@ -184,6 +185,23 @@ def dp_trainer(output_dir: Path, tokenizer, mode: str, seed=SAMPLING_SEED, **tra
                              privacy_args=PrivacyArguments(sampling_seed=seed, **PRIVACY))
 
 
+def fp16_run(output_dir: Path, tokenizer, mode: str) -> dict:
+    """The ``full`` run with ``fp16=True`` and what Accelerate sets up for it on a GPU (autocast to float16, a
+    ``torch.amp.GradScaler``; on CPU Accelerate 1.15 runs fp16 in float32), which DPTrainer swaps for a DPGradScaler."""
+    trainer = dp_trainer(output_dir, tokenizer, mode, fp16=True)
+    trainer.accelerator.native_amp = True
+    trainer.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    start = {name: p.detach().flatten().tolist() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    dtypes = set()
+    mlp = trainer.model.get_base_model().model.layers[0].mlp
+    handle = mlp.register_forward_hook(lambda module, args, output: dtypes.add(str(output.dtype)))
+    trainer.train()
+    handle.remove()
+    scaler = trainer.accelerator.scaler
+    return {**summary(trainer), "scaler": type(scaler).__name__, "scale": float(scaler.get_scale()),
+            "dtypes": sorted(dtypes), "start": start}
+
+
 def seq2seq_trainer(output_dir: Path, tokenizer):
     """``private(Seq2SeqTrainer)`` on a T5 (no dropout), decoder inputs built by the trainer from the labels."""
     torch.manual_seed(0)
@@ -292,6 +310,7 @@ def main(out: Path, mode: str) -> None:
         report["skipping"] = summary(skipping)
         report["secret_seed"] = dp_trainer(out / "secret", tokenizer, mode, seed=None)._dp_sampling_seed
         report["disagreeing"] = disagreeing_trainer(out / "disagreeing", tokenizer, mode, rank)
+        report["fp16"] = fp16_run(out / "fp16", tokenizer, mode)
         seq2seq = seq2seq_trainer(out / "seq2seq", tokenizer)
         seq2seq.train()
         report["seq2seq"] = summary(seq2seq)

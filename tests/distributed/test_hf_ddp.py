@@ -82,7 +82,8 @@ def test_ranks_agree_and_epsilon_is_logged_once_from_rank_zero(hf_ddp):
     # 4 step logs and the summary; the resumed run restores the first 2 and logs 3 of its own
     assert len(first["full"]["logged"]) == 5 and first["resumed"]["logged"][:2] == first["full"]["logged"][:2]
     trl_runs = 5 + 5 if "sft" in first else 0
-    assert stdout.count("'epsilon'") == 5 + 3 + 5 + 5 + trl_runs  # full, resumed, skipping, seq2seq (SFT, DPO): rank 0 only
+    # full, resumed, skipping, fp16, seq2seq (SFT, DPO): rank 0 only
+    assert stdout.count("'epsilon'") == 5 + 3 + 5 + 5 + 5 + trl_runs
     assert first["full"]["logged"][-1] == pytest.approx(first["full"]["epsilon"])
     # the token count, gathered over the ranks for every micro-batch (0 for an empty one), counts real rows only
     assert first["full"]["tokens"] == sum(len(row) for r in reports for batch in r["full"]["seen"] for row in batch)
@@ -134,3 +135,23 @@ def test_seq2seq_trains_with_phantoms_and_the_ranks_agree(hf_ddp):
                        num_units=len(reports[0]["rows"]), accountant="pld")
     assert first["epsilon"] == second["epsilon"] == plan.epsilon_after(4, 1e-3)
     assert len(first["logs"]) == 4 and all(h["loss"] > 0 for h in first["logs"])
+
+
+def test_fp16_with_a_dp_grad_scaler_is_the_float32_run_within_float16_rounding(hf_ddp):
+    """fp16 on 2 processes: each rank swaps Accelerate's GradScaler for a DPGradScaler, whose scale is a function of
+    the step count only (no skip, no data-dependent change), so the ranks agree on it without communicating. The
+    forwards ran in float16; the ranks end with the same parameters (one noise draw, all-reduced clipped sums), the
+    steps and epsilon of the float32 run, and its parameters within float16 rounding of the update (the bound of
+    tests/integrations/test_trainer_fp16.py, 4 u of the largest update element, u = 2^-11)."""
+    reports, _ = hf_ddp
+    runs = [r["fp16"] for r in reports]
+    assert [r["scaler"] for r in runs] == ["DPGradScaler"] * 2 and runs[0]["scale"] == runs[1]["scale"] == 2.0**10
+    assert all("torch.float16" in r["dtypes"] for r in runs)
+    assert runs[0]["params"] == runs[1]["params"]
+    full = reports[0]["full"]
+    assert runs[0]["steps"] == full["steps"] == 4 and runs[0]["epsilon"] == full["epsilon"]
+    assert runs[0]["seen"] == full["seen"]
+    start = runs[0]["start"]
+    update = max(abs(v - s) for name in start for v, s in zip(full["params"][name], start[name]))
+    assert update > 0.1
+    assert_close_params(runs[0]["params"], full["params"], rtol=0, atol=4 * 2.0**-11 * update)

@@ -70,7 +70,11 @@ def test_trainer_refusals_say_why():
         fsdp.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=version)))
         assert ("FlatParameter" in " ".join(setup_problems(fsdp, privacy))) is refused  # FSDP2 is supported
     assert not any("fp16" in p for p in setup_problems(fake_trainer(fp16=True), privacy))  # one process: DPGradScaler
-    assert "fp16 on several processes" in " ".join(setup_problems(fake_trainer(fp16=True, world_size=2), privacy))
+    assert setup_problems(fake_trainer(fp16=True, world_size=2), privacy) == []  # DDP: DPGradScaler on every rank
+    fsdp16 = fake_trainer(fp16=True, world_size=2)
+    fsdp16.is_fsdp_enabled = True
+    fsdp16.accelerator = SimpleNamespace(state=SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=2)))
+    assert "fp16 under FSDP" in " ".join(setup_problems(fsdp16, privacy))
     assert "DataParallel" in " ".join(setup_problems(fake_trainer(n_gpu=2), privacy))
 
     class TrlLike(SimpleNamespace):

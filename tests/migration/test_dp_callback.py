@@ -183,3 +183,47 @@ def test_a_poisson_loader_behind_the_trainer_is_accounted_at_its_own_rate(tmp_pa
     assert callback._sampling_of(args, DataLoader(data, batch_sampler=micro)) == (0.5, 32, 2, True)
     callback.poisson = True
     assert callback.epsilon_key == "epsilon"
+
+
+@pytest.mark.parametrize("name", ["t5", "bart"])
+def test_an_encoder_decoder_step_is_the_batch_of_one_reference(tmp_path, name):
+    """Seq2SeqTrainer with the callback, noise 0, sequential batches, GA 2, targets of several lengths padded with
+    -100: the update is -lr * sum_i clip(g_i) / 8 (lr 1, C 0.5), g_i HF's own loss of row i alone (the model builds its decoder
+    inputs from its labels); the callback builds each row's from its own labels."""
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from tests.integrations.tiny import place_dataset, tiny_bart, tiny_t5
+
+    data = place_dataset(TOKENIZER, 8)
+    assert len({len(labels) for labels in data["labels"]}) > 1
+    torch.manual_seed(0)
+    model = without_dropout((tiny_t5 if name == "t5" else tiny_bart)(TOKENIZER))
+    clip, lr = 0.5, 1.0
+    callback = DPCallback(PrivacyArguments(noise_multiplier=0.0, per_sample_max_grad_norm=clip, target_delta=1e-3),
+                          allow_shuffled_batches=True)
+    args = cpu_training_args(str(tmp_path), Seq2SeqTrainingArguments, max_steps=1, per_device_train_batch_size=4,
+                             gradient_accumulation_steps=2, optim="sgd", lr_scheduler_type="constant",
+                             learning_rate=lr, max_grad_norm=0.0, train_sampling_strategy="sequential")
+    trainer = Seq2SeqTrainer(model=copy.deepcopy(model), args=args, train_dataset=data,
+                             data_collator=DataCollatorForSeq2Seq(TOKENIZER), callbacks=[callback])
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    with pytest.warns(UserWarning, match="not private"):
+        trainer.train()
+    expected = clipped_unit_update(model, [[row] for row in data], DataCollatorForSeq2Seq(TOKENIZER), None, clip, lr)
+    assert max(float(d.abs().max()) for d in expected) > 1e-2  # far above the tolerance below
+    for (param, p), delta in zip(trainer.model.named_parameters(), expected):
+        assert torch.allclose(p - start[param], delta, atol=2e-6), param
+
+
+def test_labels_padded_with_a_token_are_refused(tmp_path):
+    from transformers import DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments
+
+    from tests.integrations.tiny import place_dataset, tiny_t5
+
+    callback = DPCallback(PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3), allow_shuffled_batches=True)
+    args = cpu_training_args(str(tmp_path), Seq2SeqTrainingArguments, max_steps=1)
+    trainer = Seq2SeqTrainer(model=tiny_t5(TOKENIZER), args=args,
+                             train_dataset=place_dataset(TOKENIZER, 8), callbacks=[callback],
+                             data_collator=DataCollatorForSeq2Seq(TOKENIZER, label_pad_token_id=TOKENIZER.pad_token_id))
+    with pytest.raises(ValueError, match="label_pad_token_id"):
+        trainer.train()

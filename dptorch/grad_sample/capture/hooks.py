@@ -323,6 +323,16 @@ class GradSampleHooks:
         self._rounds.reset(keep_grad_samples)
         self._sharding.new_round()
 
+    def discard_failed_pass(self) -> bool:
+        """After a training forward or backward raised (an out-of-memory error, say): forget what the pass captured,
+        so that the next pass starts a clean round, and return True. False, with nothing reset, when the error came
+        from the end-of-round listeners (a DP optimizer's clipping): part of the pass may have been accumulated, so
+        it must not run again."""
+        if not self._rounds.abandon():
+            return False
+        self.clear()
+        return True
+
     # ------------------------------------------------------------------ read by other modules
 
     _layers = _Delegated("_attachment", "layers")  # distributed/deepspeed_zero3.py checks their samplers

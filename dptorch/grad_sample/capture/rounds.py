@@ -67,6 +67,17 @@ class Rounds(HookTarget):
         self.consumed = False
         self.units = None
 
+    def abandon(self) -> bool:
+        """A pass raised before its round reached the listeners: forget its partial round (a failed backward never
+        runs the end-of-round callback). False when the error came from the listeners (the round is done but not
+        consumed): what they did with it is unknown, and nothing is reset."""
+        if self.done and not self.consumed:
+            return False
+        self.in_backward = False
+        self._received = {}
+        self.reads.delivered.clear()
+        return True
+
     def _drop_kept_grad_samples(self) -> None:
         for param in self._kept_grad_samples:
             param.__dict__.pop("grad_sample", None)

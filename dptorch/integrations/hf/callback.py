@@ -34,7 +34,9 @@ What a callback cannot do, and how each gap is handled (the same list is in
    anything.
 2. **Loss.** It sees the loss only through the model call. A ``compute_loss_func`` and label
    smoothing take the labels away from the model: refused (the first training forward without
-   labels raises). A Trainer subclass whose ``compute_loss`` recomputes the loss from the outputs
+   labels raises). An encoder-decoder model (T5, BART) gets its decoder inputs as in DPTrainer: the
+   collator's ``decoder_input_ids``, else each row's own labels shifted by the model, row by row; labels
+   padded with a token instead of -100 are refused at ``on_train_begin``. A Trainer subclass whose ``compute_loss`` recomputes the loss from the outputs
    (TRL's trainers) cannot be detected: use ``private(cls)`` for those. The logged ``loss`` is the
    sum over a micro-batch's rows.
 3. **Privacy units.** One row is one unit; ``privacy_unit_column`` is refused.
@@ -44,9 +46,10 @@ What a callback cannot do, and how each gap is handled (the same list is in
 5. **Logs.** ``epsilon`` goes into ``trainer.state.log_history`` and the logs of callbacks that
    run after this one; reporting integrations (``report_to``) run before it and do not see it.
    The Trainer's ``grad_norm`` is that of the raw gradient, which is never formed here (0).
-6. The set-ups DPTrainer refuses (DeepSpeed, NEFTune, Liger, ``torch_compile``, LOMO
+6. The set-ups DPTrainer refuses (DeepSpeed, Liger, ``torch_compile``, LOMO
    optimizers, length-grouped sampling) are refused here too, and so are several processes and
-   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not, and fp16, which DPTrainer
+   FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not; NEFTune, which DPTrainer runs with
+   each sample's own length (the callback cannot keep transformers' hook off); and fp16, which DPTrainer
    trains with a ``DPGradScaler`` (the callback does not replace Accelerate's GradScaler); so is
    ``noise_mechanism="bandmf"`` (it needs cyclic Poisson sampling the callback cannot impose).
 """
@@ -71,9 +74,10 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.loss_recipes import is_causal_lm
-from dptorch.grad_sample.units.per_sample_losses import (PerSampleLoss, check_per_sample_losses, default_per_sample_loss,
-                                                         with_loss)
+from dptorch.grad_sample.units.per_sample_losses import (PerSampleLoss, check_label_padding, check_per_sample_losses,
+                                                         default_per_sample_loss, with_loss)
 from dptorch.integrations.hf.sampling import PoissonMicroBatchSampler
+from dptorch.integrations.hf.seq2seq import check_decoder_inputs_buildable, is_encoder_decoder, with_decoder_inputs
 from dptorch.noise import NoiseGenerator
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.plan import PrivacyPlan
@@ -177,6 +181,7 @@ class DPCallback(TrainerCallback):
         sampler = _poisson_sampler(train_dataloader) if self.poisson else None
         if sampler is not None:
             _check_one_draw_per_step(sampler, args.gradient_accumulation_steps)
+        check_label_padding(_collator_of(train_dataloader))
         self._attach(args, model, optimizer)
         if sampler is not None:  # the draw ledger: the sampler tells of its draws, the training forwards consume them
             self._yielded.clear()
@@ -276,11 +281,9 @@ class DPCallback(TrainerCallback):
         holder = _optimizer_holder(optimizer)
         _check_optimizer_params(model, holder.optimizer)
         p = self.privacy_args
-        if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-            raise ValueError(
-                "encoder-decoder models are not supported: the callback calls the model without labels, and such a "
-                "model builds its decoder inputs from them"
-            )
+        encoder_decoder = is_encoder_decoder(model)
+        if encoder_decoder:  # called without labels: the decoder inputs are built from each row's own labels
+            check_decoder_inputs_buildable(model)
         causal = is_causal_lm(model)
         loss = self.per_sample_loss_func or default_per_sample_loss(
             causal, getattr(getattr(model, "config", None), "problem_type", None)
@@ -300,11 +303,14 @@ class DPCallback(TrainerCallback):
         holder.optimizer = dp_optimizer
         self.hooks, self.optimizer, self._holder, self._model = hooks, dp_optimizer, holder, model
         self._loss_hooks = [
-            model.register_forward_pre_hook(self._take_labels(causal), with_kwargs=True),
+            # an encoder-decoder model's decoder inputs are built before the controller's batch tracker starts (as
+            # DPTrainer builds them before the call): the row-by-row shift is the loop's code, not the forward's
+            model.register_forward_pre_hook(self._take_labels(causal, encoder_decoder), with_kwargs=True,
+                                            prepend=encoder_decoder),
             model.register_forward_hook(self._summed_per_sample_loss(loss), with_kwargs=True),
         ]
 
-    def _take_labels(self, causal: bool):
+    def _take_labels(self, causal: bool, encoder_decoder: bool = False):
         def hook(module, args, kwargs):
             if not (module.training and torch.is_grad_enabled()):
                 self._labels.append(None)
@@ -319,6 +325,8 @@ class DPCallback(TrainerCallback):
             kwargs.pop("num_items_in_batch", None)  # the batch's token count couples the samples' losses
             if causal:
                 kwargs["use_cache"] = False
+            elif encoder_decoder:  # the collator's decoder_input_ids, else each row's labels shifted, row by row
+                kwargs = with_decoder_inputs(module, kwargs, labels)
             if self._sampler is not None and self._yielded:  # the micro-batch this forward trains on, in order
                 opened = self._yielded.popleft()
                 if opened is not None:
@@ -355,7 +363,9 @@ def _refuse_setups(args: Any, state: Any) -> None:
                     "on overflow; use DPTrainer (it trains fp16 with a DPGradScaler), or bf16 or fp32"),
         (bool(getattr(args, "deepspeed", None)) or bool(getattr(args, "fsdp", None)),
          "DeepSpeed and FSDP shard or replace the gradients clipping needs"),
-        (args.neftune_noise_alpha is not None, "NEFTune adds data-dependent noise through an embedding hook"),
+        (args.neftune_noise_alpha is not None,
+         "NEFTune: the Trainer attaches transformers' hook, which scales each sample's embedding noise by the padded "
+         "length of its batch (the other samples'); DPTrainer runs a variant scaled by each sample's own length"),
         (args.use_liger_kernel, "Liger kernels replace the model's forward"),
         (bool(args.torch_compile), "torch_compile with the per-sample gradient hooks"),
         (optimizer_name in ("lomo", "adalomo"), "LOMO optimizers update the parameters inside backward"),
@@ -391,6 +401,12 @@ def _check_one_draw_per_step(sampler: Any, accumulation: int) -> None:
         "several draws in one step a row can count twice: 2 C under one noise draw). To keep the guarantee, "
         f"{fix}"
     )
+
+
+def _collator_of(loader: Any) -> Any:
+    """The user's collator behind the Trainer's loader (under transformers' column-removing wrapper)."""
+    collate = getattr(loader, "collate_fn", None)
+    return getattr(collate, "data_collator", collate)
 
 
 def _poisson_sampler(loader: Any) -> Optional[Any]:

@@ -28,6 +28,20 @@ def _tensor_parallel(model: Any) -> bool:
     return bool(sharded) and not set(sharded) <= set(fully_shard_params(model))
 
 
+#: Why an iterable (streaming) train_dataset is refused, and how to go on.
+STREAMING_REFUSAL = (
+    "an iterable (streaming) train_dataset cannot be Poisson-sampled: each step must include every privacy unit "
+    "independently with probability q, which needs random access to all N units and N itself (q, delta < 1/N and "
+    "the accounting depend on it). Materialize it first: datasets' `Dataset.from_generator(lambda: iter(stream))` "
+    "or `Dataset.from_list(list(stream))` (written to disk and read by index, so it need not fit in memory), or "
+    "load_dataset(..., streaming=False); then pass that map-style dataset. Reading the stream in order in "
+    "fixed-size batches is not a selection the private Trainer accounts: it accounts Poisson sampling (and cyclic "
+    "Poisson sampling for bandmf) only. The engine accounts fixed-size batches of a map-style dataset "
+    "(make_private(poisson_sampling=False): each pass one Gaussian of sigma/2 at rate 1, replace-one adjacency, "
+    "no amplification, so a far larger epsilon), which also needs the materialized dataset"
+)
+
+
 def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
     """Every reason ``trainer`` cannot train privately as configured (empty when it can)."""
     args, dataset = trainer.args, trainer.train_dataset
@@ -39,7 +53,7 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
         (dataset is None,
          "train_dataset is required at construction: the sampling rate and the noise depend on its size"),
         (isinstance(dataset, IterableDataset) or (dataset is not None and not hasattr(dataset, "__getitem__")),
-         "Poisson sampling needs a map-style train_dataset (random access and a length), not an iterable one"),
+         STREAMING_REFUSAL),
         (args.n_gpu > 1,
          "torch.nn.DataParallel (several GPUs in one process) is not supported: its replicas run the forward without "
          "the per-sample hooks; launch one process per GPU (torchrun / accelerate launch: DDP), which is supported"),
@@ -62,17 +76,18 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "Trainer yet: its sampler deals each rank other samples, while tensor parallelism needs one batch on every "
          "rank of a group (Accelerate's tensor parallelism needs a GPU and is untested here). The engine supports it "
          "(PrivacyEngine.make_private on the split model: docs/distributed.md, Tensor parallelism)"),
-        (args.fp16 and args.world_size > 1,
-         "fp16 on several processes is not supported yet (one process is: its GradScaler is replaced by a "
-         "DPGradScaler, with a fixed scale and no skipped step); the fixed-scale path across DDP or FSDP2 ranks is "
-         "untested. Use bf16 (supported everywhere) or fp32, or fp16 on one process"),
+        (args.fp16 and args.world_size > 1 and fsdp is not None,
+         "fp16 under FSDP is not supported yet: the fixed-scale DPGradScaler that replaces Accelerate's GradScaler is "
+         "tested on one process and under DDP, not with FSDP2's sharded gradients. Use bf16 (supported everywhere), "
+         "or fp16 under DDP"),
         (trainer.model_init is not None and (args.world_size > 1 or deepspeed_config(trainer) is not None),
          "model_init (a new model, and a new private run, at each train(): hyperparameter_search) is supported on "
          "one process without DeepSpeed; pass model= there"),
-        (args.auto_find_batch_size,
-         "auto_find_batch_size changes the batch size, hence the sampling rate, mid-run; set the batch size yourself"),
-        (args.neftune_noise_alpha is not None,
-         "NEFTune adds data-dependent noise through an embedding hook; unset neftune_noise_alpha"),
+        (args.auto_find_batch_size and (args.world_size > 1 or deepspeed_config(trainer) is not None),
+         "auto_find_batch_size is supported on one process without DeepSpeed: it cuts a micro-batch into more "
+         "forward and backward passes after an out-of-memory error, and on several processes (or under DeepSpeed, "
+         "whose engine counts the passes of a step) every rank must run the same passes. Set "
+         "per_device_train_batch_size yourself"),
         (args.use_liger_kernel,
          "Liger kernels replace the model's forward and fuse the LM head; unset use_liger_kernel"),
         (bool(args.torch_compile),

@@ -43,9 +43,12 @@ it from rank 0. The ranks' plans are compared when the trainer is built, and a d
 per-device batch size, dataset or privacy argument on one rank) is refused on every rank
 (:mod:`dptorch.distributed.agreement`). DeepSpeed ZeRO-1, 2 and 3 (``TrainingArguments(deepspeed=...)``): the optimizer stays unwrapped
 until Accelerate built the engine, which is then made private (``engine.step()``, called by Accelerate
-after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 on several processes and
+after the last micro-batch, is the DP step; :mod:`.deepspeed`). FSDP1, fp16 under FSDP and
 tensor-parallel models are refused (:mod:`.checks` says why);
-``fp16=True`` on one process trains with a :class:`~dptorch.optim.DPGradScaler` in place of Accelerate's GradScaler.
+``fp16=True`` on one process or under DDP trains with a :class:`~dptorch.optim.DPGradScaler` in place of
+Accelerate's GradScaler. ``neftune_noise_alpha`` runs NEFTune scaled by each sample's own length
+(:mod:`.neftune`); ``auto_find_batch_size`` cuts micro-batches into smaller passes after an out-of-memory
+error, the draws untouched (:mod:`.physical_batches`).
 
 One :class:`~dptorch.plan.PrivacyPlan` holds the sample rate and steps per epoch (from
 :class:`.sampling.SamplingPlan`, the Trainer's arithmetic), the noise multiplier (given or
@@ -91,7 +94,9 @@ from dptorch.integrations.hf.loss_func_recipe import with_compute_loss_func
 from dptorch.integrations.hf.loss_recipes import choose_recipe
 from dptorch.grad_sample.units.per_sample_losses import PerSampleLoss
 from dptorch.integrations.hf.metrics import dropped_metrics, exact_gathers
+from dptorch.integrations.hf.neftune import take_over_neftune
 from dptorch.integrations.hf.packing import PackingCollator, check_packing, packing_after_sampling, pad_token_id
+from dptorch.integrations.hf.physical_batches import check_physical_batches, no_restarts
 from dptorch.integrations.hf.phantom import PhantomBatch
 from dptorch.integrations.hf.sampling import (
     UNIT_IDS_KEY,
@@ -172,6 +177,8 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         # one plan on every rank, or every rank refuses (before a check of this rank's number of units)
         check_ranks_agree(self.privacy_plan, micro_batches=self.sampling_plan.micro_batches)
         check_delta_for_units(privacy_args.target_delta, self.privacy_units.num_units, "target_delta")
+        self._dp_physical = check_physical_batches(self, packing)  # auto_find_batch_size: passes, not the sampling
+        self._dp_neftune = take_over_neftune(self)  # NEFTune scaled by each sample's own length
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
@@ -469,9 +476,19 @@ class PrivateTrainerMixin(PrivateSearchMixin):
                 self._phantom_step(model)
             return torch.zeros((), device=self.args.device)
         example_units = inputs.pop(UNIT_IDS_KEY, None)
-        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._dp_neftune is not None:
+            self._dp_neftune.follow(self.model)
+        if self._dp_physical is None:
+            loss = self._train_pass(model, inputs, example_units, num_items_in_batch)
+        else:  # auto_find_batch_size: the micro-batch in passes of whole units (.physical_batches)
+            loss = self._dp_physical.run(inputs, example_units, partial(self._train_pass, model),
+                                         self.dp_hooks.discard_failed_pass)
         return loss / self.privacy_plan.expected_batch_size
+
+    def _train_pass(self, model: Any, inputs: Dict[str, Any], example_units: Any, num_items_in_batch: Any = None) -> Any:
+        """The parent's forward and backward of ``inputs``, their rows' privacy units told to the controller."""
+        self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
 
     def _count_draw(self, rows: Optional[int]) -> None:
         self._dp_drawn += 1
@@ -573,9 +590,12 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             )
         self._dp_trained, self._dp_drawn, self._dp_training = 0, 0, True
         try:
-            output = super().train(*args, **kwargs)
+            with no_restarts(self.args, self._dp_physical):
+                output = super().train(*args, **kwargs)
         finally:
             self._dp_training = False
+            if self._dp_neftune is not None:
+                self._dp_neftune.remove()
         if self.privacy_plan is not None:
             report = self.privacy_report()
             history = self.state.log_history
