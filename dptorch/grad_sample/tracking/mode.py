@@ -26,7 +26,7 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import count, skip
-from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, ORDERED, WEAK, Lost, as_strong
+from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, ORDERED, WEAK, Lost, as_strong, ordered_at
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 from dptorch.grad_sample.tracking.unseen import register as register_unseen
 from dptorch.grad_sample.tracking.unseen import off as unseen_off
@@ -104,6 +104,12 @@ class BatchTracker(TorchFunctionMode):
                 if entry is not None and entry[0]() is t:
                     del self._table[id(t)]
             else:
+                if type(tag) is Lost and tag.kind in ORDERED:
+                    if tag.holder is None:
+                        tag.holder = id(t)
+                    if tag.holder != id(t) or tag.order is None or tag.dim >= t.dim() or (
+                            t.shape[tag.dim] != tag.order.numel()):  # carried as it is by a rule that does not say
+                        tag = Lost(tag.reason, weak=tag.weak)  # where the rows went, or not as many rows as it says
                 if type(tag) is Lost and self.rows is not None and tag.kind in ORDERED:
                     tag = self._as_rows(tag)
                 self._table[id(t)] = (weakref.ref(t), tag)
@@ -214,8 +220,10 @@ class BatchTracker(TorchFunctionMode):
 
     # ---------------------------------------------------------------- combining
 
-    def combine(self, items: List[Tuple[Any, int, int]]) -> Tuple[Any, List[int]]:
-        """The tag of a result from ``(tag, tensor ndim, result ndim)`` of aligned inputs.
+    def combine(self, items: List[Tuple[Any, int, int]], elementwise: bool = False) -> Tuple[Any, List[int]]:
+        """The tag of a result from ``(tag, tensor ndim, result ndim)`` of aligned inputs; ``elementwise``: each
+        element of the result is made of the inputs' elements at its place (broadcast), so that Losts saying which
+        sample each row is (``ORDERED``) may keep saying it; other operations lose them.
 
         Returns the tag and the indices (into ``items``) of origin-derived inputs, which meet the
         batch when the tag is a batch dim.
@@ -238,12 +246,16 @@ class BatchTracker(TorchFunctionMode):
                     ordered.append((tag, ndim == out_ndim))
             else:
                 origins.append(i)
-        if ordered and not _same_rows(ordered, strong or weak, items):
+        if ordered and not elementwise:
+            lost = Lost(ordered[0][0].reason, weak=ordered[0][0].weak)
+        elif ordered and not _same_rows(ordered, strong or weak, items):
             # rows of the batch in another order (or a part of them) meeting other rows: sample i's row and
             # another sample's are aligned, whatever indexing later puts them back in order
             lost = Lost(f"{ordered[0][0].reason}, aligned with rows of other samples")
         if self.n <= 1:
             lost = None
+        if ordered and elementwise and lost is ordered[0][0] and not (strong or weak):  # the same rows, same place
+            lost = ordered_at(lost, lost.dim)
         if strong:
             if any(d != strong[0] for d in strong) and self.n > 1:
                 return Lost("an operation that aligns the batch of one input with another dimension of another"), []

@@ -46,11 +46,12 @@ class Lost:
     ``order[i]``; gathering the rows back into the batch's order makes them batched again) and "rows"
     (some of the batch's rows along ``dim``, row ``i`` being sample ``order[i]``: a micro-batch sliced
     from a draw, which a root forward may take as its batch). Met by other rows, the last two are
-    plainly lost. A
+    plainly lost. Only a rule that says where their rows go keeps them so (it makes a new tag, on the tensor it
+    is made for); one carried to another tensor as it is, by a rule that does not follow rows, is plainly lost. A
     ``weak`` one was derived from weak evidence only (it is refused all the same where it meets the batch).
     """
 
-    __slots__ = ("reason", "kind", "dim", "order", "weak", "units", "scaled_inside")
+    __slots__ = ("reason", "kind", "dim", "order", "weak", "units", "scaled_inside", "holder")
 
     def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
                  weak: bool = False, units: bool = False, scaled_inside: bool = False) -> None:
@@ -61,12 +62,18 @@ class Lost:
         self.weak = weak  # derived only from weak evidence
         self.units = units  # a total of packed token units' own losses (dptorch.packed_loss)
         self.scaled_inside = scaled_inside  # a total scaled by a number inside the forward (loss.py refuses it)
+        self.holder: Optional[int] = None  # an ordered one's tensor (id): a rule that says where its rows go makes a new one
 
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"
 
 
 ORDERED = ("permuted", "rows")  # Losts whose ``order`` says which sample each row along ``dim`` is
+
+
+def ordered_at(tag: Lost, dim: int) -> Lost:
+    """The same rows, in the same order, now along ``dim`` (a new tag: see ``BatchTracker.put``)."""
+    return Lost(tag.reason, tag.kind, dim, tag.order, weak=tag.weak)
 
 _PACKED_REASON = "the data of a PackedSequence (the rows of all samples interleaved by time step)"
 PACKED = Lost(_PACKED_REASON, "packed")

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import Tracker, arg, op_name, replace_arg, tensors_of
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
-from dptorch.grad_sample.tracking.tags import DIM, WEAK
+from dptorch.grad_sample.tracking.tags import DIM, ORDERED, WEAK, Lost, ordered_at
 
 
 def broadcast(tr: Tracker, func, args, kwargs, inplace: bool = False, name: str = ""):
@@ -35,6 +35,8 @@ def broadcast(tr: Tracker, func, args, kwargs, inplace: bool = False, name: str 
                 if isinstance(out, Tensor):
                     if type(tag) is int:
                         tag = tag + (out.ndim - t.ndim) if _full(t, tag, out) else _broadcast_rows(tr, tag)
+                    elif type(tag) is Lost and tag.kind in ORDERED:
+                        tag = _ordered_rows(t, tag, out)
                     tr.put(out, tag)
                 return out
     tensors = list(tensors_of(args, kwargs))
@@ -45,7 +47,7 @@ def broadcast(tr: Tracker, func, args, kwargs, inplace: bool = False, name: str 
     tags = [tr.get(t) for _, t in tensors]
     if name == "copy_":  # the values are src's; self's old tag goes
         tags[0] = None
-    tag, meeting = tr.combine([(g, t.ndim, out_ndim) for g, (_, t) in zip(tags, tensors)])
+    tag, meeting = tr.combine([(g, t.ndim, out_ndim) for g, (_, t) in zip(tags, tensors)], elementwise=True)
     for i in meeting:
         where, t = tensors[i]
         if inplace and where == ("a", 0):
@@ -72,6 +74,15 @@ def _full(t: Tensor, tag: int, result: Tensor) -> bool:
     return d < t.ndim and 0 <= at < result.ndim and t.shape[d] == result.shape[at]
 
 
+def _ordered_rows(t: Tensor, tag: Lost, result: Tensor) -> Lost:
+    """Some of the batch's rows (``tag``, ordered) in an elementwise result: the same rows where ``t``'s fill
+    the result's dim, lost where they are broadcast."""
+    at = tag.dim + result.ndim - t.ndim
+    if tag.dim < t.ndim and 0 <= at < result.ndim and t.shape[tag.dim] == result.shape[at]:
+        return ordered_at(tag, at)
+    return Lost(tag.reason, weak=tag.weak)
+
+
 def _broadcast_rows(tr: Tracker, tag: int):
     """The tag of a result into whose rows a batched argument of fewer rows was broadcast: its rows are not
     the samples' (a batch dim cut to one row, sample 0's, would reach every sample)."""
@@ -83,6 +94,8 @@ def _self_only(tr, func, args, kwargs):
     x = arg(args, kwargs, 0, "input")
     tag = tr.get(x)
     out = tr.run(func, args, kwargs)
+    if type(tag) is Lost and tag.kind in ORDERED and isinstance(out, Tensor):
+        tag = _ordered_rows(x, tag, out)
     if tag is not None:
         tr.put_all(out, tag)
     return out

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name
 from dptorch.grad_sample.tracking.rules.opaque import lost_if_tagged
-from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK, Lost
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, WEAK, Lost, ordered_at
 
 
 def _matmul_dims(d: int, ndim: int, other_ndim: int, out_ndim: int, left: bool) -> Any:
@@ -35,11 +35,23 @@ def _matmul(tr: Tracker, func, args, kwargs):
     return _matmul_pair(tr, func, args, kwargs, 0, 1)
 
 
+def _ordered_matmul(tr, func, args, kwargs, a, b, ta, tb, out_ndim):
+    """A matrix product of some rows of the batch (an ordered ``Lost``) with a shared operand: the same rows
+    where they stay a dim of their own (not one the product sums over)."""
+    tag, t, other, left = (ta, a, b, True) if ta is not None else (tb, b, a, False)
+    new = _matmul_dims(tag.dim, t.ndim, other.ndim, out_ndim, left) if tag.dim < t.ndim else None
+    out = tr.run(func, args, kwargs)
+    tr.put_all(out, ordered_at(tag, new) if type(new) is int else Lost(tag.reason, weak=tag.weak))
+    return out
+
+
 def _matmul_pair(tr, func, args, kwargs, ia, ib, extra: Optional[int] = None):
     a, b = args[ia], args[ib]
     ta, tb = tr.get(a), tr.get(b)
     te = tr.get(args[extra]) if extra is not None else None
     out_ndim = max(a.ndim, b.ndim) if a.ndim > 1 and b.ndim > 1 else max(a.ndim, b.ndim) - 1
+    if extra is None and (ta is None or tb is None) and type(ta or tb) is Lost and (ta or tb).kind in ORDERED:
+        return _ordered_matmul(tr, func, args, kwargs, a, b, ta, tb, out_ndim)
     items = []
     for t, tag, left, other in ((a, ta, True, b), (b, tb, False, a)):
         if type(tag) is int:

@@ -10,7 +10,7 @@ from dptorch.grad_sample.tracking.args import Tracker, arg, dims_arg, op_name
 from dptorch.grad_sample.tracking.loss import batch_total
 from dptorch.grad_sample.tracking.rules.elementwise import broadcast
 from dptorch.grad_sample.tracking.rules.structural import dim_is_batch, structural
-from dptorch.grad_sample.tracking.tags import DIM, KEEP
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, Lost, ordered_at
 
 
 _KEEPDIM_AT = {"std": 3, "var": 3, "std_mean": 3, "var_mean": 3, "norm": 3, "median": 2, "nanmedian": 2, "mode": 2,
@@ -28,7 +28,8 @@ def reduction(tr: Tracker, func, args, kwargs):
     out = tr.run(func, args, kwargs)
     if tag is None:
         return out
-    if type(tag) is int:
+    ordered = type(tag) is Lost and tag.kind in ORDERED
+    if type(tag) is int or ordered:
         ndim = x.ndim
         dim = arg(args, kwargs, _DIM_AT.get(name, 1), "dim", kwargs.get("axis", _DEFAULT_DIM.get(name)))
         if isinstance(dim, bool) or isinstance(dim, str):  # std(unbiased), norm(p) overloads
@@ -36,11 +37,14 @@ def reduction(tr: Tracker, func, args, kwargs):
         keepdim = arg(args, kwargs, _KEEPDIM_AT.get(name, 2), "keepdim", False)
         keepdim = keepdim if isinstance(keepdim, bool) else False
         dims = dims_arg(dim, ndim)
-        d = tag & DIM
-        if dims is None or d in dims:
+        d = tag.dim if ordered else tag & DIM
+        kept = d if keepdim else d - sum(1 for i in dims if i < d) if dims is not None else d
+        if ordered:  # some rows of the batch: reduced over them, plainly lost; otherwise the same rows
+            tag = Lost(tag.reason, weak=tag.weak) if dims is None or d in dims else ordered_at(tag, kept)
+        elif dims is None or d in dims:
             tag = batch_total(tr, name, tag)
         else:
-            tag = (tag & KEEP) | (d if keepdim else d - sum(1 for i in dims if i < d))
+            tag = (tag & KEEP) | kept
     tr.put_all(out, tag)
     return out
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 import torch
 
 from dptorch.grad_sample.tracking.args import Tracker, arg, dims_arg, norm_dim, op_name, shape_args, tensors_of
-from dptorch.grad_sample.tracking.tags import DIM, INNER, KEEP, WEAK
+from dptorch.grad_sample.tracking.tags import DIM, INNER, KEEP, ORDERED, WEAK, Lost, ordered_at
 from dptorch.grad_sample.tracking.writes import derived
 
 
@@ -40,6 +40,12 @@ def structural(dimfn: Callable, inplace: bool = False, writes: bool = False, sha
         if type(tag) is int:
             new = dimfn(tag & DIM, shape, args, kwargs, out if not inplace else x)
             new_tag = (tag & KEEP) | new if type(new) is int else tr.lost(f"{op_name(func)} ({new})", tag)
+        elif type(tag) is Lost and tag.kind in ORDERED:  # some rows of the batch: kept where they stay whole
+            new = dimfn(tag.dim, shape, args, kwargs, out if not inplace else x) if tag.dim < len(shape) else None
+            result = x if inplace else out
+            whole = (type(new) is int and not new & ~DIM and isinstance(result, torch.Tensor) and new < result.ndim
+                     and result.shape[new] == shape[tag.dim])
+            new_tag = ordered_at(tag, new) if whole else Lost(tag.reason, weak=tag.weak)
         if mixed:
             new_tag = tr.lost_from(f"{op_name(func)} with another argument derived from the batch (not batched as "
                                    "its input is)", [tag, *mixed])
