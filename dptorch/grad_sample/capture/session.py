@@ -30,7 +30,7 @@ from dptorch.grad_sample.tracking import watch as draw_watch
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
-from dptorch.grad_sample.tracking.tags import ORDERED
+from dptorch.grad_sample.tracking.tags import ROWS_ORDERED
 from dptorch.grad_sample.units.token_tracker import TOKEN_DIM, TokenTracker
 from dptorch.grad_sample.units.token_units import TokenUnits
 
@@ -62,6 +62,7 @@ class RootForward(HookTarget):
         self.tracking_off: Any = False  # "popped"/"paused": the tracker stepped aside for a layer call
         self._buffer_guard = BufferGuard(module)  # buffers a training forward fills from the batch (buffer_check.py)
         self.expanded: Optional[Any] = None  # grad_sample_mode "ew": torch's expanded weights for this forward
+        self._nested: Optional[BatchTracker] = None  # the loss tracker a non-training forward runs under
 
     @property
     def unit_kind(self) -> str:
@@ -104,6 +105,9 @@ class RootForward(HookTarget):
             else:  # not a training forward: the loop's own (its outputs derive from the batch)
                 draw_watch.rest()
                 draw_watch.resume()
+                if self.loss_tracker is not None:  # followed in the loss phase as a model's forward (its own
+                    self.loss_tracker.nested_forwards += 1  # scalings are its constants, like the training forward's)
+                    self._nested = self.loss_tracker
             if (self._settings.grad_sample_mode == "ew" and module.training and torch.is_grad_enabled() and self._batch_size
                     and not self._switches.paused):
                 self.expanded = expanded_weights.expanded(module, self._batch_size, self._settings.loss_reduction)
@@ -126,6 +130,7 @@ class RootForward(HookTarget):
         tracker.owner = owner
         tracker.on_backward = lambda: getattr(owner(), "loss_phase_over", lambda t: None)(tracker)
         tracker.unit_kind = lambda: getattr(owner(), "unit_kind", "rows")  # grouped rows: docs/privacy.md
+        tracker.unit_ids = lambda: getattr(getattr(owner(), "_rounds", None), "unit_ids", None)
         previous, self.loss_tracker = self.loss_tracker, None
         if previous is not None:  # a second forward before backward: the loss may combine both
             remove_mode(previous)
@@ -159,7 +164,7 @@ class RootForward(HookTarget):
         for leaf, strong in leaves:
             seen = tracker.get(leaf)
             if seen is not None and not (type(seen) is int and seen & ~WEAK == dim) and not (
-                    drawn_rows and type(seen) is Lost and seen.kind in ORDERED):
+                    drawn_rows and type(seen) is Lost and seen.kind in ROWS_ORDERED):
                 continue  # the watch saw it derived otherwise (mixed, rows of other samples, another dim)
             if strong or seen is not None or not known:
                 tracker.tag_root(leaf, dim, strong or seen is not None)
@@ -276,6 +281,9 @@ class RootForward(HookTarget):
         self.depth = max(self.depth - 1, 0)
         if self.depth:
             return None
+        nested, self._nested = self._nested, None
+        if nested is not None:
+            nested.nested_forwards -= 1
         self._end_token_tracking(output)
         leak = self._buffer_guard.finish(self.tracker)  # a buffer filled from the batch: put back, refused
         self._enter_loss_phase()
@@ -321,7 +329,7 @@ def _drawn_rows(tags: List[Any], dim: int, n: int) -> Tuple[bool, Optional[torch
     for tag in tags:
         if type(tag) is int and tag & ~WEAK == dim:
             orders.append(None)
-        elif type(tag) is Lost and tag.kind in ORDERED and tag.dim == dim and tag.order is not None:
+        elif type(tag) is Lost and tag.kind in ROWS_ORDERED and tag.dim == dim and tag.order is not None:
             orders.append(tag.order)
         elif tag is not None:
             return False, None

@@ -67,10 +67,14 @@ def units_total(tr: Tracker, kind: str) -> Lost:
     return Lost(f"the {kind} of packed examples' own losses (dptorch.packed_loss)", kind, units=True)
 
 
-def batch_total(tr: Tracker, name: str, tag: int) -> Optional[Lost]:
-    """The tag of reduction ``name`` over the batch dim of a tensor batched as ``tag``."""
+def batch_total(tr: Tracker, name: str, tag: int, averaged: Optional[int] = None) -> Optional[Lost]:
+    """The tag of reduction ``name`` over the batch dim of a tensor batched as ``tag`` (``averaged``: the
+    number of entries each result entry is made of, a mean's divisor)."""
     if name in TOTALS and not tag & WEAK:
-        return total(tr, name, f"the {name} over the batch dimension")
+        found = total(tr, name, f"the {name} over the batch dimension")
+        if found is not None and name == "mean":
+            found.count = averaged
+        return found
     return tr.lost(f"{name} over the batch dimension", tag)
 
 
@@ -129,8 +133,11 @@ def total_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     same = all(is_total(g) and g.kind == first.kind and g.units == first.units for _, g in tagged)
     alone = len(tagged) == 1 and tagged[0][0] in (("a", 0), ("k", "input"), ("k", "self"))
     scaling = name in _SCALING or (name in _DIVIDING and alone)  # a total divided by a constant, not a constant by it
+    kind = first.kind
     if name in _ADDITIVE or name in _JOINS:
         keep = same
+    elif _undoes_mean(name, first, tagged, args, kwargs):  # mean * its own divisor: the sum, exactly
+        keep, kind = True, "sum"
     elif scaling:
         keep = len(tagged) == 1 and (read_from_batch(tr) is None or not _has_number(args, kwargs))
     else:
@@ -150,7 +157,8 @@ def total_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     if keep:
         # inside the forward shapes are read all the time: a factor there may be the batch size (refused at backward)
         inside = any(g.scaled_inside for _, g in tagged if is_total(g)) or (scaling and not tr.forward_done)
-        tag = Lost(first.reason, first.kind, units=first.units, scaled_inside=inside)
+        tag = Lost(first.reason, kind, units=first.units, scaled_inside=inside)
+        tag.count = first.count if kind == "mean" else None
     else:
         tag = Lost(_mixing_reason(name, first, read_from_batch(tr) if scaling else None))
     for target, was in zip(targets, old):  # in place, or out=
@@ -162,9 +170,20 @@ def total_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     return out
 
 
+def _undoes_mean(name: str, first: Lost, tagged: list, args: tuple, kwargs: dict) -> bool:
+    """``mean * k`` where ``k`` is the number of entries the mean averaged: the sum of those entries (DPO's mean
+    over the pairs of a micro-batch times their number), whatever read gave ``k``."""
+    if name not in _SCALING or first.kind != "mean" or first.count is None or len(tagged) != 1:
+        return False
+    numbers = [a for a in (*args, *kwargs.values()) if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    return len(numbers) == 1 and numbers[0] == first.count
+
+
 #: Libraries whose own scaling of the loss is by a configured constant (gradient accumulation steps, a loss
-#: scale), not a number of the batch: DeepSpeed's engine.backward, Accelerate's backward, the Trainer's step.
-_CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer")
+#: scale), not a number of the batch: DeepSpeed's engine.backward, Accelerate's backward, the Trainer's step,
+#: and TRL's preference losses (beta, loss weights, label smoothing; the loss types that couple pairs are
+#: refused by the DPO recipe, integrations/hf/loss_recipes.py).
+_CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer", "trl.")
 
 
 def read_from_batch(tr: Tracker) -> Optional[str]:
@@ -184,13 +203,14 @@ def _has_number(args: tuple, kwargs: dict) -> bool:
 
 
 def scales_after_read(tr: Tracker, func, args: tuple, kwargs: dict) -> bool:
-    """Whether, after a read from the batch into Python outside the forward, an operation scales a tensor
-    by a Python number (``per_sample_loss / len(y)`` before its sum) or makes a tensor of one
-    (``torch.tensor(1 / len(y))``): the number may be the batch size, or a value of the batch."""
+    """Whether, after a read from the batch into Python outside the forward, an operation scales or shifts a
+    tensor by a Python number (``per_sample_loss / len(y)`` before its sum, ``out - out.mean().item()``) or
+    makes a tensor of one (``torch.tensor(1 / len(y))``): the number may be the batch size, or a value of the
+    batch."""
     if not tr.forward_done or (tr.escaped is None and tr.counted is None) or tr.n <= 1:
         return False
     name = op_name(func)
-    if name in _SCALING or name in _DIVIDING:
+    if name in _SCALING or name in _DIVIDING or name in _ADDITIVE:  # (a shift by a read value: x - x.mean().item())
         scales = _has_number(args, kwargs) and any(isinstance(a, Tensor) and derived(tr.get(a))
                                                    for a in (*args, *kwargs.values()))
     else:
@@ -203,7 +223,8 @@ def read_scaling_rule(tr: Tracker, func, args: tuple, kwargs: dict):
     batch size, so each sample's gradient would depend on how many others were drawn)."""
     out = tr.run(func, args, kwargs)
     lost = Lost(f"{op_name(func)} with a Python number that may come from {read_from_batch(tr)}, read from the "
-                "batch into Python, which would make each sample's gradient depend on the others")
+                "batch into Python, which would make each sample's gradient depend on the others (read values and sizes "
+                "after backward(), or make the number a constant of your code)")
     for target in written(func, args, kwargs):
         tr.wrote(target, tr.get(target), lost)
     tr.put_all(out, lost)
@@ -227,9 +248,9 @@ def backward_rule(tr: Tracker, func, args: tuple, kwargs: dict):
         roots, grads = _as_list(arg(args, kwargs, 0, "tensors")), _as_list(arg(args, kwargs, 1, "grad_tensors"))
     try:
         kind = tr.unit_kind()
-        for i, root in enumerate(roots if kind != "grouped" else ()):
+        for i, root in enumerate(roots):
             grad = grads[i] if i < len(grads) else None
-            problem = _root_problem(tr, root, grad) if kind == "rows" else _token_root_problem(tr, root, grad)
+            problem = _root_problem(tr, root, grad) if kind != "tokens" else _token_root_problem(tr, root, grad)
             if problem is not None:
                 raise PerSampleGradientError(problem)
     finally:

@@ -26,7 +26,8 @@ from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
 from dptorch.grad_sample.tracking.registry import UNFOLLOWED, rule_of
 from dptorch.grad_sample.tracking.rules.escapes import escape
 from dptorch.grad_sample.tracking.rules.metadata import count, skip
-from dptorch.grad_sample.tracking.tags import DIM, INNER, MISALIGNED, ORDERED, WEAK, Lost, as_strong, ordered_at
+from dptorch.grad_sample.tracking.tags import (DIM, INNER, MISALIGNED, ORDERED, ROWS_ORDERED, WEAK, Lost, as_strong,
+                                               ordered_at, unit_entries)
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 from dptorch.grad_sample.tracking.unseen import register as register_unseen
 from dptorch.grad_sample.tracking.unseen import off as unseen_off
@@ -56,6 +57,7 @@ class BatchTracker(TorchFunctionMode):
         # a total's value read into Python, and whether this tracker's loss phase ended (it then ignores all)
         self.loss_reduction: Optional[str] = None
         self.unit_kind: Callable[[], str] = lambda: "rows"  # or "grouped" rows, or "tokens" (the controller says)
+        self.unit_ids: Callable[[], Optional[Tensor]] = lambda: None  # grouped rows: the unit of each row
         self.owner: Callable[[], Any] = lambda: True  # the controller (a weak reference): gone, the tracker idles
         self.on_backward: Callable[[], None] = lambda: None
         self.totals = 0
@@ -64,6 +66,7 @@ class BatchTracker(TorchFunctionMode):
         self.checks_backward = True  # False for the draw's watch (watch.py), which only tags
         self.done = False
         self.forward_done = False  # the root forward returned (escapes are refused only inside it)
+        self.nested_forwards = 0  # the model's own forwards run in the loss phase (a reference model's, no gradient)
         self.writes = Writes()  # in-place writes that made aliased memory dirty (writes.py)
         self.memory = BatchMemory()  # the storages that hold batch data (memory.py)
         self.rows: Optional[Tensor] = None  # the rows of a DP loader's draw this forward's batch is, if cut from it
@@ -110,7 +113,7 @@ class BatchTracker(TorchFunctionMode):
                     if tag.holder != id(t) or tag.order is None or tag.dim >= t.dim() or (
                             t.shape[tag.dim] != tag.order.numel()):  # carried as it is by a rule that does not say
                         tag = Lost(tag.reason, weak=tag.weak)  # where the rows went, or not as many rows as it says
-                if type(tag) is Lost and self.rows is not None and tag.kind in ORDERED:
+                if type(tag) is Lost and self.rows is not None and tag.kind in ROWS_ORDERED:
                     tag = self._as_rows(tag)
                 self._table[id(t)] = (weakref.ref(t), tag)
                 if self.n > 1:
@@ -150,7 +153,7 @@ class BatchTracker(TorchFunctionMode):
             return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
         if rule is skip or (rule is count and not self.forward_done):
             return func(*args, **kwargs)
-        if self.forward_done and scales_after_read(self, func, args, kwargs):
+        if self.forward_done and not self.nested_forwards and scales_after_read(self, func, args, kwargs):
             return read_scaling_rule(self, func, args, kwargs)
         if rule is backward_rule:  # even of an untagged root (a batch of one's loss): the loss phase ends there
             if self.checks_backward:
@@ -249,6 +252,9 @@ class BatchTracker(TorchFunctionMode):
         if ordered and not elementwise:
             lost = Lost(ordered[0][0].reason, weak=ordered[0][0].weak)
         elif ordered and not _same_rows(ordered, strong or weak, items):
+            units = self._unit_entries(items) if self.n > 1 and self.unit_kind() == "grouped" else None
+            if units is not None:  # rows of one privacy unit each (set_privacy_units) meeting: still its own
+                return units, []
             # rows of the batch in another order (or a part of them) meeting other rows: sample i's row and
             # another sample's are aligned, whatever indexing later puts them back in order
             lost = Lost(f"{ordered[0][0].reason}, aligned with rows of other samples")
@@ -276,6 +282,29 @@ class BatchTracker(TorchFunctionMode):
         if origins:
             return tuple(dict.fromkeys(o for i in origins for o in items[i][0])), []
         return None, []
+
+    def _unit_entries(self, items: List[Tuple[Any, int, int]]) -> Optional[Lost]:
+        """Grouped privacy units: an elementwise result whose every batch-derived input holds, along the same
+        dim, entries of the same units in the same order (DPO's chosen rows minus the rejected rows of the same
+        pairs) holds each unit's own entries there; None if some input does not."""
+        unit_ids = self.unit_ids()
+        if unit_ids is None or unit_ids.numel() != self.n:
+            return None
+        found = None
+        for tag, ndim, out_ndim in items:
+            if tag is None:
+                continue
+            if type(tag) is int and not tag & ~(DIM | WEAK) and not tag & WEAK:
+                dim, order = (tag & DIM) + out_ndim - ndim, unit_ids
+            elif type(tag) is Lost and tag.kind in ORDERED and tag.order is not None and ndim == out_ndim:
+                dim, order = tag.dim, tag.order if tag.kind == "units" else unit_ids[tag.order]
+            else:
+                return None
+            if found is None:
+                found = (dim, order)
+            elif found[0] != dim or not torch.equal(found[1], order):
+                return None
+        return None if found is None else unit_entries(found[1], found[0])
 
     def meet(self, use: Tensor, out_ndim: int, out_dim: int, broadcasts: bool = True) -> Tensor:
         """``use`` (origin-derived) meets batched tensors in a result batched along ``out_dim``:
@@ -341,7 +370,7 @@ class BatchTracker(TorchFunctionMode):
         self.rows = rows
         whole = None if rows.numel() == drawn and torch.equal(rows, torch.arange(drawn)) else torch.arange(drawn)
         for key, (ref, tag) in list(self._table.items()):
-            if type(tag) is Lost and tag.kind in ORDERED:
+            if type(tag) is Lost and tag.kind in ROWS_ORDERED:
                 self._table[key] = (ref, self._as_rows(tag))
             elif type(tag) is int and whole is not None:  # the whole draw, in its order, beside part of it
                 self._table[key] = (ref, Lost("the whole draw, beside a micro-batch cut from it", "rows", tag & DIM,

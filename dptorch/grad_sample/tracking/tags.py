@@ -51,7 +51,7 @@ class Lost:
     ``weak`` one was derived from weak evidence only (it is refused all the same where it meets the batch).
     """
 
-    __slots__ = ("reason", "kind", "dim", "order", "weak", "units", "scaled_inside", "holder")
+    __slots__ = ("reason", "kind", "dim", "order", "weak", "units", "scaled_inside", "holder", "count")
 
     def __init__(self, reason: str, kind: Optional[str] = None, dim: int = 0, order: Optional[Tensor] = None,
                  weak: bool = False, units: bool = False, scaled_inside: bool = False) -> None:
@@ -63,17 +63,26 @@ class Lost:
         self.units = units  # a total of packed token units' own losses (dptorch.packed_loss)
         self.scaled_inside = scaled_inside  # a total scaled by a number inside the forward (loss.py refuses it)
         self.holder: Optional[int] = None  # an ordered one's tensor (id): a rule that says where its rows go makes a new one
+        self.count: Optional[int] = None  # a "mean" total's divisor: the number of entries it averaged
 
     def __repr__(self) -> str:
         return f"Lost({self.reason!r})"
 
 
-ORDERED = ("permuted", "rows")  # Losts whose ``order`` says which sample each row along ``dim`` is
+ROWS_ORDERED = ("permuted", "rows")  # Losts whose ``order`` says which sample each row along ``dim`` is
+# and "units" (grouped privacy units, ``set_privacy_units``): ``order`` says which unit each entry along ``dim``
+# belongs to, each made of that unit's rows only (a DPO pair's chosen and rejected log-probabilities combined)
+ORDERED = ROWS_ORDERED + ("units",)
 
 
 def ordered_at(tag: Lost, dim: int) -> Lost:
-    """The same rows, in the same order, now along ``dim`` (a new tag: see ``BatchTracker.put``)."""
+    """The same rows (or units), in the same order, now along ``dim`` (a new tag: see ``BatchTracker.put``)."""
     return Lost(tag.reason, tag.kind, dim, tag.order, weak=tag.weak)
+
+
+def unit_entries(order: Any, dim: int) -> Lost:
+    """Entries along ``dim`` each made of one grouped privacy unit's rows only: unit ``order[i]``'s."""
+    return Lost("entries made of several rows of one privacy unit each", "units", dim, order)
 
 _PACKED_REASON = "the data of a PackedSequence (the rows of all samples interleaved by time step)"
 PACKED = Lost(_PACKED_REASON, "packed")

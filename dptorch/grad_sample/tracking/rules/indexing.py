@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name, tensors_of
-from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, WEAK, Lost
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, ROWS_ORDERED, WEAK, Lost
 from dptorch.grad_sample.tracking.writes import derived
 
 
@@ -180,7 +180,7 @@ def _index_tag(tr: Tracker, x: Tensor, index: Any, xtag: Any, out_ndim: int) -> 
     layout, advanced, removed, partial_ = _index_layout(x, index)
     layout, start, rank = _advanced_block(layout, advanced)
     items = []
-    if type(xtag) is Lost and xtag.kind in ORDERED and xtag.order is not None and xtag.dim < x.ndim:
+    if type(xtag) is Lost and xtag.kind in ROWS_ORDERED and xtag.order is not None and xtag.dim < x.ndim:
         d = xtag.dim  # some of the batch's rows: a slice of them is some of its rows too; anything else is lost
         if d in removed or any(d in dims for _, dims in advanced) or d not in layout or advanced:
             return Lost(xtag.reason)

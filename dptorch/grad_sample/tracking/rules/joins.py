@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Callable, Dict
 
+import torch
+
 from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name
-from dptorch.grad_sample.tracking.tags import DIM, KEEP, WEAK
+from dptorch.grad_sample.tracking.tags import DIM, KEEP, ORDERED, WEAK, Lost, ordered_at
 
 
 def _cat(tr: Tracker, func, args, kwargs):
@@ -50,16 +52,40 @@ def _split(tr: Tracker, func, args, kwargs):
     out = tr.run(func, args, kwargs)
     if tag is None:
         return out
-    if type(tag) is int:
-        d = tag & DIM
+    ordered = type(tag) is Lost and tag.kind in ORDERED and tag.order is not None
+    if type(tag) is int or ordered:
+        d = tag.dim if ordered else tag & DIM
         if name == "unbind":
             dim = norm_dim(int(arg(args, kwargs, 1, "dim", 0)), x.ndim)
-            tag = tr.lost("unbinds the batch", tag) if dim == d else (tag & KEEP) | (d - (1 if dim < d else 0))
+            if dim == d:
+                tag = tr.lost("unbinds the batch", tag) if not ordered else Lost(tag.reason, weak=tag.weak)
+            else:
+                tag = ordered_at(tag, d - (dim < d)) if ordered else (tag & KEEP) | (d - (1 if dim < d else 0))
         else:
             dim = norm_dim(int(arg(args, kwargs, 2, "dim", 0)), x.ndim)
             if dim == d and not (len(out) == 1 and out[0].shape[d] == x.shape[d]):
+                if ordered or not tag & ~(DIM | WEAK):  # pieces of the batch's rows, each saying which
+                    return _pieces(tr, out, tag, d)
                 tag = tr.lost(f"{name} along the batch dimension", tag)
+    if type(tag) is Lost and tag.kind in ORDERED:
+        for piece in out:
+            tr.put(piece, ordered_at(tag, tag.dim))
+        return out
     tr.put_all(out, tag)
+    return out
+
+
+def _pieces(tr: Tracker, out, tag, d: int):
+    """Split along the batch dim: piece ``i`` holds the rows ``start_i, ...`` of the batch (or of the rows it
+    held), an ordered ``Lost`` of kind "rows" (or of the rows' own kind) saying which."""
+    order = tag.order if type(tag) is Lost else torch.arange(sum(piece.shape[d] for piece in out))
+    kind, weak = (tag.kind, tag.weak) if type(tag) is Lost else ("rows", bool(tag & WEAK))
+    start = 0
+    for piece in out:
+        rows = order[start:start + piece.shape[d]]
+        start += piece.shape[d]
+        tr.put(piece, Lost(f"{'a piece' if kind == 'rows' else 'the entries'} of the batch split along it", kind, d,
+                           rows, weak=weak) if tr.n > 1 else None)
     return out
 
 

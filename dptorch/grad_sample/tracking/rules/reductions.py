@@ -39,14 +39,23 @@ def reduction(tr: Tracker, func, args, kwargs):
         dims = dims_arg(dim, ndim)
         d = tag.dim if ordered else tag & DIM
         kept = d if keepdim else d - sum(1 for i in dims if i < d) if dims is not None else d
-        if ordered:  # some rows of the batch: reduced over them, plainly lost; otherwise the same rows
-            tag = Lost(tag.reason, weak=tag.weak) if dims is None or d in dims else ordered_at(tag, kept)
-        elif dims is None or d in dims:
-            tag = batch_total(tr, name, tag)
+        over = dims is None or d in dims
+        if ordered and over and tag.kind == "units":  # each entry one privacy unit's own: the units' total
+            tag = batch_total(tr, name, 0, _averaged(x, out))
+        elif ordered:  # some rows of the batch: reduced over them, plainly lost; otherwise the same rows
+            tag = Lost(tag.reason, weak=tag.weak) if over else ordered_at(tag, kept)
+        elif over:
+            tag = batch_total(tr, name, tag, _averaged(x, out))
         else:
             tag = (tag & KEEP) | kept
     tr.put_all(out, tag)
     return out
+
+
+def _averaged(x: Tensor, out: object) -> int:
+    """How many entries of ``x`` each entry of the reduction ``out`` averages (a mean's divisor)."""
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    return x.numel() // max(first.numel(), 1) if isinstance(first, Tensor) else x.numel()
 
 
 _REDUCTIONS = """
