@@ -6,6 +6,7 @@ The base is a tiny Llama saved from a config and loaded with transformers' ``Bit
 the CPU: bitsandbytes' CPU backend). References are the same quantized model at batch size one."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -190,3 +191,11 @@ def test_one_sample_moves_the_adapters_by_at_most_the_clip_bound_under_reentrant
     trainer.train()
     update = torch.stack([(p - start[n]).norm() for n, p in model.named_parameters() if n in start]).norm()
     assert update <= 0.05 * 0.05 * (1 + 1e-5)
+
+
+def test_the_example_runs_and_reports_epsilon(capsys):
+    from tests.integrations.test_examples import load
+
+    result = load("qlora").main(2)
+    assert 0 < result["epsilon"] < math.inf
+    assert "epsilon =" in capsys.readouterr().out
