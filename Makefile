@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "== 1/2 torch 2.13.0, CPU build, first (an open range could pull a multi-GB CUDA build)"
 	$(BIN)/python -m pip install --progress-bar on $(TORCH)
-	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, DeepSpeed, Optuna, dp-accounting, plotting and test tools"
-	$(BIN)/python -m pip install --progress-bar on -c constraints.txt -e '.[hf,dev,plot,examples,deepspeed,tune]'
+	@echo "== 2/2 dptorch with transformers, peft, trl, accelerate, DeepSpeed, bitsandbytes, Optuna, dp-accounting, plotting and test tools"
+	$(BIN)/python -m pip install --progress-bar on -c constraints.txt -e '.[hf,dev,plot,examples,deepspeed,tune,qlora]'
 	touch $(STAMP)
 	@echo "== Ready. Use the environment with: source $(VENV)/bin/activate  (or prefix commands with $(BIN)/)"
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib.util
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
@@ -779,11 +780,63 @@ def _set_data(x, d):
 
 case("set:data", _set_data)
 
+# ------------------------------------------------------------------------------------ quantized matmuls (bitsandbytes)
+
+
+def _gemm_4bit(x, nested=False, bias=None):
+    """A shared NF4 weight (3 rows) applied to ``x`` as bitsandbytes' Linear4bit calls it (nested: double
+    quantization, the absmax quantized again)."""
+    import bitsandbytes.functional as BF
+
+    packed, st = BF.quantize_4bit(shared(x, shape=(3, x.shape[-1])).float(), quant_type="nf4", compress_statistics=nested)
+    extra = dict(absmax_8bit=st.absmax, absmax_code=st.state2.code, absmax_offset=st.offset) if nested else {}
+    return torch.ops.bitsandbytes.gemm_4bit.default(x.float(), packed.view(-1, 1), list(st.shape),
+                                                    st.state2.absmax if nested else st.absmax, st.blocksize,
+                                                    st.quant_type, bias=bias, **extra)
+
+
+def _int8_rows(x, threshold=0.0):
+    return torch.ops.bitsandbytes.int8_vectorwise_quant.default(x.half(), threshold)
+
+
+def _int8_mm(x, row_stats=None, bias=None):
+    """``x`` quantized row by row, times a shared int8 weight (LLM.int8() without outlier columns)."""
+    rows, scales, _ = _int8_rows(x)
+    weight, weight_scales, _ = _int8_rows(shared(x, shape=(3, x.shape[-1])))
+    return torch.ops.bitsandbytes.int8_scaled_mm.default(rows, weight, scales if row_stats is None else row_stats,
+                                                         weight_scales, bias=bias, dtype=torch.float32)
+
+
+def _int8_mixed_mm(x):
+    """LLM.int8() with its outlier columns: the columns where any row of ``x`` passes the threshold."""
+    rows, scales, outliers = _int8_rows(x, 1.0)
+    weight, weight_scales, _ = _int8_rows(shared(x, shape=(3, x.shape[-1])))
+    return torch.ops.bitsandbytes.int8_mixed_scaled_mm.default(x.half(), rows, weight, scales, weight_scales, outliers)
+
+
+if importlib.util.find_spec("bitsandbytes") is None:
+    EXEMPT.update({name: "bitsandbytes is not installed" for name in FAMILIES["quantized"]})
+else:
+    case("bitsandbytes::gemm_4bit", lambda x, d: _gemm_4bit(x), lambda x, d: _gemm_4bit(x, nested=True),
+         lambda x, d: _gemm_4bit(x, bias=shared(x, shape=(3,)).float()),
+         lambda x, d: _gemm_4bit(x, bias=x.float().flatten()[:3]), layouts=M3)
+    case("bitsandbytes::int8_vectorwise_quant", lambda x, d: _int8_rows(x), lambda x, d: _int8_rows(x, 1.0),
+         layouts=M3)
+    case("bitsandbytes::int8_scaled_mm", lambda x, d: _int8_mm(x, row_stats=shared(x, shape=(x.shape[0],)).abs().float() + 1),
+         layouts=M3, positional=True)  # a shared scale per row
+    case("bitsandbytes::int8_scaled_mm", lambda x, d: _int8_mm(x), lambda x, d: _int8_mm(x, bias=shared(x, shape=(3,)).float()),
+         lambda x, d: _int8_mm(shared(x, d).expand_as(x), row_stats=x.float().abs().flatten()[: x.shape[0]]),
+         layouts=M3)
+    case("bitsandbytes::int8_mixed_scaled_mm", lambda x, d: _int8_mixed_mm(x), layouts=M3)
+
 # ------------------------------------------------------------------------------------ the check
 
 
 def _key(func) -> str:
     """The registry entry ``func`` dispatches to (as ``registry._find`` looks it up)."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:  # an operator (OpOverload): custom operators' rules are keyed by ns::name
+        return schema.name
     name = getattr(func, "__name__", None) or ""
     if name in ("__get__", "__set__"):
         return name[2:5] + ":" + str(getattr(getattr(func, "__self__", None), "__name__", ""))

@@ -27,6 +27,7 @@ from dptorch.grad_sample.tracking.rules import (
     metadata,
     normalization,
     opaque,
+    quantized,
     reductions,
     sequences,
     structural,
@@ -43,7 +44,7 @@ __all__ = ["FAMILIES", "RULES", "UNFOLLOWED", "register_batch_rule", "remove_bat
 FAMILIES: Dict[str, Dict[str, Callable]] = {
     _family.__name__.rsplit(".", 1)[1]: _family.RULES
     for _family in (elementwise, metadata, reductions, structural, normalization, linalg, embedding, convolution,
-                    joins, indexing, opaque, sequences, losses, escapes, loss)
+                    joins, indexing, opaque, sequences, losses, escapes, loss, quantized)
 }
 RULES: Dict[str, Callable] = {name: rule for rules in FAMILIES.values() for name, rule in rules.items()}
 
@@ -76,7 +77,9 @@ def _find(func) -> Callable:
     if name is None:
         return default
     module = getattr(func, "__module__", None) or ""
-    if isinstance(func, (OpOverload, OpOverloadPacket)) or (module and not module.startswith("torch")):
+    if isinstance(func, (OpOverload, OpOverloadPacket)):
+        return RULES.get(_qualified_name(func)) or default  # a custom operator's rule is keyed by ns::name
+    if module and not module.startswith("torch"):
         return default  # an operator or library function whose semantics a torch name does not tell
     if module == "torch.nn.functional" and "F." + name in RULES:
         return RULES["F." + name]
