@@ -177,8 +177,6 @@ def test_dptrainer_update_is_the_clipped_per_sample_sum(saved_llama, tmp_path, p
         assert torch.allclose(p - start[name], delta, atol=1e-6), name
 
 
-@pytest.mark.xfail(strict=True, reason="reentrant activation checkpointing: each checkpointed segment's backward is "
-                   "clipped as a backward pass of its own, so one sample moves the adapters by up to sqrt(segments) * C")
 def test_one_sample_moves_the_adapters_by_at_most_the_clip_bound_under_reentrant_checkpointing(saved_llama, tmp_path):
     """PEFT's prepare_model_for_kbit_training turns on reentrant checkpointing unless told otherwise: with one
     sample, q = 1 and no noise, the update is -lr * clip(g), of norm at most lr * C."""

@@ -46,6 +46,22 @@ class Rounds(HookTarget):
         self.in_backward = False
         self.done = False
         self.consumed = False
+        self._outer_task: Optional[int] = None  # the graph task of the backward pass through the model's outputs
+        self._nested_round = False  # the held round began in a pass nested in the outer one
+
+    def on_outputs_backward(self) -> None:
+        """The model's outputs got their gradient: the graph task running now is the outer backward pass. A
+        round begun inside another (the backward of a segment of reentrant activation checkpointing, which
+        torch runs nested in the outer one) ends with the outer pass, not with that segment: each sample is
+        clipped once per pass."""
+        if self._outer_task is None:
+            self._outer_task = torch._C._current_graph_task_id()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_outer)
+
+    def _end_outer(self) -> None:
+        self._outer_task = None
+        if self.in_backward and self._nested_round:  # begun in a nested pass, not ended there
+            self._end_round()
 
     def _new_strategy(self):
         if self._settings.grad_sample_mode in ("bk", "ghost"):
@@ -131,7 +147,9 @@ class Rounds(HookTarget):
                 )
             self._hooks.clear()
         self.in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
+        self._nested_round = self._outer_task is not None and torch._C._current_graph_task_id() != self._outer_task
+        if not self._nested_round:  # (nested: reentrant checkpointing; the round ends with the outer pass)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_round)
 
     def _end_round(self) -> None:
         self.in_backward = False

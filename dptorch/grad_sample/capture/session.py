@@ -309,7 +309,11 @@ class RootForward(HookTarget):
             return None
         ew = self._settings.grad_sample_mode == "ew"
         rounds = self._rounds
-        on_backward = lambda saved, grads: rounds.begin_round() if ew else None  # noqa: E731
+        def on_backward(saved: Any, grads: Any) -> None:
+            rounds.on_outputs_backward()  # the outer backward pass (reentrant checkpointing nests others in it)
+            if ew:
+                rounds.begin_round()
+
         tracker = self.loss_tracker
         for i, t in zip(positions, tap([leaves[i] for i in positions], [], on_backward)):
             if tracker is not None:
