@@ -1,12 +1,13 @@
 """The built-in layer families, one file each holding all of that layer's math: grad sampler and,
 where the layer has them, norm sampler, clipped sum and linear form (linear, embedding, hf_conv1d,
-conv, normalization, and the expert banks of mixture-of-experts models: experts). Importing this package registers
+conv, normalization, the expert banks of mixture-of-experts models: experts, and the LM head with its
+cross-entropy computed block by block: chunked_lm_head). Importing this package registers
 them; the package ``dptorch.grad_sample`` imports it.
 """
 
 from torch import nn
 
-from dptorch.grad_sample.layers import conv, embedding, experts, hf_conv1d, linear, normalization  # noqa: F401  (import registers)
+from dptorch.grad_sample.layers import chunked_lm_head, conv, embedding, experts, hf_conv1d, linear, normalization  # noqa: F401  (import registers)
 
 
 def reads_no_parameter_data(module: nn.Module) -> bool:

@@ -12,6 +12,9 @@ belong to which example:
   batch-token normalisation.
 * :class:`PreferenceRecipe` (``trl.DPOTrainer``): TRL's own pair losses, un-averaged (times the
   pairs in the micro-batch); each example is two rows (chosen, then rejected).
+* :class:`ChunkedLMRecipe` (``per_sample_loss_func=ChunkedCausalLMLoss()``, a causal LM under ``Trainer`` or
+  ``SFTTrainer``): the same per-row token mean, computed by the model's head block by block of the vocabulary so
+  that the ``(B, T, V)`` logits are never held (:mod:`dptorch.grad_sample.units.chunked_lm_loss`).
 * :class:`DeclaredSumRecipe`: a subclass whose ``compute_loss`` declares, by the class attribute
   ``compute_loss_sums_per_sample_losses = True``, that it already returns such a sum.
 """
@@ -23,6 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from transformers import Trainer
 
+from dptorch.grad_sample.units.chunked_lm_loss import ChunkedCausalLMLoss
 from dptorch.grad_sample.units.packed_loss import packed_loss
 from dptorch.grad_sample.units.per_sample_losses import (
     PerSampleLoss,
@@ -117,6 +121,37 @@ class SFTRecipe(OutputsRecipe):
             )
 
 
+class ChunkedLMRecipe(SFTRecipe):
+    """A causal LM's per-row loss from its ``ChunkedLMHead`` (installed by ``check``, before the controller
+    attaches): the logits are never held whole. Packed rows and label smoothing are refused."""
+
+    def __init__(self, loss: ChunkedCausalLMLoss) -> None:
+        super().__init__(loss, causal=True, custom="per_sample_loss_func=ChunkedCausalLMLoss()")
+        self.loss = loss
+
+    def check(self, trainer: Trainer) -> None:
+        super().check(trainer)
+        if trainer.args.label_smoothing_factor:
+            raise ValueError("ChunkedCausalLMLoss has no label smoothing; set label_smoothing_factor=0 or leave "
+                             "per_sample_loss_func out (the default loss smooths from the logits)")
+        if getattr(trainer, "compute_loss_func", None) is not None:
+            raise ValueError("compute_loss_func reads the logits, which ChunkedCausalLMLoss never forms; give one of "
+                             "the two")
+        self.loss.install(trainer.model)
+
+    def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        labels = inputs.pop("labels", None)
+        if labels is None:
+            raise ValueError(f"the training batch has no 'labels' (keys: {sorted(inputs)}); ChunkedCausalLMLoss "
+                             "computes each sample's loss from them")
+        if trainer.dp_hooks.unit_kind == "tokens":
+            raise ValueError("ChunkedCausalLMLoss gives one loss per row, but this batch packs several examples in a "
+                             "row; train without packing, or leave per_sample_loss_func out (dptorch.packed_loss)")
+        losses, outputs = self.loss(model, inputs, labels)
+        loss = losses.sum()
+        return (loss, outputs) if return_outputs else loss
+
+
 class PreferenceRecipe(LossRecipe):
     """``trl.DPOTrainer``: TRL's mean over the pairs of a micro-batch, multiplied back into a sum."""
 
@@ -170,6 +205,11 @@ def choose_recipe(trainer: Trainer, per_sample_loss_func: Optional[PerSampleLoss
         if per_sample_loss_func is not None:
             raise ValueError("per_sample_loss_func does not apply to DPOTrainer: its pair losses are per sample")
         return PreferenceRecipe()
+    if isinstance(per_sample_loss_func, ChunkedCausalLMLoss):
+        if not ((owner is Trainer or (sft is not None and owner is sft)) and is_causal_lm(trainer.model)):
+            raise ValueError(f"ChunkedCausalLMLoss is a causal LM's loss under Trainer or SFTTrainer; got "
+                             f"{type(trainer.model).__name__} under {owner.__name__}")
+        return ChunkedLMRecipe(per_sample_loss_func)
     if owner is Trainer or (sft is not None and owner is sft):
         model = trainer.model
         causal = is_causal_lm(model)
