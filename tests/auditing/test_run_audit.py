@@ -111,8 +111,9 @@ def test_each_sampled_canary_adds_exactly_c_once_and_the_noise_is_unchanged(one_
     coordinates = torch.cat([local + offsets[index] for index, local, _ in canaries._blocks])
     order = torch.cat([canary for _, _, canary in canaries._blocks])
     expected = torch.zeros_like(plain)
-    expected[coordinates] = added[order].float() / engine.plan.divisor  # C = 1 per sampled canary, once
-    torch.testing.assert_close(audited - plain, expected, rtol=0, atol=1e-6)
+    strength = float(engine.optimizer.unit_factors(torch.tensor([10.0])) * 10.0)  # raw 10 C clipped: C (1 - 2^-16)
+    expected[coordinates] = added[order].float() * strength / engine.plan.divisor  # once per sampled canary
+    torch.testing.assert_close(audited - plain, expected, rtol=0, atol=1e-7)
     torch.testing.assert_close(canaries.scores[order], (audited[coordinates] * engine.plan.divisor).double(),
                                rtol=1e-6, atol=1e-6)
 
