@@ -65,7 +65,7 @@ class GradientCanaries:
         self.num_canaries, self.kind, self.scale, self.sample_rate = num_canaries, kind, float(scale), float(sample_rate)
         self.seed = int(secure_seed() if seed is None else seed)
         self._rank = rank
-        self._generator = torch.Generator().manual_seed(self.seed)
+        self._generator = torch.Generator().manual_seed(_stream_seed(self.seed))
         #: Whether each canary is in the run (drawn once, probability 1/2).
         self.included = torch.rand(num_canaries, generator=self._generator) < 0.5
         #: Each canary's sum over steps of its alignment with the noised sum.
@@ -212,6 +212,13 @@ def _add_to_sum(optimizer: Any, param: torch.nn.Parameter, local: torch.Tensor, 
         held = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
     flat = held.reshape(-1).index_add(0, local.to(held.device), values.to(held.device, held.dtype))
     optimizer._summed[param] = flat.view(held.shape)
+
+
+def _stream_seed(seed: int) -> int:
+    """The canaries' generator seed: ``seed`` mixed (a golden-ratio multiply), so that ``audit_seed`` equal to a
+    ``noise_seed`` still gives a stream apart from the noise's (canary draws correlated with the noise would
+    make the noise non-Gaussian for the data's units)."""
+    return (int(seed) * 0x9E3779B97F4A7C15 + 0x5A0D17) % (1 << 63)
 
 
 def _seed_of_rank_zero(seed: Optional[int]) -> int:

@@ -59,8 +59,9 @@ def test_with_noise_zero_the_audited_bound_is_large(one_thread):
         engine = _train(0.0)
     audit = audit_run(engine, delta=1e-5)
     assert audit.claimed_epsilon == float("inf") and audit.step == 10 and audit.num_canaries == 1000
-    # every guess right: the most 1000 canaries can show at 95% (Steinke: about 3.6; f-DP higher)
-    assert audit.details["steinke"]["num_correct"] == audit.details["steinke"]["num_guesses"] >= 200
+    # (nearly) every guess right: about the most 1000 canaries can show at 95% (Steinke: 3.6 for 200 of 200)
+    best = audit.details["steinke"]
+    assert best["num_guesses"] >= 200 and best["num_correct"] >= best["num_guesses"] - 1
     assert audit.steinke_epsilon > 3.5 and audit.fdp_epsilon > 5.0
 
 
@@ -148,3 +149,15 @@ def test_audit_run_refuses_a_delta_above_one_over_n_plus_m_and_a_run_without_can
         audit_run(engine, delta=1 / 300)  # N = 256, m = 100
     with pytest.raises(ValueError, match="no audit canaries"):
         audit_run(PrivacyEngine(), delta=1e-5)
+
+
+def test_the_canaries_stream_is_not_the_noise_stream_of_the_same_seed():
+    """audit_seed equal to noise_seed: the canaries' draws must not be the noise generator's (a canary sum that is a
+    function of the noise would make the noise non-Gaussian for the data's units)."""
+    from dptorch.optim.canaries import GradientCanaries
+
+    params = [nn.Parameter(torch.zeros(4000))]
+    canaries = GradientCanaries(params, 1000, sample_rate=0.5, seed=7)
+    same_seed = torch.rand(1000, generator=torch.Generator().manual_seed(7)) < 0.5
+    assert not torch.equal(canaries.included, same_seed)
+    assert 400 < int(canaries.included.sum()) < 600
