@@ -36,6 +36,7 @@ class TrainerAudit:
             raise CanaryError("audit_canaries is refused under DeepSpeed and FSDP: their shards and partitions hold the "
                               "clipped sums; audit the same model on one process or under DDP")
         self.canaries = GradientCanaries.attach(optimizer, self.num_canaries, seed=self.seed)
+        self.history = []  # a new DP optimizer (a new run, e.g. a search trial): a new audit
 
     def audit(self, trainer: Any) -> Optional[RunAudit]:
         """Both bounds for the steps so far (None before the first step)."""
