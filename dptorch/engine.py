@@ -46,6 +46,7 @@ from dptorch.grad_sample.capture.hooks import is_attached
 from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.grad_sample.capture.dp_loss import DPLoss
 from dptorch.noise import NoiseGenerator, SecureNoiseGenerator, as_noise_generator
+from dptorch.optim.canaries import CanaryError, GradientCanaries
 from dptorch.optim.adaclip import AdaClipDPOptimizer
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.clipping import CLIPPING_MODES, check_clipping
@@ -81,6 +82,8 @@ class PrivacyEngine:
         self.plan: Optional[PrivacyPlan] = None
         #: The per-sample gradient mode that runs (``"auto"`` resolved), None before make_private.
         self.grad_sample_mode: Optional[str] = None
+        #: make_private(audit_canaries=m): the run's gradient canaries (``dptorch.optim.canaries``), else None.
+        self.audit_canaries: Optional[GradientCanaries] = None
 
     @property
     def sample_rate(self) -> Optional[float]:
@@ -125,6 +128,9 @@ class PrivacyEngine:
         bands: Optional[int] = None,
         planned_steps: Optional[int] = None,
         model_loss: Optional[str] = None,
+        audit_canaries: Optional[int] = None,
+        audit_canary_kind: str = "dirac",
+        audit_seed: Optional[int] = None,
     ):
         """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
 
@@ -165,6 +171,10 @@ class PrivacyEngine:
         ``model_loss="mean"`` (or ``"sum"``), for a HuggingFace model whose forward computes its loss through
         ``self.loss_function``, makes ``outputs.loss`` per-sample: each unit's mean (sum) over its own target
         tokens, reduced over the rows as ``loss_reduction`` says (:mod:`dptorch.grad_sample.capture.model_loss`).
+        ``audit_canaries=m`` adds ``m`` gradient canaries to every step (``audit_canary_kind`` "dirac" or "random",
+        ``audit_seed``; :mod:`dptorch.optim.canaries`): extra privacy units for the one-run audit of this very run,
+        ``engine.audit_canaries``; ``dptorch.auditing.audit_run(engine, delta=...)`` turns their scores into
+        lower bounds on epsilon (docs/auditing.md). Without it nothing of the run changes.
         """
         options = clipping_plan_fields(
             clipping, gamma=gamma, target_unclipped_quantile=target_unclipped_quantile,
@@ -181,7 +191,8 @@ class PrivacyEngine:
         check_ranks_agree(plan, loss_reduction=loss_reduction)  # one plan on every rank, or every rank refuses
         made = self._attach(module, optimizer, dp_loader, plan, batch_first=batch_first, loss_reduction=loss_reduction,
                             grad_sample_mode=grad_sample_mode, wrap_model=wrap_model, noise_generator=noise_generator,
-                            strict=strict, criterion=criterion, model_loss=model_loss)
+                            strict=strict, criterion=criterion, model_loss=model_loss, audit_canaries=audit_canaries,
+                            audit_canary_kind=audit_canary_kind, audit_seed=audit_seed)
         return self._onto_deepspeed(deepspeed_engine, made)
 
     def make_private_with_epsilon(
@@ -243,6 +254,10 @@ class PrivacyEngine:
         """``made`` as is, or under DeepSpeed the engine in the model's place, its ``step()`` now the DP optimizer's."""
         if deepspeed_engine is None:
             return made
+        if self.audit_canaries is not None:
+            self.detach()
+            raise CanaryError("audit canaries refused under DeepSpeed: its partitions hold the clipped sums; audit the "
+                              "same model on one process or under DDP")
         ds_zero.attach(deepspeed_engine, self.optimizer)
         self._deepspeed_engine = deepspeed_engine
         return (deepspeed_engine, *made[1:])
@@ -346,7 +361,7 @@ class PrivacyEngine:
 
     def _attach(self, module, optimizer, dp_loader, plan, *, batch_first=True, loss_reduction="mean",
                 grad_sample_mode="auto", wrap_model=True, noise_generator=None, strict=True, criterion=None,
-                model_loss=None):
+                model_loss=None, audit_canaries=None, audit_canary_kind="dirac", audit_seed=None):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         ran = resolve_grad_sample_mode(grad_sample_mode, module, params)
         logger.info(describe_mode(grad_sample_mode, ran))
@@ -386,9 +401,12 @@ class PrivacyEngine:
                 or _default_noise_generator(self.secure_mode, _parameter_device(optimizer)),
                 secure_mode=self.secure_mode,
             )
+            canaries = None if audit_canaries is None else GradientCanaries.attach(
+                dp_optimizer, audit_canaries, kind=audit_canary_kind, seed=audit_seed)
         except Exception:
             hooks.cleanup()
             raise
+        self.audit_canaries = canaries
         self.hooks, self.optimizer, self.plan = hooks, dp_optimizer, plan
         self.grad_sample_mode = grad_sample_mode
         dp_loader.privacy_plan = plan  # the loader reports every draw it hands out to the plan

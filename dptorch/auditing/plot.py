@@ -6,6 +6,7 @@ import math
 from typing import Optional, Sequence
 
 from dptorch.auditing.canaries import AuditResult
+from dptorch.auditing.run import RunAudit
 
 
 def plot_audit(results: Sequence[AuditResult], path: str, *, labels: Optional[Sequence[str]] = None) -> None:
@@ -50,4 +51,32 @@ def plot_audit(results: Sequence[AuditResult], path: str, *, labels: Optional[Se
     figure.savefig(path, dpi=120)
 
 
-__all__ = ["plot_audit"]
+def plot_audit_history(history: Sequence[RunAudit], path: str, *, title: Optional[str] = None) -> None:
+    """Claimed epsilon and both audited lower bounds against the step, over one run's audits (``audit_run`` taken
+    at several steps). A bound above the claimed line refutes the claim at the audit's confidence."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    history = sorted(history, key=lambda audit: audit.step)
+    if not history:
+        raise ValueError("plot_audit_history needs at least one RunAudit")
+    steps = [audit.step for audit in history]
+    figure = Figure(figsize=(6.0, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    axes.plot(steps, [a.claimed_epsilon for a in history], color="0.2", label="claimed epsilon (accountant)")
+    axes.plot(steps, [a.fdp_epsilon for a in history], color="tab:red", marker="o", markersize=3,
+              label="audited, f-DP (Mahloujifar et al.)")
+    axes.plot(steps, [a.steinke_epsilon for a in history], color="tab:blue", marker="s", markersize=3,
+              label="audited, Steinke et al.")
+    first = history[-1]
+    axes.set_xlabel("step")
+    axes.set_ylabel(f"epsilon (delta = {first.delta:g}; bounds at {first.confidence:.0%} confidence)")
+    axes.set_title(title or f"one-run audit of the training run, {first.num_canaries} gradient canaries")
+    axes.set_ylim(bottom=0)
+    axes.grid(True, alpha=0.3)
+    axes.legend(loc="upper left", fontsize=8)
+    figure.savefig(path, dpi=120)
+
+
+__all__ = ["plot_audit", "plot_audit_history"]

@@ -81,6 +81,8 @@ class DPOptimizer(torch.optim.Optimizer):
     loss_scaler: Optional[Any] = None
     #: torch's GradScaler.step then calls step() itself (with ``grad_scale`` set), where it is refused.
     _step_supports_amp_scaling = True
+    #: Audit canaries (``dptorch.optim.canaries.GradientCanaries``) added to every step's clipped sum, or None.
+    canaries: Optional[Any] = None
 
     def __init__(
         self,
@@ -341,13 +343,13 @@ class DPOptimizer(torch.optim.Optimizer):
         within: Optional[torch.Tensor] = None  # per unit: no clipping applied (None: automatic, no bound)
         if self.clipping in ("flat", "adaptive"):
             bound = float(self.max_grad_norm)
-            factor = drop_nonfinite(clip_factors(total, bound), dropped)
+            factor = drop_nonfinite(self.unit_factors(total), dropped)
             factors = {p: factor for p in norms}
             within = total <= bound  # False for a dropped unit (inf, NaN)
             clipped = (factor < 1) if dropped is None else (factor < 1) & ~dropped
             self.last_clipped_fraction = float(clipped.float().mean()) if factor.numel() else 0.0
         elif self.clipping == "automatic":
-            factor = drop_nonfinite(automatic_factors(total, self.plan.gamma), dropped)
+            factor = drop_nonfinite(self.unit_factors(total), dropped)
             factors = {p: factor for p in norms}
         else:
             thresholds = per_layer_thresholds(self.params, self.max_grad_norm)
@@ -364,6 +366,15 @@ class DPOptimizer(torch.optim.Optimizer):
             self._summed[param] = clipped if held is None else held + clipped
         self._accumulated += 1
         self._rounds_since_call += 1
+
+    def unit_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """The factor that scales a whole unit of gradient norm ``norms`` under flat, adaptive (the current bound)
+        or automatic clipping: the rule every unit of a step goes through, audit canaries included."""
+        if self.clipping in ("flat", "adaptive"):
+            return clip_factors(norms, float(self.max_grad_norm))
+        if self.clipping == "automatic":
+            return automatic_factors(norms, self.plan.gamma)
+        raise ValueError(f"clipping={self.clipping!r} clips each layer apart: a unit has no single factor")
 
     def _nonfinite(self, total: torch.Tensor) -> Optional[torch.Tensor]:
         """The mask of units whose norm is inf or NaN, or None when there are none (one host sync).
@@ -592,6 +603,8 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in self.params:
                 p.grad = None
             self.hooks.forget_paused_gradients()
+        if self.canaries is not None:  # audit canaries: extra units of known gradient, before the noise
+            self.canaries.add_to_sums(self)
         self.add_noise()
         self._release_clipping_step()
         self.plan.record_steps(count)

@@ -135,6 +135,17 @@ class PrivacyArguments:
                   "count only); default None keeps it fixed."},
     )
 
+    audit_canaries: int = field(
+        default=0,
+        metadata={"help": "Gradient canaries for the one-run audit of this run (0: none): extra privacy units, each "
+                  "included with probability 1/2; the logs and the model card then hold two lower bounds on epsilon "
+                  "(docs/auditing.md). 1,000 or more for a useful bound."},
+    )
+    audit_confidence: float = field(default=0.95, metadata={"help": "Confidence of the audited lower bounds."})
+    audit_seed: Optional[int] = field(
+        default=None, metadata={"help": "Seed of the audit canaries (which are in, their draws); default OS entropy."}
+    )
+
     def __post_init__(self) -> None:
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(
@@ -170,6 +181,10 @@ class PrivacyArguments:
                 "poisson_sampling=True (each logical batch then has per_device_train_batch_size * "
                 "gradient_accumulation_steps units on average)."
             )
+        if not (isinstance(self.audit_canaries, int) and (self.audit_canaries == 0 or self.audit_canaries >= 2)):
+            raise ValueError(f"audit_canaries must be 0 (no audit) or a whole number >= 2, got {self.audit_canaries!r}")
+        if not 0 < self.audit_confidence < 1:
+            raise ValueError(f"audit_confidence must be in (0, 1), got {self.audit_confidence}")
         if self.secure_mode and self.noise_seed is not None:
             raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
         if self.secure_mode and self.sampling_seed is not None:

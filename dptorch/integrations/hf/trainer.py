@@ -82,6 +82,7 @@ from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.modes.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
+from dptorch.integrations.hf.audit import TrainerAudit
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
 from dptorch.integrations.hf.deepspeed import (
@@ -134,6 +135,7 @@ class PrivateTrainerMixin(PrivateSearchMixin):
     """
 
     loss_is_scaled_for_ga = True  # the loss is a sum of per-unit losses: never divide it by GA
+    dp_audit: Optional[TrainerAudit] = None  # PrivacyArguments(audit_canaries=m): the one-run audit (.audit)
 
     def __init__(
         self,
@@ -182,6 +184,7 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         self.privacy_budget = PrivacyBudget(plan=self.privacy_plan, delta=privacy_args.target_delta,
                                             cap=privacy_args.budget_cap)
         seed = privacy_args.sampling_seed
+        self.dp_audit = TrainerAudit.from_args(privacy_args)  # audit_canaries: the one-run audit (docs/auditing.md)
         self._dp_sampling_seed = seed if seed is not None else secure_seed()  # secret unless given
         if self.args.world_size > 1 and not privacy_args.secure_mode:
             # One seed on every rank: the ranks' shards are disjoint parts of one Poisson draw, and
@@ -266,8 +269,17 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         report's ``max_grad_norm``): epsilon at ``target_delta``, accountant, noise, sampling, steps,
         privacy unit and number of units, the per-sample gradient mode that ran, dptorch's version."""
         unit = self.privacy_args.privacy_unit_column
-        return privacy_report(self.privacy_plan, self.privacy_budget.delta, grad_sample_mode=self.grad_sample_mode,
-                              privacy_unit=f"rows sharing {unit!r}" if unit else "row")
+        report = privacy_report(self.privacy_plan, self.privacy_budget.delta, grad_sample_mode=self.grad_sample_mode,
+                                privacy_unit=f"rows sharing {unit!r}" if unit else "row")
+        audit = self.dp_audit.report(self) if self.dp_audit is not None else None
+        if audit is not None:  # audit_canaries: both audited lower bounds (docs/auditing.md)
+            report["audit"] = audit
+        return report
+
+    @property
+    def audit_canaries(self) -> Any:
+        """The run's gradient canaries (``PrivacyArguments(audit_canaries=m)``), for ``dptorch.auditing.audit_run``."""
+        return self.dp_audit.canaries if self.dp_audit is not None else None
 
     def privacy_state_dict(self) -> Dict[str, Any]:
         """The privacy plan's state and the sampling seed (plain values, weights_only-loadable)."""
@@ -410,6 +422,8 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             secure_mode=p.secure_mode,
         )
         optimizer.attach_step_hook(self._after_private_step)
+        if self.dp_audit is not None:
+            self.dp_audit.attach(self, optimizer)
         return optimizer
 
     def _make_engine_private(self, engine: Any) -> None:
@@ -574,6 +588,8 @@ class PrivateTrainerMixin(PrivateSearchMixin):
                 logs["grad_norm"] = self._dp_grad_norm
             if "loss" in logs:
                 logs.update(self._dp_clipping_logs)  # raw_* statistics are not covered by epsilon
+            if "loss" in logs and self.dp_audit is not None:
+                logs.update(self.dp_audit.logs(self))
         super().log(logs, start_time)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
