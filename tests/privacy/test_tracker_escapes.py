@@ -165,6 +165,22 @@ def test_a_size_read_before_the_draw_is_followed():
     _refused(_judge(OneInput(), loss, "hooks"))
 
 
+SHIFTS = {
+    "item of the mean": lambda out: out - out.mean().item(),
+    "float of a sample's value": lambda out: out - float(out[0, 0]),
+    "tolist": lambda out: out + out[:, 0].tolist()[-1],
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("shift", list(SHIFTS))
+def test_a_loss_shifted_by_a_value_read_from_the_batch_is_refused(shift, mode):
+    """``(out - out.mean().item())**2``: the number is a statistic of the batch (a centred loss couples every
+    sample's gradient to the others'); before, only scalings by a read number were refused."""
+    move = SHIFTS[shift]
+    _refused(_judge(OneInput(), lambda m, x, y: move(m(x)).pow(2).sum(), mode))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_constant_scaling_without_a_read_trains_exactly(mode):
     """A loss scaled by a constant, with shapes read only where they are not the batch size, is private."""

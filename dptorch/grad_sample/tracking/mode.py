@@ -149,7 +149,7 @@ class BatchTracker(TorchFunctionMode):
         if self.paused or self.done or (self.forward_done and self.owner() is None):
             return func(*args, **kwargs)
         rule = rule_of(func)
-        if self.totals and (self.forward_done or rule is not escape) and has_total(self, args, kwargs):
+        if self.totals and ((self.forward_done and not self.nested_forwards) or rule is not escape) and has_total(self, args, kwargs):
             return total_rule(self, func, args, kwargs)  # inside the forward a total's value is refused like any
         if rule is skip or (rule is count and not self.forward_done):
             return func(*args, **kwargs)

@@ -36,7 +36,7 @@ def escape(tr: Tracker, func, args, kwargs):
     if derived(tag) and tr.n > 1:
         if name == "register_hook" and _registered_by_torch():  # FSDP2's pre-backward hooks, DDP's sink, DeepSpeed's
             return tr.run(func, args, kwargs)
-        if not tr.forward_done:
+        if not tr.forward_done or tr.nested_forwards:  # (a forward of the model in the loss phase counts too)
             what = "registers a hook on" if name == "register_hook" else f"calls {name}() on"
             why = ("the hook could change its gradient in backward, where the batch tracker cannot follow it"
                    if name == "register_hook" else "its values leave torch (to Python or numpy), where the batch "
