@@ -4,7 +4,8 @@
 call; ``origins.py`` the layer calls whose inputs carry no batch and where their outputs meet it;
 ``reads.py`` the parameters read outside their module's call on their way into such calls;
 ``memory.py`` the storages that hold batch data (aliases the tracker did not see made);
-``watch.py`` the draw's watch, from a DP loader's hand-out to the root forward;
+``watch.py`` the draw's watch, from a DP loader's hand-out to the root forward; ``unseen.py`` the
+guard at torch's dispatcher for operations run with torch functions switched off;
 ``rules/`` the operations' rules by family, merged by ``registry.py``. Adding an operation's rule
 means adding it to the ``RULES`` table of its family's file.
 """
