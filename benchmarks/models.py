@@ -52,9 +52,13 @@ GPU_SHAPES = {  # B x T = 16 x 1024, for --device cuda (too large for the CPU de
 MOE_SHAPES = {  # opt-in (--shapes narrow-mixtral): Mixtral's expert banks, 4 experts, top-2 per token
     "narrow-mixtral": ("mixtral", 4, 256, 128, 16, 5000, False, 4),
 }
+DISPATCH_BOUND_SHAPES = {  # opt-in: the host-bound shape of docs/performance.md (12 x 64, B 1, T 4)
+    "tiny-gpt2": ("gpt2", 12, 64, 4, 1, 5000, True),
+}
 CPU_SHAPES = list(SHAPES)
 SHAPES.update(GPU_SHAPES)
 SHAPES.update(MOE_SHAPES)
+SHAPES.update(DISPATCH_BOUND_SHAPES)
 MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
 
 

@@ -148,3 +148,38 @@ def test_model_init_is_refused_on_several_processes_only():
         trainer.model_init = lambda: None
         problems = setup_problems(trainer, privacy)
         assert any("model_init" in p for p in problems) == refused
+
+
+def _card(folder) -> str:
+    import glob
+    import os
+
+    cards = sorted(glob.glob(os.path.join(str(folder), "**", "README.md"), recursive=True))
+    assert cards, "no model card written"
+    return open(cards[0], encoding="utf-8").read()
+
+
+def test_a_trials_model_card_states_the_selections_epsilon_and_a_later_run_the_composition(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf_tuning, "draw_trial_count", lambda mean, shape: 1)
+    trainer, _ = make_trainer(tmp_path / "search", save_strategy="steps", save_steps=2)
+    trainer.hyperparameter_search(space, lambda metrics: metrics["eval_loss"], expected_trials=10, trials_shape=1,
+                                  direction="minimize")
+    report = trainer.tuning_report
+    card = _card(tmp_path / "search")
+    assert "### Hyperparameter selection" in card and "a trial of a hyperparameter search" in card
+    assert f"({report['epsilon']:.4g}, 0.001)-DP" in card  # the release's epsilon, selection included
+    trainer.args.output_dir = str(tmp_path / "after")
+    trainer.train()
+    trainer.save_model()
+    after = open(tmp_path / "after" / "README.md", encoding="utf-8").read()
+    assert f"epsilon <= {report['epsilon'] + trainer.get_epsilon():.4g} at delta = 0.002" in after
+
+
+def test_a_plain_searchs_trial_card_says_the_selection_is_not_accounted(tmp_path):
+    trainer, _ = make_trainer(tmp_path, save_strategy="steps", save_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.hyperparameter_search(space, lambda metrics: metrics["eval_loss"], n_trials=1, backend="optuna",
+                                      direction="minimize")
+    card = _card(tmp_path)
+    assert "one of 1 trials of a plain hyperparameter search" in card and "**not accounted**" in card

@@ -19,6 +19,7 @@ from dptorch.integrations.hf.arguments import PrivacyArguments
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.callback import EPSILON_IF_POISSON, DPCallback
 from dptorch.integrations.hf.collator import DataCollatorForPrivateCausalLanguageModeling
+from dptorch.grad_sample.units.chunked_lm_loss import ChunkedCausalLMLoss
 from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss, default_per_sample_loss
 from dptorch.integrations.hf.deepspeed_notice import leave_out_cpu_fallback_notice
 from dptorch.integrations.hf.sampling import EmptyBatch, PoissonMicroBatchSampler, SamplingPlan
@@ -38,6 +39,7 @@ from dptorch.integrations.hf.dp_transformers_compat import (  # noqa: E402
 )
 
 __all__ = [
+    "ChunkedCausalLMLoss",
     "DPCallback",
     "DPTrainer",
     "DataCollatorForPrivateCausalLanguageModeling",

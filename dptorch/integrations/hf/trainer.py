@@ -274,6 +274,9 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         audit = self.dp_audit.report(self) if self.dp_audit is not None else None
         if audit is not None:  # audit_canaries: both audited lower bounds (docs/auditing.md)
             report["audit"] = audit
+        tuning = getattr(self, "tuning_report", None)
+        if tuning is not None:  # a hyperparameter search on this data: in it (a trial), or before this run
+            report["tuning"] = {**tuning, "role": "trial" if getattr(self, "_dp_search", None) is not None else "after"}
         return report
 
     @property

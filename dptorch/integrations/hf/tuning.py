@@ -79,9 +79,11 @@ class PrivateSearchMixin:
         search_space = hp_space  # None: the Trainer's default space (learning rate, epochs, seed, batch size)
         try:
             if expected_trials is None:
+                trials = 20 if n_trials is None else n_trials
+                self.tuning_report = {"per_trial_epsilon": None, "delta": base.target_delta, "trials": trials,
+                                      "selection_accounted": False}  # (what the trials' model cards say)
                 best = super().hyperparameter_search(
-                    _split_space(self, search_space), compute_objective, 20 if n_trials is None else n_trials,
-                    direction, backend, hp_name, **kwargs)
+                    _split_space(self, search_space), compute_objective, trials, direction, backend, hp_name, **kwargs)
                 epsilons = self._dp_search["epsilons"]
                 self.tuning_report = {"per_trial_epsilon": max(epsilons) if epsilons else 0.0,
                                       "delta": base.target_delta, "trials": len(epsilons), "selection_accounted": False}
