@@ -20,9 +20,8 @@ audited lower bound, compared with the epsilon the run's accountant claims.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -30,13 +29,14 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dptorch.auditing.bounds import epsilon_lower_bound
+from dptorch.auditing.serialize import Serializable
 from dptorch.data.poisson import DPDataLoader
 from dptorch.engine import PrivacyEngine
 from dptorch.noise import NoiseGenerator
 
 
 @dataclass
-class AuditResult:
+class AuditResult(Serializable):
     """Outcome of one audit: the audited lower bound against the claimed epsilon, and how it was found."""
 
     epsilon_lower_bound: float
@@ -55,13 +55,6 @@ class AuditResult:
         """True when the audit does not refute the claim (lower bound <= claimed epsilon)."""
         return self.epsilon_lower_bound <= self.claimed_epsilon
 
-    def to_dict(self) -> Dict[str, Any]:
-        out = asdict(self)
-        out["consistent"] = self.consistent
-        return _json_safe(out)
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
 
 
 def audit_dp_sgd(
@@ -152,17 +145,6 @@ def audit_dp_sgd(
         num_canaries=num_canaries, num_included=int(included.sum()), num_guesses=found["num_guesses"],
         num_correct=found["num_correct"], guesses=found["guesses"], settings=settings,
     )
-
-
-def _json_safe(value: Any) -> Any:
-    """Infinite floats as None (JSON has no infinity)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
 
 
 __all__ = ["AuditResult", "audit_dp_sgd"]

@@ -10,16 +10,15 @@ private run, so an audit taken mid-run is as valid as one at the end.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-from dptorch.auditing.canaries import _json_safe
+from dptorch.auditing.serialize import Serializable
 from dptorch.auditing.scores import bounds_from_scores
 
 
 @dataclass
-class RunAudit:
+class RunAudit(Serializable):
     """Both audited lower bounds of a run at one step, against the claimed epsilon."""
 
     step: int
@@ -41,13 +40,6 @@ class RunAudit:
         """The numbers a training log shows."""
         return {"audit_epsilon_steinke": self.steinke_epsilon, "audit_epsilon_fdp": self.fdp_epsilon}
 
-    def to_dict(self) -> Dict[str, Any]:
-        out = asdict(self)
-        out["consistent"] = self.consistent
-        return _json_safe(out)
-
-    def to_json(self, **kwargs: Any) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
 
 
 def audit_run(
