@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError, registry
+from dptorch.grad_sample.layers.chunked_lm_head import ChunkedLMHead
 from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.grad_sample.layers.embedding import RenormedEmbedding, RenormedEmbeddingBag
 from dptorch.layers import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
@@ -65,6 +66,17 @@ def channels(c, *spatial):
     return lambda rows: (torch.randn(rows, c, *spatial),)
 
 
+class HeadLosses(nn.Module):
+    """A chunked LM head's per-row losses, as a column (one output entry per row)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = ChunkedLMHead(nn.Parameter(torch.randn(11, 4)), block_elements=8)
+
+    def forward(self, hidden, targets):
+        return self.head(hidden, targets)[:, None]
+
+
 #: One model per registered layer type (or duck rule), and its inputs for ``rows`` rows.
 LAYERS = {
     nn.Linear: (lambda: nn.Linear(4, 5), tokens(3, 4)),
@@ -87,6 +99,7 @@ LAYERS = {
     "hf_rms_norm": (hf_rms_norm, tokens(3, 6)),
     "dpgru": (lambda: DPGRU(4, 3, batch_first=True), tokens(3, 4)),
     "dprnn": (lambda: DPRNN(4, 3, batch_first=True), tokens(3, 4)),
+    ChunkedLMHead: (lambda: HeadLosses(), lambda rows: (torch.randn(rows, 3, 4), torch.randint(0, 11, (rows, 3)))),
 }
 if hasattr(nn, "RMSNorm"):
     LAYERS[nn.RMSNorm] = (lambda: nn.RMSNorm(6), tokens(3, 6))

@@ -54,8 +54,9 @@ class Rounds(HookTarget):
         round begun inside another (the backward of a segment of reentrant activation checkpointing, which
         torch runs nested in the outer one) ends with the outer pass, not with that segment: each sample is
         clipped once per pass."""
-        if self._outer_task is None:
-            self._outer_task = torch._C._current_graph_task_id()
+        task = torch._C._current_graph_task_id()
+        if task != self._outer_task:  # (one left by a backward that raised is stale: its callback never ran)
+            self._outer_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_outer)
 
     def _end_outer(self) -> None:

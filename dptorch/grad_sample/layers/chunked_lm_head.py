@@ -219,10 +219,10 @@ def chunked_head_grad_sampler(module: ChunkedLMHead, activations: Tensors, backp
     rows, tokens = activations[1].shape
     h, targets, scales, lse, blocks = _blocks_of(module, activations, backprops)
     out = h.new_empty((rows, *param_shape(module.weight)))
-    hidden = h.view(rows, tokens, -1)
+    hidden = h.view(rows, tokens, h.shape[-1])
     for start, stop in blocks:
         g = _token_grads(h, module.weight, lse, targets, start, stop).mul_(scales.unsqueeze(1))
-        torch.bmm(g.view(rows, tokens, -1).transpose(1, 2), hidden, out=out[:, start:stop])
+        torch.bmm(g.view(rows, tokens, stop - start).transpose(1, 2), hidden, out=out[:, start:stop])
     return {module.weight: out.to(module.weight.dtype)}
 
 
@@ -235,7 +235,7 @@ def chunked_head_norms_sq(module: ChunkedLMHead, activations: Tensors, backprops
     rows, tokens = activations[1].shape
     h, targets, scales, lse, blocks = _blocks_of(module, activations, backprops)
     wide = wide_dtype(h.device)
-    hidden = h.view(rows, tokens, -1).to(wide)
+    hidden = h.view(rows, tokens, h.shape[-1]).to(wide)
     width, vocab = hidden.shape[2], module.weight.shape[0]
     ghost = tokens < width  # the Gram sum costs T^2 per word, instantiation T d
     hidden_gram = hidden @ hidden.transpose(1, 2) if ghost else None
@@ -244,7 +244,7 @@ def chunked_head_norms_sq(module: ChunkedLMHead, activations: Tensors, backprops
     grad_sq = hidden.new_zeros(rows, tokens)
     for start, stop in blocks:
         g = _token_grads(h, module.weight, lse, targets, start, stop).to(wide)
-        g = g.mul_(scales.to(wide).unsqueeze(1)).view(rows, tokens, -1)
+        g = g.mul_(scales.to(wide).unsqueeze(1)).view(rows, tokens, stop - start)
         grad_sq += g.square().sum(2)
         if ghost:
             grad_gram.baddbmm_(g, g.transpose(1, 2))
