@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-WITHOUT = ("import sys, dptorch.grad_sample.tracking.unseen as u; u.follow = u.off = lambda: None; "
+WITHOUT = ("import sys, dptorch.grad_sample.tracking.unseen as u; u._live_trackers = lambda: []; "
            f"sys.path.insert(0, {str(HERE)!r}); import engine_memory; sys.argv = ['engine_memory'] + sys.argv[1:]; "
            "engine_memory.main()")
 
