@@ -111,3 +111,14 @@ def test_a_value_read_in_a_forward_of_the_loss_phase_is_refused():
         model.eval()
         with torch.no_grad(), pytest.raises(PerSampleGradientError, match="calls item"):
             model(x)
+
+
+def test_a_sum_of_means_of_different_divisors_times_one_of_them_is_refused():
+    """``(a.mean() + b.mean()) * len(a)`` is not a sum when b averaged another number of entries (its weight
+    would be len(a) / len(b), a ratio that may depend on the batch)."""
+    def loss(o, n):
+        pairs = -F.logsigmoid(o[:n] - o[n:])
+        return (pairs.mean() + o.pow(2).mean()) * n
+
+    with pytest.raises(PerSampleGradientError):
+        _per_unit(loss, PAIRS)

@@ -158,7 +158,8 @@ def total_rule(tr: Tracker, func, args: tuple, kwargs: dict):
         # inside the forward shapes are read all the time: a factor there may be the batch size (refused at backward)
         inside = any(g.scaled_inside for _, g in tagged if is_total(g)) or (scaling and not tr.forward_done)
         tag = Lost(first.reason, kind, units=first.units, scaled_inside=inside)
-        tag.count = first.count if kind == "mean" else None
+        counts = {g.count for _, g in tagged if is_total(g)}  # means of different divisors added: no one divisor
+        tag.count = first.count if kind == "mean" and len(counts) == 1 else None
     else:
         tag = Lost(_mixing_reason(name, first, read_from_batch(tr) if scaling else None))
     for target, was in zip(targets, old):  # in place, or out=
