@@ -128,3 +128,33 @@ def test_label_smoothing_and_a_model_that_is_no_causal_lm_are_refused(tmp_path):
 
     with pytest.raises(ValueError, match="causal LM's loss"):
         chunked_trainer(tmp_path, tiny_t5(TOKENIZER), lm_dataset(TOKENIZER, 6), "bk")
+
+
+def test_a_head_installed_after_make_private_is_refused_before_any_update():
+    """The controller hooked the model's layers when it attached: a head put in afterwards is a module it does not
+    see, whose weight would get a gradient without per-sample gradients. Install the loss first."""
+    from torch.utils.data import DataLoader
+
+    from dptorch import PrivacyEngine
+    from dptorch.grad_sample import PerSampleGradientError
+
+    torch.manual_seed(0)
+    model = without_dropout(tiny_llama(TOKENIZER))
+    ids = torch.randint(3, 20, (4, 6))
+    loader = DataLoader(torch.utils.data.TensorDataset(ids, ids.clone()), batch_size=4)
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05), data_loader=loader,
+        noise_multiplier=0.0, max_grad_norm=0.3, poisson_sampling=False, loss_reduction="sum")
+    loss = ChunkedCausalLMLoss(block_elements=BLOCK)
+    loss.install(model._module if hasattr(model, "_module") else model)
+    start = trainable_copy(model)
+    try:
+        with pytest.raises(PerSampleGradientError):
+            for batch_ids, batch_labels in loader:
+                losses, _ = loss(model, {"input_ids": batch_ids}, batch_labels)
+                losses.sum().backward()
+                optimizer.step()
+    finally:
+        engine.detach()
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters() if n in start)
