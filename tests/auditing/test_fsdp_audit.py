@@ -1,6 +1,7 @@
-"""Audit canaries under FSDP2 (``fully_shard``, two gloo processes): each rank adds its shard's slice of every
-sampled canary, so the sum over the ranks is one canary; scores sum the ranks' partial dot products. The run
-ends where the same run on one process ends, with the same scores."""
+"""Audit canaries under FSDP2 (``fully_shard``, two gloo processes) and HSDP (2 x 2): each rank adds its shard's
+slice of every sampled canary (under HSDP the ranks of replica 0), so the sum over the ranks is one canary;
+scores sum the ranks' partial dot products. The run ends where the same run on one process ends, with the same
+scores."""
 
 from __future__ import annotations
 
@@ -16,22 +17,24 @@ from tests.distributed import workers
 CANARIES, AUDIT_SEED = 20, 5  # the model has 32 trainable elements, split unevenly over the two ranks
 
 
-def train(kind: str, *, distributed: bool, sigma: float = workers.SIGMA) -> dict:
+def train(kind: str, *, distributed: bool, mesh=None) -> dict:
     """One epoch of ``workers.model_like`` with ``CANARIES`` canaries of ``kind``: FSDP2 per layer when
-    ``distributed``, else one process without torch.distributed; the same batches, noise and canary draws."""
+    ``distributed`` (HSDP on a 2-D ``mesh``), else one process without torch.distributed; the same batches,
+    noise and canary draws."""
     from torch.distributed.fsdp import fully_shard
 
     model = workers.model_like()
     if distributed:
+        options = {} if mesh is None else {"mesh": mesh}
         for layer in (model[0], model[3]):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, **options)
+        fully_shard(model, **options)
     loader = DPDataLoader(workers.dataset(), sample_rate=workers.SAMPLE_RATE, seed=workers.SAMPLING_SEED,
                           distributed=distributed)
     engine = PrivacyEngine(accountant="rdp")
     _, optimizer, loader = engine.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), data_loader=loader,
-        noise_multiplier=sigma, max_grad_norm=workers.CLIP, loss_reduction="sum", grad_sample_mode="hooks",
+        noise_multiplier=workers.SIGMA, max_grad_norm=workers.CLIP, loss_reduction="sum", grad_sample_mode="hooks",
         wrap_model=False, noise_generator=ShardedNoise(seed=workers.NOISE_SEED), audit_canaries=CANARIES,
         audit_canary_kind=kind, audit_seed=AUDIT_SEED)
     canaries = engine.audit_canaries
@@ -80,13 +83,28 @@ def scenarios(rank: int):
         yield f"fsdp-{kind}", lambda kind=kind: train(kind, distributed=True)
 
 
-@pytest.fixture(scope="module")
-def spawned():
+def hsdp_scenarios(rank: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    yield "hsdp-dirac", lambda: train("dirac", distributed=True, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+
+
+def _spawn(runs, world):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    return workers.reader(workers.spawn_all(scenarios))
+    return workers.reader(workers.spawn_all(runs, world=world))
+
+
+@pytest.fixture(scope="module")
+def spawned():
+    return _spawn(scenarios, workers.WORLD)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {kind: train(kind, distributed=False) for kind in ("dirac", "random")}
 
 
 @pytest.mark.parametrize("kind", ["dirac", "random"])
@@ -103,14 +121,23 @@ def test_each_rank_adds_its_slice_so_the_ranks_add_each_sampled_canary_once(spaw
 
 
 @pytest.mark.parametrize("kind", ["dirac", "random"])
-def test_a_sharded_run_with_canaries_ends_where_one_process_ends_with_the_same_scores(spawned, kind):
-    runs = [spawned(f"fsdp-{kind}", rank) for rank in range(workers.WORLD)]
-    reference = train(kind, distributed=False)
-    assert runs[0]["steps"] == runs[1]["steps"] == reference["steps"] > 1
+def test_a_sharded_run_with_canaries_ends_where_one_process_ends_with_the_same_scores(spawned, references, kind):
+    _same_run([spawned(f"fsdp-{kind}", rank) for rank in range(workers.WORLD)], references[kind])
+
+
+def test_an_hsdp_run_with_canaries_ends_where_one_process_ends_with_the_same_scores(references):
+    hsdp = _spawn(hsdp_scenarios, 4)
+    _same_run([hsdp("hsdp-dirac", rank) for rank in range(4)], references["dirac"])
+
+
+def _same_run(runs, reference):
+    """Every rank's parameters and scores those of one process (each canary added once), the same everywhere."""
+    assert all(run["steps"] == reference["steps"] > 1 for run in runs)
     for run in runs:
         assert torch.equal(run["included"], reference["included"]) and torch.equal(run["added"], reference["added"])
         torch.testing.assert_close(run["params"], reference["params"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(run["scores"], reference["scores"], rtol=1e-5, atol=1e-5)
     assert int(reference["added"].sum()) > 0 and reference["scores"].abs().max() > 0.1
-    torch.testing.assert_close(runs[0]["scores"], runs[1]["scores"], rtol=0, atol=0)
-    torch.testing.assert_close(runs[0]["params"], runs[1]["params"], rtol=0, atol=0)
+    for run in runs[1:]:
+        torch.testing.assert_close(run["scores"], runs[0]["scores"], rtol=0, atol=0)
+        torch.testing.assert_close(run["params"], runs[0]["params"], rtol=0, atol=0)
