@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from dptorch import BatchMemoryManager, PrivacyEngine
 from dptorch.data import DPDataLoader
