@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dptorch.auditing.bounds import epsilon_lower_bound
+from dptorch.auditing.scores import bounds_from_scores
 from dptorch.auditing.serialize import Serializable
 from dptorch.data.poisson import DPDataLoader
 from dptorch.engine import PrivacyEngine
@@ -37,7 +38,9 @@ from dptorch.noise import NoiseGenerator
 
 @dataclass
 class AuditResult(Serializable):
-    """Outcome of one audit: the audited lower bound against the claimed epsilon, and how it was found."""
+    """Outcome of one audit: both audited lower bounds against the claimed epsilon, and how they were found
+    (``epsilon_lower_bound``: Steinke et al.'s, guessing both ways; ``fdp_epsilon_lower_bound``: the f-DP one,
+    guessing "in" only, :func:`~dptorch.auditing.scores.bounds_from_scores`)."""
 
     epsilon_lower_bound: float
     claimed_epsilon: float
@@ -47,13 +50,16 @@ class AuditResult(Serializable):
     num_included: int
     num_guesses: int
     num_correct: int
+    fdp_epsilon_lower_bound: float
+    fdp_num_guesses: int
+    fdp_num_correct: int
     guesses: List[Dict[str, Any]] = field(default_factory=list)
     settings: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def consistent(self) -> bool:
-        """True when the audit does not refute the claim (lower bound <= claimed epsilon)."""
-        return self.epsilon_lower_bound <= self.claimed_epsilon
+        """True when the audit does not refute the claim (both lower bounds <= claimed epsilon)."""
+        return max(self.epsilon_lower_bound, self.fdp_epsilon_lower_bound) <= self.claimed_epsilon
 
 
 
@@ -136,6 +142,8 @@ def audit_dp_sgd(
         engine.detach()
     found = epsilon_lower_bound(scores.tolist(), included.tolist(), delta=delta, confidence=confidence,
                                 num_guesses=num_guesses)
+    fdp = bounds_from_scores(scores.tolist(), included.tolist(), delta=delta, confidence=confidence,
+                             num_guesses=num_guesses)["fdp"]
     settings = dict(noise_multiplier=noise_multiplier, steps=steps, sample_rate=sample_rate,
                     max_grad_norm=max_grad_norm, clipping=clipping, grad_sample_mode=grad_sample_mode,
                     accountant=accountant, canary_scale=canary_scale, num_filler=num_filler, seed=seed,
@@ -143,7 +151,9 @@ def audit_dp_sgd(
     return AuditResult(
         epsilon_lower_bound=found["epsilon_lower_bound"], claimed_epsilon=claimed, delta=delta, confidence=confidence,
         num_canaries=num_canaries, num_included=int(included.sum()), num_guesses=found["num_guesses"],
-        num_correct=found["num_correct"], guesses=found["guesses"], settings=settings,
+        num_correct=found["num_correct"], fdp_epsilon_lower_bound=fdp["epsilon_lower_bound"],
+        fdp_num_guesses=fdp["num_guesses"], fdp_num_correct=fdp["num_correct"], guesses=found["guesses"],
+        settings=settings,
     )
 
 

@@ -423,8 +423,9 @@ def add_audit_command(subparsers: Any) -> None:
         "audit",
         help="audit DP-SGD empirically: epsilon lower bound from one run with gradient canaries",
         description="Train a linear model once with white-box Dirac gradient canaries through dptorch's DP-SGD and "
-        "bound epsilon from below (Steinke, Nasr, Jagielski 2023). A lower bound above the claimed epsilon refutes "
-        "the claim (exit code 1). Defaults: a claimed epsilon of about 2 at delta 1e-5.",
+        "bound epsilon from below twice: Steinke, Nasr, Jagielski 2023, and the f-DP bound of Mahloujifar, Melis, "
+        "Chaudhuri 2025. A lower bound above the claimed epsilon refutes the claim (exit code 1). Defaults: a "
+        "claimed epsilon of about 2 at delta 1e-5.",
     )
     parser.add_argument("--canaries", type=int, default=500, metavar="M", help="number of canaries (default 500)")
     parser.add_argument("--noise-multiplier", action="append", metavar="S",
@@ -481,9 +482,11 @@ def run_audit(args: argparse.Namespace) -> int:
     for sigma, result in zip(sigmas, results):
         verdict = "consistent with the claim" if result.consistent else "REFUTES the claimed epsilon"
         lines.append(
-            f"audited epsilon >= {_number(result.epsilon_lower_bound)} at {result.confidence:.0%} confidence, claimed "
-            f"epsilon = {_number(result.claimed_epsilon)} (delta = {delta:g}, sigma = {sigma:g}, {steps} steps, q = {q:g}; "
-            f"{result.num_correct} of {result.num_guesses} guesses right, {result.num_canaries} canaries): {verdict}"
+            f"audited epsilon >= {_number(result.epsilon_lower_bound)} (Steinke et al.: {result.num_correct} of "
+            f"{result.num_guesses} guesses right), >= {_number(result.fdp_epsilon_lower_bound)} (f-DP: "
+            f"{result.fdp_num_correct} of {result.fdp_num_guesses} guessed in right) at {result.confidence:.0%} "
+            f"confidence, claimed epsilon = {_number(result.claimed_epsilon)} (delta = {delta:g}, sigma = {sigma:g}, "
+            f"{steps} steps, q = {q:g}, {result.num_canaries} canaries): {verdict}"
         )
     if args.plot:
         lines.append(f"plot written to {args.plot}")

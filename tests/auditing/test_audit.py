@@ -48,6 +48,7 @@ def test_a_correct_private_run_audits_below_its_claimed_epsilon(seed, one_thread
     result = audit_dp_sgd(num_canaries=500, noise_multiplier=4.0, steps=4, seed=seed)
     assert result.claimed_epsilon == pytest.approx(1.99, abs=0.02)
     assert result.consistent and result.epsilon_lower_bound < result.claimed_epsilon
+    assert 0 <= result.fdp_epsilon_lower_bound < result.claimed_epsilon
     assert result.num_canaries == 500 and 200 < result.num_included < 300
 
 
@@ -58,6 +59,20 @@ def test_broken_clipping_is_caught_by_the_audit(monkeypatch, one_thread):
     result = audit_dp_sgd(num_canaries=500, noise_multiplier=4.0, steps=4, seed=0)
     assert result.claimed_epsilon == pytest.approx(1.99, abs=0.02)
     assert not result.consistent and result.epsilon_lower_bound > result.claimed_epsilon + 1
+    assert result.fdp_epsilon_lower_bound > result.claimed_epsilon + 1
+
+
+def test_the_result_refutes_the_claim_when_either_bound_exceeds_it():
+    from dataclasses import replace
+
+    from dptorch.auditing.canaries import AuditResult
+
+    below = AuditResult(epsilon_lower_bound=0.5, claimed_epsilon=2.0, delta=1e-5, confidence=0.95, num_canaries=500,
+                        num_included=250, num_guesses=200, num_correct=144, fdp_epsilon_lower_bound=0.6,
+                        fdp_num_guesses=100, fdp_num_correct=72)
+    assert below.consistent
+    assert not replace(below, fdp_epsilon_lower_bound=2.1).consistent
+    assert not replace(below, epsilon_lower_bound=2.1).consistent
 
 
 def test_the_audit_command_reports_json_and_draws_the_plot(tmp_path, capsys, one_thread):
@@ -72,5 +87,14 @@ def test_the_audit_command_reports_json_and_draws_the_plot(tmp_path, capsys, one
     for run in payload["runs"]:
         assert run["num_canaries"] == 200 and run["confidence"] == 0.95 and run["consistent"] is True
         assert 0 <= run["epsilon_lower_bound"] < run["claimed_epsilon"]
+        assert 0 <= run["fdp_epsilon_lower_bound"] < run["claimed_epsilon"] and run["fdp_num_guesses"] >= 10
         assert {"guesses", "correct", "epsilon_lower_bound"} == set(run["guesses"][0])
     assert cli_main(["audit", "--noise-multiplier", "0"]) == 2
+
+
+def test_the_audit_command_prints_both_bounds_of_the_same_scores(capsys, one_thread):
+    assert cli_main(["audit", "--canaries", "200", "--steps", "2", "--seed", "3"]) == 0
+    line = capsys.readouterr().out
+    result = audit_dp_sgd(num_canaries=200, steps=2, seed=3, grad_sample_mode="auto")
+    assert f">= {result.epsilon_lower_bound:.4g} (Steinke et al.: {result.num_correct} of {result.num_guesses}" in line
+    assert f">= {result.fdp_epsilon_lower_bound:.4g} (f-DP: {result.fdp_num_correct} of {result.fdp_num_guesses}" in line

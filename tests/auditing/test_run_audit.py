@@ -143,6 +143,38 @@ def test_runs_the_audit_cannot_cover_are_refused_before_any_step(kwargs, problem
     assert not any(hasattr(p, "grad_sample") for p in model.parameters())
 
 
+class _PartitionedWriter:
+    """A gradient writer of another layout (as DeepSpeed's partitions and tensor-parallel slices are)."""
+
+    def keep(self, optimizer, hooks, factors, dropped=None):
+        return factors
+
+    def write(self, optimizer, params):
+        raise AssertionError("never reached: the canaries refuse the step first")
+
+
+def test_a_gradient_writer_other_than_whole_parameters_or_fsdp2_shards_is_refused_at_attach_and_at_the_step():
+    from dptorch.optim.canaries import GradientCanaries
+
+    model = _model()
+    engine = PrivacyEngine()
+    _, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                               data_loader=_loader(), noise_multiplier=1.0, max_grad_norm=1.0)
+    optimizer.use_gradient_writer(_PartitionedWriter())
+    with pytest.raises(CanaryError, match="_PartitionedWriter.*whole parameters or FSDP2"):
+        GradientCanaries.attach(optimizer, 100)
+    model = _model()
+    engine = PrivacyEngine()
+    model, optimizer, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=_loader(),
+        noise_multiplier=1.0, max_grad_norm=1.0, audit_canaries=100)
+    optimizer.use_gradient_writer(_PartitionedWriter())  # swapped after the canaries were placed
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(CanaryError, match="_PartitionedWriter"):
+        optimizer.step()
+
+
 def test_audit_run_refuses_a_delta_above_one_over_n_plus_m_and_a_run_without_canaries(one_thread):
     engine = _train(1.0, steps=1, canaries=100)
     with pytest.raises(ValueError, match=r"1 / \(N \+ m\)"):
