@@ -31,12 +31,18 @@ class TrainerAudit:
         return cls(privacy_args.audit_canaries, privacy_args.audit_confidence, privacy_args.audit_seed)
 
     def attach(self, trainer: Any, optimizer: Any) -> None:
-        """Put the canaries into ``optimizer``, the Trainer's DP optimizer (refused where they cannot be added)."""
-        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
-            raise CanaryError("audit_canaries is refused under DeepSpeed and FSDP: their shards and partitions hold the "
-                              "clipped sums; audit the same model on one process or under DDP")
+        """Put the canaries into ``optimizer``, the Trainer's DP optimizer (refused where they cannot be added).
+        Under FSDP2 the Trainer calls this once Accelerate has sharded the parameters (the canaries are cut
+        along the shards each rank holds)."""
+        if getattr(trainer, "is_deepspeed_enabled", False):
+            raise CanaryError("audit_canaries is refused under DeepSpeed: its partitions hold the clipped sums; audit "
+                              "the same model on one process, under DDP or under FSDP2")
         self.canaries = GradientCanaries.attach(optimizer, self.num_canaries, seed=self.seed)
         self.history = []  # a new DP optimizer (a new run, e.g. a search trial): a new audit
+
+    def waits_for_shards(self, trainer: Any) -> bool:
+        """Whether the canaries wait for Accelerate's FSDP2 sharding (attached in ``_attach_to_wrapped_model``)."""
+        return bool(getattr(trainer, "is_fsdp_enabled", False))
 
     def audit(self, trainer: Any) -> Optional[RunAudit]:
         """Both bounds for the steps so far (None before the first step)."""

@@ -425,7 +425,7 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             secure_mode=p.secure_mode,
         )
         optimizer.attach_step_hook(self._after_private_step)
-        if self.dp_audit is not None:
+        if self.dp_audit is not None and not self.dp_audit.waits_for_shards(self):
             self.dp_audit.attach(self, optimizer)
         return optimizer
 
@@ -541,6 +541,9 @@ class PrivateTrainerMixin(PrivateSearchMixin):
             self.dp_hooks = self._new_controller()
             optimizer.use_hooks(self.dp_hooks)
             self._dp_on_shards = True
+        if (self.dp_audit is not None and optimizer is not None and self.dp_audit.waits_for_shards(self)
+                and getattr(optimizer, "canaries", None) is None):  # FSDP2: cut along the shards each rank holds
+            self.dp_audit.attach(self, optimizer)
 
     def _phantom_step(self, model: Any) -> None:
         """Forward and backward of the phantom micro-batch: the collectives run, nothing is added or counted."""
