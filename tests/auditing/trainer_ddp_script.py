@@ -54,6 +54,9 @@ def main(out: Path, mode: str) -> None:
         "card": card.read_text() if rank == 0 else None,
     }
     (out / f"audit-rank{rank}.json").write_text(json.dumps(report))
+    if torch.distributed.is_initialized():  # every rank done before any leaves (a rank exiting while gloo's threads
+        torch.distributed.barrier()  # still serve another's collectives aborts it)
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

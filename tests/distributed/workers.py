@@ -372,6 +372,7 @@ def worker(rank: int, store: str, results, runs=scenarios, world: int = WORLD) -
             except Exception:  # reported by the test that reads it
                 results[(name, rank)] = {"error": traceback.format_exc()}
                 raise
+        dist.barrier()  # every rank done before any leaves: one exiting while gloo serves another's work aborts it
     finally:
         dist.destroy_process_group()
 
