@@ -30,7 +30,6 @@ from dptorch.grad_sample.tracking.tags import (DIM, INNER, MISALIGNED, ORDERED, 
                                                ordered_at, unit_entries)
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 from dptorch.grad_sample.tracking.unseen import register as register_unseen
-from dptorch.grad_sample.tracking.unseen import off as unseen_off
 from dptorch.grad_sample.tracking.writes import Writes, written
 
 class BatchTracker(TorchFunctionMode):
@@ -156,13 +155,7 @@ class BatchTracker(TorchFunctionMode):
         if self.forward_done and not self.nested_forwards and scales_after_read(self, func, args, kwargs):
             return read_scaling_rule(self, func, args, kwargs)
         if rule is backward_rule:  # even of an untagged root (a batch of one's loss): the loss phase ends there
-            if self.checks_backward:
-                return rule(self, func, args, kwargs)
-            unseen_off()  # another model's backward, under the draw's watch: not the loop's code (unseen.py)
-            try:
-                return func(*args, **kwargs)
-            finally:
-                follow_unseen()
+            return rule(self, func, args, kwargs)
         table = self._table
         for a in args:
             if isinstance(a, Tensor):
