@@ -182,9 +182,9 @@ def _undoes_mean(name: str, first: Lost, tagged: list, args: tuple, kwargs: dict
 
 #: Libraries whose own scaling of the loss is by a configured constant (gradient accumulation steps, a loss
 #: scale), not a number of the batch: DeepSpeed's engine.backward, Accelerate's backward, the Trainer's step,
-#: and TRL's preference losses (beta, loss weights, label smoothing; the loss types that couple pairs are
-#: refused by the DPO recipe, integrations/hf/loss_recipes.py).
-_CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer", "trl.")
+#: and TRL's DPO losses (beta, loss weights, label smoothing; the loss types that couple pairs are refused by
+#: the DPO recipe, integrations/hf/loss_recipes.py). Only that module of TRL: its other trainers are not vetted.
+_CONSTANT_SCALERS = ("deepspeed.", "accelerate.", "transformers.trainer", "trl.trainer.dpo_trainer")
 
 
 def read_from_batch(tr: Tracker) -> Optional[str]:
