@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError
 from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, magnitudes
+from dptorch.grad_sample.norms.exact_products import use_route
 from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.optim import DPOptimizer
 from dptorch.clipping.factors import ROUNDING_MARGIN, flat_norms
@@ -38,6 +39,14 @@ from tests.helpers import call, reference_per_sample_grads
 C = 1.0
 MEASUREMENT = 1e-9  # relative float64 rounding of a contribution's measured norm
 FEW = settings(max_examples=4, deadline=None)
+
+
+@pytest.fixture(autouse=True, params=["float64", "split"])
+def route(request):
+    """Every check runs on both routes of certified products (``exact_products``): float64 products,
+    and error-free split float32 ones (what accelerators take)."""
+    with use_route(request.param):
+        yield request.param
 
 
 def per_sample_sum(out: torch.Tensor) -> torch.Tensor:

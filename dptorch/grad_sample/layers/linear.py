@@ -1,8 +1,8 @@
 """``nn.Linear``: its per-sample gradients, norms, clipped sums and linear form (and the shared math
 of linear maps over features, which HF ``Conv1D`` and the DP RNN cells reuse).
 
-Norms are ghost or instantiated per call, whichever is cheaper (``linear_forms``), in float64 and
-certified; the clipped sum is the ordinary weight gradient with each sample's output gradient
+Norms are ghost or instantiated per call, whichever is cheaper (``linear_forms``), formed as
+certified products (``exact_products``); the clipped sum is the ordinary weight gradient with each sample's output gradient
 scaled by its clip factor (book-keeping: no second backward pass).
 """
 
@@ -19,7 +19,8 @@ from dptorch.grad_sample.norms.linear_forms import (
     at_least_float32,
     certify_linear,
     flatten_middle_dims,
-    gram_norms_sq,
+    instantiated_norms_upper,
+    linear_norms_upper,
     squared_norms,
 )
 from dptorch.grad_sample.layers.registry import register_grad_sampler, register_norm_sampler
@@ -123,17 +124,15 @@ def _trainable(param: Optional[nn.Parameter]) -> bool:
 
 def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
     """Certified squared norms of ``sum_t b_t a_t^T`` per sample (ghost or instantiated, whichever
-    is cheaper, in float64), for a clipped sum formed over the tokens (``linear_weight_sum``)."""
+    is cheaper, as certified products: ``exact_products``), for a clipped sum formed over the tokens
+    (``linear_weight_sum``)."""
     a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
-    wide = wide_dtype(a.device)
-    a64, b64 = a.to(wide), b.to(wide)
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
     if tokens * (d + p) < d * p or tokens == 1:
-        gram = torch.bmm(a64, a64.transpose(1, 2)) if tokens > 1 else None
-        computed, terms = gram_norms_sq(a64, gram, b64)
+        upper = linear_norms_upper(a, b)
     else:
-        computed, terms = squared_norms(torch.bmm(b64.transpose(1, 2), a64)), 2 * tokens + d * p + 1
-    return certify_linear(computed, a, b, terms, wide)
+        upper = instantiated_norms_upper(a, b)
+    return certify_linear(upper, a, b)
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:

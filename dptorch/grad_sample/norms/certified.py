@@ -62,19 +62,21 @@ def certified_norms_sq(
     computed_sq: torch.Tensor,
     magnitude: torch.Tensor,
     *,
-    norm_terms: int,
-    norm_dtype: torch.dtype,
+    norm_terms: int = 0,
+    norm_dtype: Optional[torch.dtype] = None,
     sum_terms: int,
     sum_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(sqrt(max(computed_sq, 0) + gamma(norm_terms) M^2) + gamma(sum_terms) M)^2`` per sample.
 
-    ``computed_sq`` was formed in ``norm_dtype`` with at most ``norm_terms`` roundings per term;
-    the clipped sum runs in ``sum_dtype`` with at most ``sum_terms`` roundings per term (the
+    ``computed_sq`` was formed in ``norm_dtype`` with at most ``norm_terms`` roundings per term
+    (``norm_terms=0``: ``computed_sq`` is already an upper bound, ``exact_products``); the clipped sum runs in ``sum_dtype`` with at most ``sum_terms`` roundings per term (the
     factor's application included). Returned in the wide dtype (an upper bound: it is rounded up).
     """
     dtype = wide_dtype(magnitude.device)
     m = magnitude.to(dtype)
     computed = computed_sq.to(dtype).clamp(min=0)
-    norm = (computed + gamma(norm_terms, norm_dtype) * m.square()).sqrt() + gamma(sum_terms, sum_dtype) * m
+    if norm_terms:
+        computed = computed + gamma(norm_terms, norm_dtype) * m.square()
+    norm = computed.sqrt() + gamma(sum_terms, sum_dtype) * m
     return norm.square() * (1 + gamma(6, dtype))  # this function's own few roundings

@@ -18,7 +18,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from dptorch.grad_sample.norms.certified import certified_norms_sq, magnitudes, wide_dtype
+from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, magnitudes
+from dptorch.grad_sample.norms.exact_products import (
+    CertifiedProduct,
+    certified_gram,
+    certified_product,
+    frobenius_bounds,
+    frobenius_upper,
+    square_norm_upper,
+)
 
 #: Roundings a term of a clipped sum undergoes besides its own tokens' summation: the factor times
 #: the call's scale, the factor's cast, its product with ``a`` or ``b``, and the product ``b a``.
@@ -89,52 +97,62 @@ class LinearForm:
         return magnitudes(None if self.indexed else self.left, self.right)
 
 
-def _left_gram(x: LinearForm, y: LinearForm, dtype: torch.dtype) -> torch.Tensor:
-    """``(left_x[t] . left_y[t'])`` for each sample: ``(B, T_x, T_y)``."""
+def _left_gram(x: LinearForm, y: LinearForm) -> CertifiedProduct:
+    """``(left_x[t] . left_y[t'])`` for each sample: ``(B, T_x, T_y)``, certified (exact for one-hot rows)."""
     if x.indexed and y.indexed:
-        return (x.left.unsqueeze(2) == y.left.unsqueeze(1)).to(dtype)
+        return CertifiedProduct((x.left.unsqueeze(2) == y.left.unsqueeze(1)).to(torch.float64), ())
     if x.indexed:
-        return _left_gram(y, x, dtype).transpose(1, 2)
-    if y.indexed:  # one-hot rows pick columns of the dense factor
+        gram = _left_gram(y, x)
+        return CertifiedProduct(gram.value.transpose(1, 2), tuple((v, u) for u, v in gram.bounds))
+    if y.indexed:  # one-hot rows pick columns of the dense factor: exact
         index = y.left.unsqueeze(1).expand(-1, x.left.shape[1], -1)
-        return x.left.to(dtype).gather(2, index)
-    return torch.bmm(x.left.to(dtype), y.left.to(dtype).transpose(1, 2))
+        return CertifiedProduct(x.left.to(torch.float64).gather(2, index), ())
+    return certified_product(x.left, y.left.transpose(1, 2))
+
+
+def form_inner_products_bounds(x: LinearForm, y: LinearForm) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``<G_i, H_i>`` (Frobenius) for each sample from the factors alone, certified: ``(computed, bound)``
+    (``exact_products.frobenius_bounds``)."""
+    return frobenius_bounds(_left_gram(x, y), certified_product(x.right, y.right.transpose(1, 2)))
 
 
 def form_inner_products(x: LinearForm, y: LinearForm, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``<G_i, H_i>`` (Frobenius) for each sample, from the factors alone, computed in ``dtype``."""
+    """``<G_i, H_i>`` (Frobenius) for each sample, from the factors alone, computed in ``dtype`` (uncertified)."""
+    if x.indexed or y.indexed:
+        left = _left_gram(x, y).value.to(dtype)
+    else:
+        left = torch.bmm(x.left.to(dtype), y.left.to(dtype).transpose(1, 2))
     right = torch.bmm(x.right.to(dtype), y.right.to(dtype).transpose(1, 2))
-    return frobenius_per_sample(_left_gram(x, y, dtype), right)
+    return frobenius_per_sample(left, right)
 
 
 def shared_form_norms(uses) -> torch.Tensor:
     """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and ``LinearForm``.
 
-    ``||sum_k s_k G_k||^2 = sum_{k,l} s_k s_l <G_k, G_l>``: the cross terms can cancel, so the sum
-    is formed in float64 and certified with the magnitude ``sum_k |s_k| M_k`` (``certified``); the
-    clipped sum adds the uses' sums (one more rounding per use). Float32, shape ``(B,)``.
+    ``||sum_k s_k G_k||^2 = sum_{k,l} s_k s_l <G_k, G_l>``: the cross terms can cancel, so each is
+    certified (``exact_products``: the value of ``<G_k, G_l>`` with a bound on its error, which for a
+    cross term enters with its sign's worst case) and the clipped sum's rounding is certified with the
+    magnitude ``sum_k |s_k| M_k`` (``certified``); the clipped sum adds the uses' sums (one more rounding
+    per use). Float32, shape ``(B,)``.
     """
-    dtype = wide_dtype(uses[0][1].right.device)
     forms = [form for _, form in uses]
-    # Each factor is cast to the wide dtype once, whatever the number of pairs it enters.
-    wide = {id(f): LinearForm(f.left if f.indexed else f.left.to(dtype), f.right.to(dtype)) for f in forms}
-    total = None
+    f64 = torch.float64
+    total = spread = 0
     for k, (scale_k, form_k) in enumerate(uses):
         for scale_l, form_l in uses[k:]:
             weight = scale_k * scale_l * (1.0 if form_l is form_k else 2.0)
-            term = weight * form_inner_products(wide[id(form_k)], wide[id(form_l)], dtype)
-            total = term if total is None else total + term
+            computed, bound = form_inner_products_bounds(form_k, form_l)
+            total = total + (weight * computed + abs(weight) * bound)
+            spread = spread + abs(weight) * (computed.abs() + bound)
+    pairs = len(uses) * (len(uses) + 1) // 2
+    total = (total + gamma(2 * pairs + 2, f64) * spread).clamp(min=0) * (1 + gamma(2, f64))
     tokens = max(form.tokens for form in forms)
-    magnitude = sum(abs(scale) * wide[id(form)].magnitudes() for scale, form in uses)
+    magnitude = sum(abs(scale) * form.magnitudes() for scale, form in uses)
     sum_dtype = at_least_float32_dtype(forms[0].right.dtype)
     for form in forms:
         if not form.indexed:
             sum_dtype = torch.promote_types(sum_dtype, form.left.dtype)
-    squared = certified_norms_sq(
-        total, magnitude,
-        norm_terms=max(form.width for form in forms) + tokens * tokens + len(uses) ** 2 + 4, norm_dtype=dtype,
-        sum_terms=tokens + CLIP_ROUNDINGS + len(uses), sum_dtype=sum_dtype,
-    )
+    squared = certified_norms_sq(total, magnitude, sum_terms=tokens + CLIP_ROUNDINGS + len(uses), sum_dtype=sum_dtype)
     return squared.sqrt().float()
 
 
@@ -144,22 +162,31 @@ def frobenius_per_sample(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vecdot(x.flatten(1), y.flatten(1))
 
 
-def gram_norms_sq(a: torch.Tensor, gram: Optional[torch.Tensor], b: torch.Tensor) -> Tuple[torch.Tensor, int]:
-    """``sum_{t,s} gram[t,s] (b_t . b_s)`` (``||a||^2 ||b||^2`` for one token, where ``gram`` may be
-    None) in the dtype of ``b``, and the roundings of each of its terms (for ``certified_norms_sq``)."""
-    tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
-    if tokens == 1:
-        return squared_norms(a).to(b.dtype) * squared_norms(b), d + p + 1
-    return frobenius_per_sample(gram.to(b.dtype), torch.bmm(b, b.transpose(1, 2))), d + p + 1 + tokens * tokens
+def linear_norms_upper(a: torch.Tensor, b: torch.Tensor, a_gram: Optional[CertifiedProduct] = None) -> torch.Tensor:
+    """An upper bound on ``||sum_t b_t a_t^T||^2`` per sample (float64, ``exact_products``): the Gram sum
+    ``<a a^T, b b^T>`` (``a_gram``: ``a``'s certified Gram, where already formed), or the product of the two
+    norms for one token (non-negative: no cancellation)."""
+    if a.shape[1] == 1:
+        norms = torch.linalg.vector_norm(a.flatten(1), dim=1, dtype=torch.float64)
+        norms = norms * torch.linalg.vector_norm(b.flatten(1), dim=1, dtype=torch.float64)
+        return norms.square() * (1 + gamma(a.shape[2] + b.shape[2] + 8, torch.float64))
+    return frobenius_upper(certified_gram(a) if a_gram is None else a_gram, certified_gram(b))
 
 
-def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, norm_terms: int, norm_dtype: torch.dtype,
+def instantiated_norms_upper(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An upper bound on ``||b^T a||^2`` per sample from the certified instantiated product."""
+    return square_norm_upper(certified_product(b.transpose(1, 2), a))
+
+
+def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, norm_terms: int = 0,
+                   norm_dtype: Optional[torch.dtype] = None,
                    sum_dtype: Optional[torch.dtype] = None, sum_tokens: Optional[int] = None,
                    magnitude: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``certified_norms_sq`` of ``sum_t b_t a_t^T`` (``a=None``: a bias) whose clipped sum is a
     matmul over the tokens in ``sum_dtype`` (default: float32 or the factors' wider dtype);
     ``sum_tokens`` (default: ``b``'s tokens) is what the clipped sum's roundings are counted for;
-    ``magnitude``: ``magnitudes(a, b)``, where already formed."""
+    ``magnitude``: ``magnitudes(a, b)``, where already formed. ``norm_terms=0``: ``computed`` is
+    already an upper bound (``linear_norms_upper``)."""
     if sum_dtype is None:
         sum_dtype = at_least_float32_dtype(b.dtype if a is None else torch.promote_types(a.dtype, b.dtype))
     return certified_norms_sq(

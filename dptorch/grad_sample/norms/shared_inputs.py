@@ -15,7 +15,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.norms.certified import magnitudes, wide_dtype
+from dptorch.grad_sample.norms.certified import magnitudes
+from dptorch.grad_sample.norms.exact_products import certified_gram
 from dptorch.grad_sample.norms.linear_forms import (
     STACK_LIMIT,
     WIDE_BLOCK,
@@ -23,7 +24,7 @@ from dptorch.grad_sample.norms.linear_forms import (
     at_least_float32_dtype,
     certify_linear,
     flatten_middle_dims,
-    gram_norms_sq,
+    linear_norms_upper,
     squared_norms,
 )
 
@@ -67,7 +68,7 @@ def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tup
     bias's (``B p`` numbers), and the weights' where instantiating was cheaper.
 
     Per group of uses reading the same ``a`` (``T`` tokens of ``d`` features), weight norms are
-    ghost (``<a a^T, b_k b_k^T>``, float64 and certified: ``certify_linear``) or instantiated
+    ghost (``<a a^T, b_k b_k^T>``, certified products: ``exact_products``) or instantiated
     (``||b_k^T a||^2``, exact for the kept gradient the clipped sum then reads). Once the Gram is paid a
     ghost norm costs ``T^2 p_k`` against ``T d p_k`` instantiated, so the group goes ghost when
     ``T < d`` and ``sum_k (T d - T^2) p_k > T^2 d`` (for one use: the usual ``T (d + p) < d p``).
@@ -115,9 +116,9 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     ghost = ghost_is_cheaper(tokens, d, [b.shape[-1] for b, use in parts if use.weight is not None])
     dtypes = [torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype)) for b, _ in parts]
     parts = [(_as(b, dtype) if use.weight is not None else b, use) for (b, use), dtype in zip(parts, dtypes)]
-    # Norms not instantiated are formed in float64 and certified (their clipped sum is a matmul).
+    # Norms not instantiated are certified (their clipped sum is a matmul).
     certified = [(b, dtype) for (b, use), dtype in zip(parts, dtypes) if use.weight is not None] if ghost or tokens == 1 else []
-    certified_sq = iter(_wide_weight_norms(a, certified, sum_tokens))
+    certified_sq = iter(_certified_weight_norms(a, certified, sum_tokens))
     out = []
     for (b, use), dtype in zip(parts, dtypes):
         weight_sq = weight_grad = bias_sq = bias_grad = None
@@ -135,32 +136,29 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     return out
 
 
-def _wide_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
+def _certified_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     """Certified squared norms of ``sum_t b_t a_t^T`` for each ``(b, dtype of its clipped sum)`` in
-    ``parts``, by the input Gram (``gram_norms_sq``). The float64 copies are made a block of samples at
-    a time, none over ``WIDE_BLOCK`` elements (a ``(B, T, vocab)`` output gradient is never copied
-    whole); the Gram sums and magnitudes are per sample, the certification then runs once on all.
-    A float64 batched matmul may round a block as it would not the whole batch (float64 rounding at
-    odd sizes; the certification holds for any order of summation)."""
+    ``parts``, by the input Gram (``linear_norms_upper``: certified products, ``exact_products``),
+    formed a block of samples at a time: no block's wide copies exceed ``WIDE_BLOCK`` elements (a
+    ``(B, T, vocab)`` output gradient is never copied whole). The Gram sums and magnitudes are per
+    sample, the certification then runs once on all."""
     if not parts:
         return []
-    wide = wide_dtype(a.device)
     tokens = a.shape[1]
     rows = max(1, WIDE_BLOCK // max(1, tokens * max(a.shape[2], *(b.shape[2] for b, _ in parts))))
     blocks = []
     for start in range(0, max(a.shape[0], 1), rows):
-        a_wide = _as(a[start:start + rows], wide)
-        gram = torch.bmm(a_wide, a_wide.transpose(1, 2)) if tokens > 1 else None
+        a_block = a[start:start + rows]
+        gram = certified_gram(a_block) if tokens > 1 else None
         block = []
         for b, _ in parts:
-            b_wide = _as(b[start:start + rows], wide)
-            block.append((*gram_norms_sq(a_wide, gram, b_wide), magnitudes(a_wide, b_wide)))
+            b_block = b[start:start + rows]
+            block.append((linear_norms_upper(a_block, b_block, gram), magnitudes(a_block, b_block)))
         blocks.append(block)
     out = []
     for (b, dtype), column in zip(parts, zip(*blocks)):
-        computed, terms, magnitude = zip(*column)
-        computed, magnitude = (torch.cat(x) if len(x) > 1 else x[0] for x in (computed, magnitude))
-        out.append(certify_linear(computed, a, b, terms[0], wide, dtype, sum_tokens, magnitude=magnitude))
+        upper, magnitude = (torch.cat(x) if len(x) > 1 else x[0] for x in zip(*column))
+        out.append(certify_linear(upper, a, b, sum_dtype=dtype, sum_tokens=sum_tokens, magnitude=magnitude))
     return out
 
 
