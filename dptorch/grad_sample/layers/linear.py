@@ -13,7 +13,8 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.norms.certified import wide_dtype
+from dptorch.grad_sample.norms.certified import magnitudes, wide_dtype
+from dptorch.grad_sample.norms.exact_products import operands
 from dptorch.grad_sample.norms.linear_forms import (
     LinearForm,
     at_least_float32,
@@ -128,11 +129,12 @@ def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> tor
     (``linear_weight_sum``)."""
     a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
+    wide_a, wide_b = operands(a, b)  # cast once for the products and the magnitudes
     if tokens * (d + p) < d * p or tokens == 1:
-        upper = linear_norms_upper(a, b)
+        upper = linear_norms_upper(wide_a, wide_b)
     else:
-        upper = instantiated_norms_upper(a, b)
-    return certify_linear(upper, a, b)
+        upper = instantiated_norms_upper(wide_a, wide_b)
+    return certify_linear(upper, a, b, magnitude=magnitudes(wide_a, wide_b))
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
@@ -45,7 +46,11 @@ SPLIT_ON_CPU_FROM = 1 << 62
 #: Elements of float32 block results held at once by the split route (64 MiB).
 SPLIT_BLOCK = 1 << 24
 
-_forced: Optional[str] = None
+#: ``DPTORCH_CERTIFIED_PRODUCTS=split`` (or ``float64``) forces a route for the whole process (running a
+#: test suite on the accelerators' route on CPU); unset, the route is automatic.
+_forced: Optional[str] = os.environ.get("DPTORCH_CERTIFIED_PRODUCTS") or None
+if _forced not in (None, "split", "float64"):
+    raise ValueError(f"DPTORCH_CERTIFIED_PRODUCTS must be 'split' or 'float64', not {_forced!r}")
 
 
 @contextlib.contextmanager
@@ -80,29 +85,41 @@ class CertifiedProduct:
 
 
 def certified_product(x: torch.Tensor, y: torch.Tensor, route: Optional[str] = None) -> CertifiedProduct:
-    """``x @ y`` for ``x`` ``(B, m, n)`` and ``y`` ``(B, n, q)`` (any float dtype), certified."""
+    """``x @ y`` for ``x`` ``(B, m, n)`` and ``y`` ``(B, n, q)`` (any float dtype), certified. Float64
+    operands (``operands``) take the float64 route without a copy."""
     route = route or products_route(x.device, x.shape[-1])
     if route == "float64" or x.dtype == torch.float64 or y.dtype == torch.float64:
-        return _float64_product(x, y)
-    return _split_product(x, y)
+        x, y = x.to(torch.float64), y.to(torch.float64)
+        u = _norms_up(x, 2) * gamma(x.shape[-1] + 1, torch.float64)
+        return CertifiedProduct(torch.bmm(x, y), ((u, _norms_up(y, 1)),))
+    return _split_product_nt(x, y.transpose(1, 2))
 
 
 def certified_gram(x: torch.Tensor, route: Optional[str] = None) -> CertifiedProduct:
-    """``x x^T`` per sample for ``x`` ``(B, T, n)``."""
-    return certified_product(x, x.transpose(1, 2), route)
+    """``x x^T`` per sample for ``x`` ``(B, T, n)`` (one cast and one set of row norms on the float64 route)."""
+    route = route or products_route(x.device, x.shape[-1])
+    if route == "float64" or x.dtype == torch.float64:
+        x = x.to(torch.float64)
+        norms = _norms_up(x, 2)
+        return CertifiedProduct(torch.bmm(x, x.transpose(1, 2)), ((norms * gamma(x.shape[-1] + 1, torch.float64), norms),))
+    return _split_product_nt(x, None)
+
+
+def operands(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """The factors as the products will read them: float64 copies on the float64 route (made once here, for
+    every product and magnitude that reads them), float32 (or as they are, if wider) on the split route."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        wide = products_route(t.device, t.shape[-1]) == "float64"
+        return t.to(torch.float64) if wide else t.to(torch.promote_types(t.dtype, torch.float32))
+    return tuple(cast(t) for t in tensors)
 
 
 def _norms_up(t: torch.Tensor, dim: int) -> torch.Tensor:
     """Euclidean norms along ``dim`` in float64, rounded up (non-negative terms: a relative bound)."""
     norms = torch.linalg.vector_norm(t, dim=dim, dtype=torch.float64)
     return norms * (1 + gamma(t.shape[dim] + 2, torch.float64))
-
-
-def _float64_product(x: torch.Tensor, y: torch.Tensor) -> CertifiedProduct:
-    value = torch.bmm(x.to(torch.float64), y.to(torch.float64))
-    n = x.shape[-1]
-    u = _norms_up(x, 2) * gamma(n + 1, torch.float64)
-    return CertifiedProduct(value, ((u, _norms_up(y, 1)),))
 
 
 def high_bits(block: int, input_roundoff: float) -> int:
@@ -114,16 +131,42 @@ def high_bits(block: int, input_roundoff: float) -> int:
     return bits
 
 
-def _split(t: torch.Tensor, dim: int, bits: int):
-    """``t`` (float32) scaled along ``dim`` by powers of two, ``2^(bits - e)`` with every entry below ``2^e``:
-    returns ``(scaled, high, low, e)``, ``scaled == high + low`` exactly, ``high`` integers, ``|low| <= 1/2``.
-    ``e`` is kept within ``[-100, 128]`` so that the scale is a normal float32 (a tiny row only gets
-    fewer bits in its high part)."""
-    peak = t.abs().amax(dim, keepdim=True)
+@dataclass
+class _Split:
+    """A factor ``(B, m, n)`` cut into blocks of ``CHUNK`` along ``n`` and split row by row: ``scaled``
+    (``(B, blocks, m, CHUNK)``, each row times ``2^(bits - e)`` with every entry below ``2^e``), ``high``
+    (integers, ``|high| <= 2^bits``) and ``low`` (``|low| <= 1/2``), ``scaled == high + low`` exactly; ``scale``
+    ``2^(e - bits)`` per row (float64, ``(B, m)``); the rows' norms of the three parts (float64, rounded up)."""
+
+    scaled: torch.Tensor
+    high: torch.Tensor
+    low: torch.Tensor
+    scale: torch.Tensor
+    norms: Tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _split_rows(t: torch.Tensor, bits: int) -> _Split:
+    """Split the rows of ``t`` (``e`` kept within ``[-100, 128]`` so that the scale is a normal float32:
+    a tiny row only gets fewer bits in its high part)."""
+    batch, m, n = t.shape
+    blocks = max(1, math.ceil(n / CHUNK))
+    laid = t.new_zeros(batch, blocks, m, CHUNK, dtype=torch.float32)  # block-major: each block's rows contiguous
+    rows = laid.permute(0, 2, 1, 3)  # (B, m, blocks, CHUNK): a view of the same memory
+    full, rest = divmod(n, CHUNK)
+    if full:
+        rows[:, :, :full].copy_(t[:, :, :full * CHUNK].unflatten(2, (full, CHUNK)))
+    if rest:
+        rows[:, :, full, :rest].copy_(t[:, :, full * CHUNK:])
+    peak = laid.abs().amax(dim=(1, 3), keepdim=True)  # (B, 1, m, 1)
     exponent = torch.frexp(peak).exponent.clamp(-100, 128)
-    scaled = t * torch.ldexp(torch.ones_like(peak), bits - exponent)
+    scaled = laid.mul_(torch.ldexp(torch.ones_like(peak), bits - exponent))  # powers of two: exact (but underflow)
     high = scaled.round()
-    return scaled, high, scaled - high, exponent
+    low = scaled - high
+    f32 = torch.float32
+    up = 1 + gamma(blocks * CHUNK + 2, f32)  # float32 sums of squares (no overflow: entries below 2^bits)
+    norms = tuple(torch.linalg.vector_norm(part, dim=(1, 3)).double() * up for part in (high, low, scaled))
+    scale = torch.ldexp(torch.ones_like(peak, dtype=torch.float64), exponent - bits).view(batch, m)
+    return _Split(scaled, high, low, scale, norms)
 
 
 def _matmul_input_roundoff() -> float:
@@ -137,52 +180,43 @@ def _matmul_input_roundoff() -> float:
     return 0.0
 
 
-def _split_product(x: torch.Tensor, y: torch.Tensor) -> CertifiedProduct:
-    x, y = x.float(), y.float()
+def _split_product_nt(x: torch.Tensor, z: Optional[torch.Tensor]) -> CertifiedProduct:
+    """``x @ z^T`` (``z=None``: ``x @ x^T``, one split) for ``x`` ``(B, m, n)``, ``z`` ``(B, q, n)``."""
     batch, m, n = x.shape
-    q = y.shape[2]
-    blocks = max(1, math.ceil(n / CHUNK))
-    pad = blocks * CHUNK - n
-    if pad:
-        x, y = torch.nn.functional.pad(x, (0, pad)), torch.nn.functional.pad(y, (0, 0, 0, pad))
     u_in = _matmul_input_roundoff()
     bits = high_bits(min(n, CHUNK), u_in)
-    xs, xh, xl, ex = _split(x, 2, bits)
-    ys, yh, yl, ey = _split(y, 1, bits)
+    sx = _split_rows(x, bits)
+    sz = sx if z is None else _split_rows(z, bits)
+    q = sz.high.shape[2]
+    blocks = sx.high.shape[1]
     value = torch.zeros(batch, m, q, dtype=torch.float64, device=x.device)
-    step = max(1, SPLIT_BLOCK // max(1, 2 * batch * m * q))
+    step = max(1, SPLIT_BLOCK // max(1, batch * m * q))
     for start in range(0, blocks, step):
-        cut = slice(start * CHUNK, min(blocks, start + step) * CHUNK)
+        part = slice(start, min(blocks, start + step))
 
-        def rows(t: torch.Tensor) -> torch.Tensor:  # (B, m, k C) -> (B, k, m, C)
-            return t[:, :, cut].unflatten(2, (-1, CHUNK)).transpose(1, 2)
+        def pair(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # (B, k, m, C) x (B, k, q, C) -> (B, k, m, q)
+            return torch.matmul(a[:, part], b[:, part].transpose(2, 3))
 
-        def cols(t: torch.Tensor) -> torch.Tensor:  # (B, k C, q) -> (B, k, C, q)
-            return t[:, cut].unflatten(1, (-1, CHUNK))
-
-        high = torch.matmul(rows(xh), cols(yh))  # exact: integers of magnitude at most 2^24
-        value += high.sum(1, dtype=torch.float64)
-        del high
-        mixed = torch.matmul(torch.cat([rows(xh), rows(xl)], 3), torch.cat([cols(yl), cols(ys)], 2))
+        value += pair(sx.high, sz.high).sum(1, dtype=torch.float64)  # exact: integers of magnitude <= 2^24
+        mixed = pair(sx.high, sz.low)
+        mixed += pair(sx.low, sz.scaled)
         value += mixed.sum(1, dtype=torch.float64)
         del mixed
-    x_scale = torch.ldexp(torch.ones_like(ex, dtype=torch.float64), ex - bits)  # (B, m, 1)
-    y_scale = torch.ldexp(torch.ones_like(ey, dtype=torch.float64), ey - bits)  # (B, 1, q)
-    value = value * x_scale * y_scale  # powers of two: exact
+    value = value * sx.scale.unsqueeze(2) * sz.scale.unsqueeze(1)  # powers of two: exact
     f64 = torch.float64
-    # The mixed products' float32 rounding (inputs possibly rounded too), their float64 sums over blocks and
-    # with the high parts (|value| <= |x_s| |y_s| up to these errors), and the scaling's underflow: a
-    # subnormal scaled entry is off by at most 2^-150.
-    mixed_bound = gamma(2 * min(n, CHUNK), torch.float32) + 3 * u_in + 2 * gamma(2 * blocks + 2, f64)  # zero padding adds no rounding
+    # The mixed products' float32 rounding (each of length min(n, CHUNK): zero padding adds none; inputs
+    # possibly rounded too; one more rounding for their sum), their float64 sums over blocks and with the
+    # high parts (|value| <= |x_s| |z_s| up to these errors), and the scaling's underflow (a subnormal
+    # scaled entry is off by at most 2^-150).
+    mixed_bound = gamma(min(n, CHUNK) + 2, torch.float32) + 3 * u_in + 2 * gamma(2 * blocks + 2, f64)
     sum_bound = 2 * gamma(2, f64)
     tiny = math.sqrt(n) * 2.0 ** -150
-    hx, lx, sx = (_norms_up(t, 2) for t in (xh, xl, xs))
-    hy, ly, sy = (_norms_up(t, 1) for t in (yh, yl, ys))
-    xs_, ys_ = x_scale.squeeze(2), y_scale.squeeze(1)
+    hx, lx, sx_ = sx.norms
+    hz, lz, sz_ = sz.norms
     bounds = (
-        (mixed_bound * hx * xs_, ly * ys_),
-        ((mixed_bound * lx + sum_bound * 1.01 * sx + tiny) * xs_, sy * ys_),
-        (1.01 * sx * xs_, torch.full_like(sy, tiny) * ys_),
+        (mixed_bound * hx * sx.scale, lz * sz.scale),
+        ((mixed_bound * lx + sum_bound * 1.01 * sx_ + tiny) * sx.scale, sz_ * sz.scale),
+        (1.01 * sx_ * sx.scale, torch.full_like(sz_, tiny) * sz.scale),
     )
     return CertifiedProduct(value, tuple((u * (1 + gamma(4, f64)), v) for u, v in bounds))
 

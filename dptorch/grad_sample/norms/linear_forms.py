@@ -25,6 +25,7 @@ from dptorch.grad_sample.norms.exact_products import (
     certified_product,
     frobenius_bounds,
     frobenius_upper,
+    operands,
     square_norm_upper,
 )
 
@@ -135,6 +136,13 @@ def shared_form_norms(uses) -> torch.Tensor:
     magnitude ``sum_k |s_k| M_k`` (``certified``); the clipped sum adds the uses' sums (one more rounding
     per use). Float32, shape ``(B,)``.
     """
+    sum_dtype = at_least_float32_dtype(uses[0][1].right.dtype)  # the dtype of the clipped sum: the factors' own
+    for _, form in uses:
+        if not form.indexed:
+            sum_dtype = torch.promote_types(sum_dtype, form.left.dtype)
+    # Each factor is cast once (``operands``), whatever the number of pairs it enters.
+    cast = {id(f): LinearForm(*operands(f.left, f.right)) for _, f in uses}
+    uses = [(scale, cast[id(form)]) for scale, form in uses]
     forms = [form for _, form in uses]
     f64 = torch.float64
     total = spread = 0
@@ -148,10 +156,6 @@ def shared_form_norms(uses) -> torch.Tensor:
     total = (total + gamma(2 * pairs + 2, f64) * spread).clamp(min=0) * (1 + gamma(2, f64))
     tokens = max(form.tokens for form in forms)
     magnitude = sum(abs(scale) * form.magnitudes() for scale, form in uses)
-    sum_dtype = at_least_float32_dtype(forms[0].right.dtype)
-    for form in forms:
-        if not form.indexed:
-            sum_dtype = torch.promote_types(sum_dtype, form.left.dtype)
     squared = certified_norms_sq(total, magnitude, sum_terms=tokens + CLIP_ROUNDINGS + len(uses), sum_dtype=sum_dtype)
     return squared.sqrt().float()
 

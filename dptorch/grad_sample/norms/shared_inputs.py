@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.norms.certified import magnitudes
-from dptorch.grad_sample.norms.exact_products import certified_gram
+from dptorch.grad_sample.norms.exact_products import certified_gram, operands
 from dptorch.grad_sample.norms.linear_forms import (
     STACK_LIMIT,
     WIDE_BLOCK,
@@ -148,11 +148,11 @@ def _certified_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -
     rows = max(1, WIDE_BLOCK // max(1, tokens * max(a.shape[2], *(b.shape[2] for b, _ in parts))))
     blocks = []
     for start in range(0, max(a.shape[0], 1), rows):
-        a_block = a[start:start + rows]
+        (a_block,) = operands(a[start:start + rows])
         gram = certified_gram(a_block) if tokens > 1 else None
         block = []
         for b, _ in parts:
-            b_block = b[start:start + rows]
+            (b_block,) = operands(b[start:start + rows])
             block.append((linear_norms_upper(a_block, b_block, gram), magnitudes(a_block, b_block)))
         blocks.append(block)
     out = []
