@@ -17,6 +17,7 @@ import torch
 from dptorch.grad_sample.norms.certified import gamma
 from dptorch.grad_sample.norms.exact_products import (
     CHUNK,
+    ProductSum,
     certified_gram,
     certified_product,
     frobenius_bounds,
@@ -156,7 +157,23 @@ def test_the_frobenius_bound_covers_products_off_by_their_whole_bound():
     e_p = u.unsqueeze(2) * v.unsqueeze(1)
     e_q = u2.unsqueeze(2) * v2.unsqueeze(1)
     p_exact, q_exact = p_value + e_p, q_value - e_q  # E_P = -e_p, E_Q = e_q: every error term adds
-    computed, bound = frobenius_bounds(CertifiedProduct(p_value, ((u, v),)), CertifiedProduct(q_value, ((u2, v2),)))
+    big = torch.full((1, 3), 10.0, dtype=torch.float64)  # row and column norms: not read by the Frobenius bound
+    computed, bound = frobenius_bounds(CertifiedProduct(p_value, ((u, v),), big, big),
+                                       CertifiedProduct(q_value, ((u2, v2),), big, big))
     exact = sum(Fraction(a) * Fraction(b) for a, b in zip(p_exact.flatten().tolist(), q_exact.flatten().tolist()))
     assert abs(Fraction(float(computed)) - exact) <= Fraction(float(bound))
     assert float(abs(Fraction(float(computed)) - exact)) > 0.999 * float(bound)  # tight: no term to spare
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_product_summed_block_by_block_is_within_its_bound(route):
+    """``ProductSum``: a Gram formed a block of the contraction at a time (the chunked LM head's vocabulary
+    blocks) keeps a bound that holds for the whole, and its row norms bound the whole rows."""
+    g = torch.Generator().manual_seed(6)
+    x, _ = cancelling(g, 4, 3 * CHUNK + 40, 1, torch.float32)
+    total = ProductSum()
+    for start in range(0, x.shape[2], 300):
+        total.add(certified_gram(x[:, :, start:start + 300], route))
+    whole = total.result()
+    assert_certified(whole, exact_matmul(x, x.transpose(1, 2)))
+    assert (whole.rows >= x.double().norm(dim=2)).all() and (whole.cols >= x.double().norm(dim=2)).all()

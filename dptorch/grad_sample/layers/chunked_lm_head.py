@@ -13,8 +13,9 @@ its token weight (1, or one over the row's target count). Every pass forms ``g``
 ``_token_grads`` on the same blocks, so the norms and the clipped sum see the same values:
 
 * grad sampler (hooks mode): the ``(B, V, d)`` per-sample gradients, block by block;
-* norms (bk, ghost): per block, instantiated in float64 (``T >= d``) or as the Gram sum ``<g g^T, h h^T>``
-  (``T < d``), certified (``norms/certified.py``) with the magnitude ``sum_t ||h_it|| ||s_it g_it||``;
+* norms (bk, ghost): per block, instantiated (``T >= d``) or as the Gram sum ``<g g^T, h h^T>`` (``T < d``),
+  certified products (``norms/exact_products.py``), the clipped sum's rounding certified (``norms/certified.py``)
+  with the magnitude ``sum_t ||h_it|| ||s_it g_it||``;
 * clipped sum: the batch gradient with ``s_it`` scaled by the row's clip factor, block by block.
 
 A tied head (its weight an input embedding's) has no linear form here (it would hold ``g`` whole): the
@@ -34,7 +35,15 @@ from torch import nn
 
 from dptorch.grad_sample.layers.linear import linear_map_grad_samples, linear_norms, linear_sums, param_shape
 from dptorch.grad_sample.layers.registry import register_grad_sampler, register_norm_sampler
-from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, wide_dtype
+from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma
+from dptorch.grad_sample.norms.exact_products import (
+    ProductSum,
+    certified_gram,
+    certified_product,
+    frobenius_upper,
+    operands,
+    square_norm_upper,
+)
 from dptorch.grad_sample.norms.linear_forms import CLIP_ROUNDINGS
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -227,37 +236,38 @@ def chunked_head_grad_sampler(module: ChunkedLMHead, activations: Tensors, backp
 
 
 def chunked_head_norms_sq(module: ChunkedLMHead, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Certified squared norms of each row's weight gradient, block by block, in float64."""
+    """Certified squared norms of each row's weight gradient, block by block, as certified products
+    (``exact_products``): ghost (the Gram of the scaled token gradients summed over the blocks) for
+    ``T < d``, else each block's instantiated gradient (the blocks are disjoint rows of the weight)."""
     if len(activations) == 1:
         return linear_norms(module.weight, None, activations[0], backprops)
     if not _trainable(module):
         return {}
     rows, tokens = activations[1].shape
     h, targets, scales, lse, blocks = _blocks_of(module, activations, backprops)
-    wide = wide_dtype(h.device)
-    hidden = h.view(rows, tokens, h.shape[-1]).to(wide)
+    (hidden,) = operands(h.view(rows, tokens, h.shape[-1]))
     width, vocab = hidden.shape[2], module.weight.shape[0]
     ghost = tokens < width  # the Gram sum costs T^2 per word, instantiation T d
-    hidden_gram = hidden @ hidden.transpose(1, 2) if ghost else None
-    grad_gram = hidden.new_zeros(rows, tokens, tokens) if ghost else None
-    computed = hidden.new_zeros(rows)
-    grad_sq = hidden.new_zeros(rows, tokens)
+    grad_gram = ProductSum()
+    upper = torch.zeros(rows, dtype=torch.float64, device=h.device)
+    grad_sq = torch.zeros(rows, tokens, dtype=torch.float64, device=h.device)
     for start, stop in blocks:
-        g = _token_grads(h, module.weight, lse, targets, start, stop).to(wide)
-        g = g.mul_(scales.to(wide).unsqueeze(1)).view(rows, tokens, stop - start)
-        grad_sq += g.square().sum(2)
+        # scaled in the clipped sum's dtype: one more rounding of each term, counted in sum_terms below
+        g = _token_grads(h, module.weight, lse, targets, start, stop).mul_(scales.to(h.dtype).unsqueeze(1))
+        (g,) = operands(g.view(rows, tokens, stop - start))
+        grad_sq += torch.linalg.vector_norm(g, dim=2, dtype=torch.float64).square()
         if ghost:
-            grad_gram.baddbmm_(g, g.transpose(1, 2))
+            grad_gram.add(certified_gram(g))
         else:
-            computed += torch.bmm(g.transpose(1, 2), hidden).square().sum((1, 2))
+            upper += square_norm_upper(certified_product(g.transpose(1, 2), hidden))
     if ghost:
-        computed = (grad_gram * hidden_gram).sum((1, 2))
-        norm_terms = width + vocab + 1 + tokens * tokens
+        upper = frobenius_upper(certified_gram(hidden), grad_gram.result())
     else:
-        norm_terms = 2 * tokens + width * vocab + 1
-    magnitude = (grad_sq.sqrt() * hidden.norm(dim=2)).sum(1) * (1 + gamma(width + tokens + vocab + 4, wide))
-    return {module.weight: certified_norms_sq(computed, magnitude, norm_terms=norm_terms, norm_dtype=wide,
-                                              sum_terms=tokens + CLIP_ROUNDINGS, sum_dtype=h.dtype)}
+        upper = upper * (1 + gamma(len(blocks) + 1, torch.float64))
+    terms = width + tokens + vocab + 4
+    magnitude = (grad_sq.sqrt() * torch.linalg.vector_norm(hidden, dim=2, dtype=torch.float64)).sum(1)
+    magnitude = magnitude * (1 + gamma(terms, torch.float64))
+    return {module.weight: certified_norms_sq(upper, magnitude, sum_terms=tokens + CLIP_ROUNDINGS + 1, sum_dtype=h.dtype)}
 
 
 def chunked_head_clipped_sum(module: ChunkedLMHead, activations: Tensors, scaled_backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:

@@ -78,10 +78,42 @@ def products_route(device: torch.device, contraction: int) -> str:
 @dataclass
 class CertifiedProduct:
     """``x @ y`` per sample: ``value`` ``(B, m, q)`` float64, and ``bounds``, pairs ``(u (B, m), v (B, q))``
-    with ``|value - x @ y| <= sum_r u_r v_r^T`` entry by entry (float64, rounded up)."""
+    with ``|value - x @ y| <= sum_r u_r v_r^T`` entry by entry (float64, rounded up); ``rows`` and ``cols``
+    bound the norms of ``x``'s rows and ``y``'s columns (``(B, m)``, ``(B, q)``), so ``|x @ y| <= rows cols^T``."""
 
     value: torch.Tensor
     bounds: Tuple[Tuple[torch.Tensor, torch.Tensor], ...]
+    rows: torch.Tensor
+    cols: torch.Tensor
+
+
+class ProductSum:
+    """The certified sum of the products of a factor cut along its contraction (``x = [x_1 ... x_k]``,
+    ``y`` likewise: ``x @ y = sum_k x_k @ y_k``), one block at a time. The blocks' bounds are merged pair by
+    pair with Cauchy-Schwarz (``sum_k u_k v_k^T <= sqrt(sum_k u_k^2) sqrt(sum_k v_k^2)^T``), the row and
+    column norms likewise, and the float64 sum of the values adds ``gamma_k rows cols^T``."""
+
+    def __init__(self) -> None:
+        self.total: Optional[CertifiedProduct] = None
+        self.count = 0
+
+    def add(self, p: CertifiedProduct) -> None:
+        self.count += 1
+        t = self.total
+        if t is None:
+            self.total = p
+            return
+        grow = 1 + gamma(4, torch.float64)  # the hypotenuses' own rounding
+        bounds = tuple((torch.hypot(u, u2) * grow, torch.hypot(v, v2)) for (u, v), (u2, v2) in zip(t.bounds, p.bounds))
+        self.total = CertifiedProduct(t.value + p.value, bounds, torch.hypot(t.rows, p.rows) * grow,
+                                      torch.hypot(t.cols, p.cols) * grow)
+
+    def result(self) -> CertifiedProduct:
+        t = self.total
+        if self.count <= 1:
+            return t
+        rounding = (gamma(self.count + 1, torch.float64) * t.rows, t.cols)
+        return CertifiedProduct(t.value, t.bounds + (rounding,), t.rows, t.cols)
 
 
 def certified_product(x: torch.Tensor, y: torch.Tensor, route: Optional[str] = None) -> CertifiedProduct:
@@ -90,8 +122,8 @@ def certified_product(x: torch.Tensor, y: torch.Tensor, route: Optional[str] = N
     route = route or products_route(x.device, x.shape[-1])
     if route == "float64" or x.dtype == torch.float64 or y.dtype == torch.float64:
         x, y = x.to(torch.float64), y.to(torch.float64)
-        u = _norms_up(x, 2) * gamma(x.shape[-1] + 1, torch.float64)
-        return CertifiedProduct(torch.bmm(x, y), ((u, _norms_up(y, 1)),))
+        rows, cols = _norms_up(x, 2), _norms_up(y, 1)
+        return CertifiedProduct(torch.bmm(x, y), ((rows * gamma(x.shape[-1] + 1, torch.float64), cols),), rows, cols)
     return _split_product_nt(x, y.transpose(1, 2))
 
 
@@ -101,7 +133,8 @@ def certified_gram(x: torch.Tensor, route: Optional[str] = None) -> CertifiedPro
     if route == "float64" or x.dtype == torch.float64:
         x = x.to(torch.float64)
         norms = _norms_up(x, 2)
-        return CertifiedProduct(torch.bmm(x, x.transpose(1, 2)), ((norms * gamma(x.shape[-1] + 1, torch.float64), norms),))
+        value = torch.bmm(x, x.transpose(1, 2))
+        return CertifiedProduct(value, ((norms * gamma(x.shape[-1] + 1, torch.float64), norms),), norms, norms)
     return _split_product_nt(x, None)
 
 
@@ -218,7 +251,8 @@ def _split_product_nt(x: torch.Tensor, z: Optional[torch.Tensor]) -> CertifiedPr
         ((mixed_bound * lx + sum_bound * 1.01 * sx_ + tiny) * sx.scale, sz_ * sz.scale),
         (1.01 * sx_ * sx.scale, torch.full_like(sz_, tiny) * sz.scale),
     )
-    return CertifiedProduct(value, tuple((u * (1 + gamma(4, f64)), v) for u, v in bounds))
+    grow = 1 + gamma(4, f64)
+    return CertifiedProduct(value, tuple((u * grow, v) for u, v in bounds), sx_ * sx.scale * grow, sz_ * sz.scale * grow)
 
 
 def _bilinear(u: torch.Tensor, matrix: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -234,7 +268,7 @@ def frobenius_bounds(p: CertifiedProduct, q: CertifiedProduct) -> Tuple[torch.Te
     f64 = torch.float64
     computed = torch.linalg.vecdot(p.value.flatten(1), q.value.flatten(1))
     abs_p, abs_q = p.value.abs(), q.value.abs()
-    terms = p.value[0].numel()
+    terms = p.value.shape[1] * p.value.shape[2]
     bound = gamma(terms + 1, f64) * torch.linalg.vecdot(abs_p.flatten(1), abs_q.flatten(1))
     for u, v in p.bounds:
         bound = bound + _bilinear(u, abs_q, v)

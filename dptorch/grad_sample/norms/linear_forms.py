@@ -101,13 +101,16 @@ class LinearForm:
 def _left_gram(x: LinearForm, y: LinearForm) -> CertifiedProduct:
     """``(left_x[t] . left_y[t'])`` for each sample: ``(B, T_x, T_y)``, certified (exact for one-hot rows)."""
     if x.indexed and y.indexed:
-        return CertifiedProduct((x.left.unsqueeze(2) == y.left.unsqueeze(1)).to(torch.float64), ())
+        ones = torch.ones(x.left.shape, dtype=torch.float64, device=x.left.device)
+        return CertifiedProduct((x.left.unsqueeze(2) == y.left.unsqueeze(1)).to(torch.float64), (), ones, ones)
     if x.indexed:
         gram = _left_gram(y, x)
-        return CertifiedProduct(gram.value.transpose(1, 2), tuple((v, u) for u, v in gram.bounds))
+        return CertifiedProduct(gram.value.transpose(1, 2), tuple((v, u) for u, v in gram.bounds), gram.cols, gram.rows)
     if y.indexed:  # one-hot rows pick columns of the dense factor: exact
         index = y.left.unsqueeze(1).expand(-1, x.left.shape[1], -1)
-        return CertifiedProduct(x.left.to(torch.float64).gather(2, index), ())
+        rows = torch.linalg.vector_norm(x.left, dim=2, dtype=torch.float64) * (1 + gamma(x.left.shape[2] + 2, torch.float64))
+        ones = torch.ones(y.left.shape, dtype=torch.float64, device=y.left.device)
+        return CertifiedProduct(x.left.to(torch.float64).gather(2, index), (), rows, ones)
     return certified_product(x.left, y.left.transpose(1, 2))
 
 
