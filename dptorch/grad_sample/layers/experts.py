@@ -12,7 +12,7 @@ tokens ``x`` ``(N, H)`` with the router's choice ``top_k_index`` ``(N, k)`` and 
     gate_up_proj[e]: sum_p du_p (x) x_p               du_p = vjp(gate, u_p)(w_p down_proj[e]^T g_p)
 
 with ``g`` the output gradient. The factors are recomputed per expert from the call's inputs (one
-forward's worth of work), in the wide dtype, and each expert's block is then a linear weight's
+forward's worth of work), in float64 (float32 on the split route of ``exact_products``), and each expert's block is then a linear weight's
 gradient over that sample's pairs, padded per sample (``linear.linear_weight_norms_sq``: ghost or
 instantiated, certified). The bank works token by token, so its norm sampler is token-wise.
 
@@ -31,7 +31,8 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 import torch
 from torch import nn
 
-from dptorch.grad_sample.norms.certified import gamma, magnitudes, wide_dtype
+from dptorch.grad_sample.norms.certified import gamma, magnitudes
+from dptorch.grad_sample.norms.exact_products import products_route
 from dptorch.grad_sample.layers.linear import linear_weight_norms_sq, linear_weight_sum
 from dptorch.grad_sample.norms.linear_forms import at_least_float32_dtype, flatten_middle_dims
 from dptorch.grad_sample.layers.registry import register_duck_grad_sampler, register_norm_sampler
@@ -139,6 +140,12 @@ def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Ten
         yield ExpertFactors(e, pad(xs), pad(du), pad(wg), pad(a), bound)
 
 
+def _recompute_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the factors are recomputed in: float64 where certified products take the float64 route,
+    else float32 (no float64 matmul on an accelerator; ``_recompute_slack`` bounds either)."""
+    return torch.float64 if products_route(device, 0) == "float64" else torch.float32
+
+
 def _factor_dtype(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> torch.dtype:
     """The dtype the clipped sum is formed in: float32 at least (the model's wider dtype if any)."""
     dtype = torch.promote_types(activations[0].dtype, backprops.dtype)
@@ -161,7 +168,7 @@ def experts_grad_sampler(module: nn.Module, activations: Tensors, backprops: tor
     dtype = _factor_dtype(module, activations, backprops)
     batch = activations[0].shape[0]
     grads = {p: torch.zeros(batch, *p.shape, dtype=dtype, device=p.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, backprops, wide_dtype(backprops.device)):
+    for f in expert_factors(module, activations, backprops, _recompute_dtype(backprops.device)):
         if gate_up is not None:
             grads[gate_up][:, f.expert] = torch.bmm(f.du.transpose(1, 2), f.x).to(dtype)
         if down is not None:
@@ -176,7 +183,7 @@ def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.T
     blocks' bounds are summed (rounded up)."""
     gate_up, down = _wanted(module)
     batch = activations[0].shape[0]
-    wide = wide_dtype(backprops.device)
+    wide = _recompute_dtype(backprops.device)
     dtype = _factor_dtype(module, activations, backprops)
     hidden = module.gate_up_proj.shape[2]
     norms = {p: torch.zeros(batch, dtype=wide, device=backprops.device) for p in (gate_up, down) if p is not None}
@@ -211,7 +218,7 @@ def experts_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprop
     gate_up, down = _wanted(module)
     dtype = _factor_dtype(module, activations, scaled_backprops)
     sums = {p: torch.zeros(p.shape, dtype=dtype, device=p.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, scaled_backprops, wide_dtype(scaled_backprops.device)):
+    for f in expert_factors(module, activations, scaled_backprops, _recompute_dtype(scaled_backprops.device)):
         if gate_up is not None:
             sums[gate_up][f.expert] = linear_weight_sum(f.x.to(dtype), f.du.to(dtype))
         if down is not None:
