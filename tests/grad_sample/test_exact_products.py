@@ -131,6 +131,7 @@ def test_high_parts_fit_a_float32_sum_and_the_matmul_inputs():
     assert high_bits(16, 2.0**-8) == 8 and high_bits(16, 2.0**-11) == 10 and high_bits(2, 2.0**-11) == 11
 
 
+@use_route(None)  # automatic, whatever DPTORCH_CERTIFIED_PRODUCTS says
 def test_the_route_follows_the_device_unless_forced():
     assert products_route(torch.device("cuda"), 64) == "split"
     assert products_route(torch.device("mps"), 64) == "split"
