@@ -133,14 +133,14 @@ def test_high_parts_fit_a_float32_sum_and_the_matmul_inputs():
 
 @use_route(None)  # automatic, whatever DPTORCH_CERTIFIED_PRODUCTS says
 def test_the_route_follows_the_device_unless_forced():
-    assert products_route(torch.device("cuda"), 64) == "split"
-    assert products_route(torch.device("mps"), 64) == "split"
-    assert products_route(torch.device("cpu"), 64) == "float64"
+    assert products_route(torch.device("cuda")) == "split"
+    assert products_route(torch.device("mps")) == "split"
+    assert products_route(torch.device("cpu")) == "float64"
     with use_route("split"):
-        assert products_route(torch.device("cpu"), 64) == "split"
+        assert products_route(torch.device("cpu")) == "split"
         with use_route("float64"):
-            assert products_route(torch.device("cuda"), 64) == "float64"
-        assert products_route(torch.device("cpu"), 64) == "split"
+            assert products_route(torch.device("cuda")) == "float64"
+        assert products_route(torch.device("cpu")) == "split"
     with pytest.raises(ValueError, match="route must be"):
         with use_route("float32"):
             pass

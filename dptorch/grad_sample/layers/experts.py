@@ -143,7 +143,7 @@ def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Ten
 def _recompute_dtype(device: torch.device) -> torch.dtype:
     """The dtype the factors are recomputed in: float64 where certified products take the float64 route,
     else float32 (no float64 matmul on an accelerator; ``_recompute_slack`` bounds either)."""
-    return torch.float64 if products_route(device, 0) == "float64" else torch.float32
+    return torch.float64 if products_route(device) == "float64" else torch.float32
 
 
 def _factor_dtype(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> torch.dtype:

@@ -18,9 +18,10 @@ the form ``|value - x @ y| <= sum_r outer(u_r, v_r)`` entry by entry, from one o
   Blocks are summed and rescaled in float64 (exact for the high parts; bounded for the rest).
 
 ``products_route`` picks the route: ``"split"`` wherever float64 is a slow lane (accelerators: a
-float64 matrix product runs at 1/15 to 1/64 of float32's rate there, and MPS has none), and on CPU
-where it measured faster than float64 (``SPLIT_ON_CPU_FROM``); ``use_route`` forces one (tests,
-benchmarks).
+float64 matrix product runs at 1/15 to 1/64 of float32's rate there, and MPS has none), ``"float64"`` on
+CPU, where it measured 2-3.8x faster than the split route (``benchmarks/certified_products.py``: a
+float64 product costs 3-5x a float32 one there, the split route three float32 products plus its
+elementwise passes); ``use_route`` (or ``DPTORCH_CERTIFIED_PRODUCTS``) forces one.
 """
 
 from __future__ import annotations
@@ -38,10 +39,6 @@ from dptorch.grad_sample.norms.certified import gamma, unit_roundoff
 #: Contraction terms of one exact block: ``high_bits`` keeps ``CHUNK * 2^(2 K) <= 2^24`` (``K = 8`` here,
 #: more for shorter products).
 CHUNK = 256
-
-#: On CPU the split route is taken for products whose contraction is at least this long (a vocabulary-wide
-#: output gradient's Gram); below, float64 measured no slower (``benchmarks/certified_products.py``).
-SPLIT_ON_CPU_FROM = 1 << 62
 
 #: Elements of float32 block results held at once by the split route (64 MiB).
 SPLIT_BLOCK = 1 << 24
@@ -66,13 +63,11 @@ def use_route(route: Optional[str]) -> Iterator[None]:
         _forced = before
 
 
-def products_route(device: torch.device, contraction: int) -> str:
-    """``"split"`` or ``"float64"`` for a product of ``contraction`` terms on ``device``."""
+def products_route(device: torch.device) -> str:
+    """``"split"`` or ``"float64"``: the route of certified products on ``device``."""
     if _forced is not None:
         return _forced
-    if torch.device(device).type != "cpu":
-        return "split"
-    return "split" if contraction >= SPLIT_ON_CPU_FROM else "float64"
+    return "float64" if torch.device(device).type == "cpu" else "split"
 
 
 @dataclass
@@ -119,7 +114,7 @@ class ProductSum:
 def certified_product(x: torch.Tensor, y: torch.Tensor, route: Optional[str] = None) -> CertifiedProduct:
     """``x @ y`` for ``x`` ``(B, m, n)`` and ``y`` ``(B, n, q)`` (any float dtype), certified. Float64
     operands (``operands``) take the float64 route without a copy."""
-    route = route or products_route(x.device, x.shape[-1])
+    route = route or products_route(x.device)
     if route == "float64" or x.dtype == torch.float64 or y.dtype == torch.float64:
         x, y = x.to(torch.float64), y.to(torch.float64)
         rows, cols = _norms_up(x, 2), _norms_up(y, 1)
@@ -129,7 +124,7 @@ def certified_product(x: torch.Tensor, y: torch.Tensor, route: Optional[str] = N
 
 def certified_gram(x: torch.Tensor, route: Optional[str] = None) -> CertifiedProduct:
     """``x x^T`` per sample for ``x`` ``(B, T, n)`` (one cast and one set of row norms on the float64 route)."""
-    route = route or products_route(x.device, x.shape[-1])
+    route = route or products_route(x.device)
     if route == "float64" or x.dtype == torch.float64:
         x = x.to(torch.float64)
         norms = _norms_up(x, 2)
@@ -144,7 +139,7 @@ def operands(*tensors: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     def cast(t: torch.Tensor) -> torch.Tensor:
         if not t.is_floating_point():
             return t
-        wide = products_route(t.device, t.shape[-1]) == "float64"
+        wide = products_route(t.device) == "float64"
         return t.to(torch.float64) if wide else t.to(torch.promote_types(t.dtype, torch.float32))
     return tuple(cast(t) for t in tensors)
 

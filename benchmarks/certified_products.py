@@ -1,0 +1,68 @@
+"""The two routes of certified products (``dptorch/grad_sample/norms/exact_products.py``) on this machine.
+
+    python benchmarks/certified_products.py [--threads 1] [--repeats 5]
+
+For the products a step of ``benchmarks/models.py`` forms (B 16, T 128: the input Grams of width 256,
+768 and 1024, the LM head's output-gradient Gram over a 5000-word vocabulary, an instantiated 256 x 256
+gradient), prints the thread time of each route (minimum of ``--repeats``), the plain float32 product
+for scale, and the split route's bound relative to ``||x_i|| ||y_j||`` on this random data (float32's
+own worst case is ``n u``). CPU takes the float64 route on these figures; docs/performance.md quotes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from dptorch.grad_sample.norms.exact_products import certified_gram, certified_product
+
+
+def thread_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - start)
+    return best * 1e3
+
+
+def relative_bound(product, x: torch.Tensor, y: torch.Tensor) -> float:
+    bound = sum(u.unsqueeze(2) * v.unsqueeze(1) for u, v in product.bounds)
+    scale = x.double().norm(dim=2).unsqueeze(2) * y.double().norm(dim=1).unsqueeze(1)
+    return float((bound / scale).max())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    b, t = args.batch, args.tokens
+    cases = [(f"Gram, width {n}", torch.randn(b, t, n), None) for n in (256, 768, 1024, 5000)]
+    cases.append(("instantiated 256 x 256", torch.randn(b, 256, t), torch.randn(b, t, 256)))
+    print(f"B {b}, T {t}, {args.threads} thread(s), thread time, min of {args.repeats}")
+    print(f"| product | float32 (uncertified) | float64 route | split route | split / float64 | split bound (relative) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, x, y in cases:
+        if y is None:
+            plain = lambda: torch.bmm(x, x.transpose(1, 2))  # noqa: E731
+            routes = [lambda r=r: certified_gram(x, r) for r in ("float64", "split")]
+            y_ = x.transpose(1, 2)
+        else:
+            plain = lambda: torch.bmm(x, y)  # noqa: E731
+            routes = [lambda r=r: certified_product(x, y, r) for r in ("float64", "split")]
+            y_ = y
+        f32, f64, split = thread_ms(plain, args.repeats), *(thread_ms(fn, args.repeats) for fn in routes)
+        bound = relative_bound(routes[1](), x, y_)
+        print(f"| {name} | {f32:.1f} ms | {f64:.1f} ms | {split:.1f} ms | {split / f64:.2f}x | {bound:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
