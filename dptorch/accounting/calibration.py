@@ -218,7 +218,7 @@ def _calibrate(
         return _smallest_sigma(epsilon_of, target_epsilon, tolerance, start)
     except _Unreachable as refusal:
         raise ValueError(_unreachable_message(epsilon_at, refusal.epsilon, target_epsilon, delta, sample_rate, steps,
-                                              accountant, vary_rate=selection.kind != "fixed_size")) from None
+                                              accountant, selection.kind != "fixed_size")) from None
 
 
 def get_noise_multiplier(
