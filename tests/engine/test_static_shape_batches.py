@@ -20,6 +20,7 @@ from dptorch.accounting.sampled_gaussian_rdp import DEFAULT_ORDERS
 from dptorch.clipping.factors import DEFAULT_GAMMA, automatic_factors, clip_factors, per_layer_thresholds
 from dptorch.data import FixedSizeDataLoader, TruncatedPoissonBatchSampler, TruncatedPoissonDataLoader
 from dptorch.data.poisson import PoissonBatchSampler
+from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.plan import SamplingMismatchError
 
 N, Q, B = 20, 0.3, 6  # expected 6 real rows, at most 6 kept: truncated about half the time
@@ -252,6 +253,12 @@ def test_a_resumed_run_continues_the_accounting_and_the_draws_exactly(tmp_path):
     other = private(TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B + 1, seed=9))
     with pytest.raises(ValueError, match="max_batch_size|selection"):
         other[0].load_checkpoint(tmp_path / "run.pt", module=other[1], optimizer=other[2], data_loader=other[3])
+    opacus = {"module_state_dict": other[1].state_dict(),  # Opacus' layout: a history of Poisson steps
+              "privacy_accountant_state_dict": {"mechanism": "pld", "history": [[1.0, Q, 4]]}}
+    torch.save(opacus, tmp_path / "opacus.pt")
+    with pytest.raises(ValueError, match="composed poisson batch selection"):
+        other[0].load_checkpoint(tmp_path / "opacus.pt", module=other[1])
+    assert other[0].plan.steps == 0 and len(other[0].accountant) == 0
     other[0].detach()
 
 
@@ -309,6 +316,8 @@ def test_what_the_padding_mask_cannot_follow_is_refused():
     with pytest.raises(ValueError, match="cannot split the padded batches"):
         BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=2, optimizer=optimizer)
     x, y = next(iter(dp_loader))
+    with pytest.raises(PerSampleGradientError, match="reorders the batch"):  # padding rows moved off the end
+        nn.functional.cross_entropy(model(x.flip(0)), y.flip(0), reduction="sum").backward()
     engine.hooks.set_privacy_units(torch.arange(B) // 2)
     with pytest.raises(SamplingMismatchError, match="privacy units"):
         nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
