@@ -173,6 +173,18 @@ def test_a_padded_batch_keeps_one_shape_for_200_steps_and_so_does_a_fixed_size_o
     engine.detach()
 
 
+def test_a_fixed_size_batch_splits_into_physical_batches_of_one_shape_and_one_step():
+    engine, model, optimizer, dp_loader = private(FixedSizeDataLoader(dataset(), batch_size=6, seed=2),
+                                                  engine=PrivacyEngine(accountant="rdp"))
+    with BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+        shapes = set()
+        for x, y in physical:
+            shapes.add(tuple(x.shape))
+            train_step(model, optimizer, x, y)
+    assert shapes == {(2, 5)} and engine.plan.steps == len(dp_loader) == len(engine.accountant) == 3
+    engine.detach()
+
+
 def truncated_epsilon(sigma, steps, q=Q, batch=B):
     reference = pld_privacy_accountant.PLDAccountant(
         value_discretization_interval=automatic_discretization_interval(((sigma, q, steps),)))
