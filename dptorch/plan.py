@@ -124,9 +124,7 @@ class DrawLedger:
     several batches, all of one pass.
 
     Padded draws (truncated Poisson): ``padded[i]`` is the rows draw ``i`` reached the loop with (its
-    ``sizes[i]`` real rows first, then padding rows), None for an unpadded draw; ``latest_rows`` counts
-    the rows the backward rounds saw since the latest draw, so :meth:`padding_mask` knows where a round
-    starts within it.
+    ``sizes[i]`` real rows first, then padding rows), None for an unpadded draw; see :meth:`padding_mask`.
     """
 
     def __init__(self) -> None:
@@ -137,7 +135,6 @@ class DrawLedger:
         self.padded: List[Optional[int]] = []
         self.used: List[bool] = []
         self.passes: List[Optional[int]] = []
-        self.latest_rows = 0
         self.new_passes = 0
         self.rows = 0
         self.undrawn = 0
@@ -149,30 +146,34 @@ class DrawLedger:
             raise SamplingMismatchError(f"a padded draw of {padded} rows must say how many of them are real (got {size})")
         self.sizes.append(None if size is None else int(size))
         self.padded.append(None if padded is None else int(padded))
-        self.latest_rows = 0
         self.used.append(False)
         self.passes.append(pass_id)
         self.new_passes += int(new_pass)
 
-    def padding_mask(self, rows: int, grouped: bool) -> Optional[torch.Tensor]:
+    def padding_mask(self, rows: int, grouped: bool, whole_draw: bool) -> Optional[torch.Tensor]:
         """Which of the next backward round's ``rows`` rows are padding of the latest draw (None: none are).
 
-        The round continues the latest draw where the rounds since it stopped (``latest_rows``); its row
-        ``r`` is padding when ``latest_rows + r`` is at or past the draw's real rows. Privacy units
-        (``grouped``) are refused with a padded draw: rows then no longer name the units."""
+        A padded draw's padding rows are known by their place only (at and past its real rows), so a round
+        on it must have run the model on the whole latest draw, its rows in the order handed out
+        (``whole_draw``, the controller's draw watch says so); any other round is refused before its
+        gradients are kept: a batch of an earlier draw (its padding rows would be counted as real rows), a
+        part of the batch, its rows reordered, rows grouped into privacy units."""
         if not self.padded or self.padded[-1] is None:
             return None
-        if grouped:
+        if grouped or not whole_draw or rows != self.padded[-1]:
+            what = ("its rows grouped into privacy units (hooks.set_privacy_units)" if grouped else
+                    f"{rows} rows" if rows != self.padded[-1] else "a batch other than the latest draw's")
             raise SamplingMismatchError(
-                "privacy units (hooks.set_privacy_units) with a padded draw of truncated Poisson sampling: the "
-                "padding rows are told apart by their place in the batch, which grouping rows into units loses. "
-                "Use a DPDataLoader (Poisson sampling, no padding) with privacy units"
+                f"a backward pass on {what}, while the latest draw of the padded (truncated Poisson) loader has "
+                f"{self.padded[-1]} rows whose last {self.padded[-1] - self.sizes[-1]} are padding: padding rows are "
+                "told apart by their place in the latest batch only. Run the model on each batch as the loader hands "
+                "it out (derived by torch operations, e.g. .to(device), but all its rows, in order), before taking "
+                "the next one"
             )
-        return torch.arange(self.latest_rows, self.latest_rows + int(rows)) >= self.sizes[-1]
+        return torch.arange(int(rows)) >= self.sizes[-1]
 
     def on_backward(self, rows: int, grouped: bool) -> None:
         self.rows += int(rows)
-        self.latest_rows += int(rows)
         self.grouped = self.grouped or grouped
         if self.used:
             self.used[-1] = True
@@ -183,7 +184,6 @@ class DrawLedger:
         """The held clipped gradients were dropped (``zero_grad`` outside a virtual step)."""
         self.used = [False] * len(self.used)
         self.rows = 0
-        self.latest_rows = 0
         self.undrawn = 0
         self.grouped = False
 
@@ -238,7 +238,6 @@ class DrawLedger:
         return {
             "sizes": [-1 if s is None else s for s in self.sizes],
             "padded": [-1 if p is None else p for p in self.padded],
-            "latest_rows": self.latest_rows,
             "passes": [-1 if p is None else p for p in self.passes],
             "new_passes": self.new_passes,
             "used": list(self.used),
@@ -250,7 +249,6 @@ class DrawLedger:
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sizes = [None if s < 0 else int(s) for s in state["sizes"]]
         self.padded = [None if p < 0 else int(p) for p in state.get("padded", [-1] * len(self.sizes))]
-        self.latest_rows = int(state.get("latest_rows", 0))
         self.used = [bool(u) for u in state["used"]]
         self.passes = [None if p < 0 else int(p) for p in state.get("passes", [-1] * len(self.sizes))]
         self.new_passes = int(state.get("new_passes", 0))
@@ -665,9 +663,9 @@ class PrivacyPlan:
             raise SamplingMismatchError("a padded draw needs a plan that tracks draws (track_draws=True): only its "
                                         "ledger tells the optimizer which rows are padding")
 
-    def padding_mask(self, rows: int, grouped: bool = False) -> Optional[torch.Tensor]:
+    def padding_mask(self, rows: int, grouped: bool = False, whole_draw: bool = False) -> Optional[torch.Tensor]:
         """Which rows of the next backward round (of ``rows`` rows) are padding (None: none); see ``DrawLedger``."""
-        return None if self.draws is None else self.draws.padding_mask(rows, grouped)
+        return None if self.draws is None else self.draws.padding_mask(rows, grouped, whole_draw)
 
     def on_backward(self, rows: int, grouped: bool = False) -> None:
         """A backward round added the clipped gradients of ``rows`` samples (units when ``grouped``)."""

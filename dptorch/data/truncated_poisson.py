@@ -18,12 +18,13 @@ their rows (the path of a non-finite unit), so they contribute exactly 0 to the 
 every grad sample mode, are not counted (clipping statistics, adaptive clipping's count), and the
 ``loss_reduction="mean"`` divisor stays the constant ``q N``. The real rows and the padding rows are
 collated apart and joined along dim 0 (:func:`join_rows`), so whatever the collate function does
-within a batch, the padding rows are the last ones. The rows must reach the model in that order
-(the batch tracker refuses a batch whose rows were permuted). Hence the loader hands out a batch
-only once ``make_private`` attached its plan: without the plan's ledger nothing would drop the
-padding rows, and row 0 would be trained on at every step. Out-of-order workers (``in_order=False``)
-are refused, since they lose which batch holds how many real rows; so is ``BatchMemoryManager``
-(choose ``max_batch_size`` to fit memory instead) and torch.distributed (one process).
+within a batch, the padding rows are the last ones. Each backward pass must run the model on the
+whole latest batch, its rows in order (the controller's draw watch says so; anything else is refused:
+``DrawLedger.padding_mask``). The loader hands out a batch only once ``make_private`` attached its
+plan: without the plan's ledger nothing would drop the padding rows, and row 0 would be trained on at
+every step. Out-of-order workers (``in_order=False``) are refused, since they lose which batch holds
+how many real rows; so is ``BatchMemoryManager`` (choose ``max_batch_size`` to fit memory instead)
+and torch.distributed (one process).
 
 Randomness is the Poisson sampler's: draw ``k`` a function of ``(seed, k)``, the truncation's subset
 taken from the same per-draw generator; ``secure_mode=True`` takes the inclusion bits and the

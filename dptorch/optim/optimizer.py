@@ -336,7 +336,8 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
         grouped = getattr(hooks, "_unit_ids", None) is not None
-        padding = self.plan.padding_mask(hooks.batch_size, grouped)  # a padded draw's padding rows (None: none)
+        # a padded draw's padding rows (None: none); refused unless the round ran on the whole latest draw
+        padding = self.plan.padding_mask(hooks.batch_size, grouped, getattr(hooks, "whole_draw", False))
         self.plan.on_backward(hooks.batch_size, grouped=grouped)
         scale = self.loss_scaler.round_scale() if self.loss_scaler is not None else 1.0  # fp16: DPGradScaler's
         norms = unscale_norms(norms, scale)

@@ -327,12 +327,28 @@ def test_what_the_padding_mask_cannot_follow_is_refused():
     engine, model, optimizer, dp_loader = private(loader)
     with pytest.raises(ValueError, match="cannot split the padded batches"):
         BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=2, optimizer=optimizer)
-    x, y = next(iter(dp_loader))
+    batches = (batch for _ in range(9) for batch in dp_loader)  # over the epochs' ends
+    x, y = next(batches)
+    train_step(model, optimizer, x.clone() * 1.0, y.clone())  # derived by torch operations, all rows in order
+    x, y = next(batches)
     with pytest.raises(PerSampleGradientError, match="reorders the batch"):  # padding rows moved off the end
         nn.functional.cross_entropy(model(x.flip(0)), y.flip(0), reduction="sum").backward()
+    optimizer.zero_grad()
+    with pytest.raises(SamplingMismatchError, match="on 3 rows"):  # a part: its rows' places are not the draw's
+        nn.functional.cross_entropy(model(x[3:]), y[3:], reduction="sum").backward()
+    optimizer.zero_grad()  # the refused pass is dropped
+    stale = x, y
+    x, y = next(batches)
+    with pytest.raises(SamplingMismatchError, match="a batch other than the latest draw's"):  # its padding differs
+        nn.functional.cross_entropy(model(stale[0]), stale[1], reduction="sum").backward()
+    optimizer.zero_grad()
     engine.hooks.set_privacy_units(torch.arange(B) // 2)
     with pytest.raises(SamplingMismatchError, match="privacy units"):
         nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    optimizer.zero_grad()
+    engine.hooks.set_privacy_units(None)
+    train_step(model, optimizer, x, y)
+    assert engine.plan.steps == 3  # every draw handed out
     engine.detach()
     with pytest.raises(ValueError, match="bandmf"):
         private(TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, seed=1),
