@@ -165,10 +165,10 @@ class DrawLedger:
                     f"{rows} rows" if rows != self.padded[-1] else "a batch other than the latest draw's")
             raise SamplingMismatchError(
                 f"a backward pass on {what}, while the latest draw of the padded (truncated Poisson) loader has "
-                f"{self.padded[-1]} rows whose last {self.padded[-1] - self.sizes[-1]} are padding: padding rows are "
-                "told apart by their place in the latest batch only. Run the model on each batch as the loader hands "
-                "it out (derived by torch operations, e.g. .to(device), but all its rows, in order), before taking "
-                "the next one"
+                f"{self.padded[-1]} rows ({self.sizes[-1]} real, then {self.padded[-1] - self.sizes[-1]} padding): "
+                "padding rows are told apart by their place in the latest batch only. Run the model on each batch as "
+                "the loader hands it out (derived by torch operations, e.g. .to(device), but all its rows, in order), "
+                "before taking the next one. Nothing was kept; call optimizer.zero_grad() to drop the refused pass"
             )
         return torch.arange(int(rows)) >= self.sizes[-1]
 
