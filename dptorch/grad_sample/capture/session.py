@@ -134,7 +134,7 @@ class RootForward(HookTarget):
         tracker.on_backward = lambda: getattr(owner(), "loss_phase_over", lambda t: None)(tracker)
         tracker.unit_kind = lambda: getattr(owner(), "unit_kind", "rows")  # grouped rows: docs/privacy.md
         tracker.unit_ids = lambda: getattr(getattr(owner(), "_rounds", None), "unit_ids", None)
-        previous, self.loss_tracker = self.loss_tracker, None  # (not None: its backward has not run)
+        previous, self.loss_tracker = self.loss_tracker, None
         if previous is not None:  # a second forward before backward: the loss may combine both
             remove_mode(previous)
             if not previous.done:
