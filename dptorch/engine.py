@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dptorch.accounting import create_accountant
+from dptorch.accounting import Selection, create_accountant
 from dptorch.data.banded_sampling import auto_bands, cyclic_data_loader
 from dptorch.data.shuffled import ShuffledDataLoader
 from dptorch.distributed.agreement import check_ranks_agree
@@ -548,6 +548,8 @@ class PrivacyEngine:
         load_kwargs = {"weights_only": True, **(torch_load_kwargs or {})}
         checkpoint = read_state(path, **load_kwargs) if sharded else _normalised_checkpoint(torch.load(path, **load_kwargs))
         ours = checkpoint.get(_OURS)
+        if ours is None or not (self.plan is not None and ours.get("plan") is not None):
+            self._check_selection_of(checkpoint["privacy_accountant_state_dict"])
         if ours is None:  # an Opacus checkpoint: the accountant history is all the privacy state it has
             self._load_opacus_accountant(checkpoint["privacy_accountant_state_dict"])
         elif self.plan is not None and ours.get("plan") is not None:
@@ -588,6 +590,16 @@ class PrivacyEngine:
         if data_loader is not None and ours is not None and "data_loader" in ours:
             data_loader.load_state_dict(ours["data_loader"])
         return checkpoint
+
+    def _check_selection_of(self, state: Any) -> None:
+        """Refuse an accountant state whose steps selected their batches otherwise than this run does."""
+        saved = state.get("selection") if isinstance(state, dict) else None
+        if self.plan is not None and Selection.from_dict(saved) != self.plan.selection:
+            raise ValueError(
+                f"the checkpoint's accountant composed {Selection.from_dict(saved).kind} batch selection, this run "
+                f"selects by {self.plan.selection.kind}: the resumed run would not continue the accounted one. Resume "
+                "with the data loader the checkpoint was written with"
+            )
 
     def _load_opacus_accountant(self, state: Dict[str, Any]) -> None:
         """Take the step history of an Opacus accountant state (``{"history": [(sigma, q, steps), ...],

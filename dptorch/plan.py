@@ -39,6 +39,14 @@ rate ``sample_rate``) the accountant records ``ceil(steps / b)`` Poisson-subsamp
 tells the banded noise which step it privatises and ``check_partition`` refuses a draw whose
 partition is not the step's.
 
+With ``sampling="truncated_poisson"`` or ``"fixed_size"`` (static-shape batches,
+:mod:`dptorch.data.truncated_poisson`, :mod:`dptorch.data.fixed_size`) the plan's ``selection``
+(:mod:`dptorch.accounting.selection`) tells the accountant how each step's batch was selected; the
+accountant must be able to compose it ('pld' truncated Poisson, 'rdp' fixed size). A truncated
+Poisson draw comes padded to its maximum: the ledger learns its real rows and its padded rows, and
+``padding_mask`` tells the optimizer which rows of each backward round are padding, whose clipped
+contribution it drops.
+
 With ``sampling="shuffled"`` (``make_private(poisson_sampling=False)``: fixed-size batches, each
 sample once per pass, :mod:`dptorch.data.shuffled`) no subsampling is claimed: each pass over the
 data is accounted as one Gaussian of noise multiplier ``sigma / 2`` at sample rate 1 (replace-one
@@ -56,7 +64,10 @@ import math
 import warnings
 from typing import Any, Dict, List, Optional, Sequence, Union
 
+import torch
+
 from dptorch.accounting import Accountant, create_accountant, get_noise_multiplier
+from dptorch.accounting.selection import POISSON, Selection
 from dptorch.accounting.validation import check_delta_for_units, is_number
 from dptorch.clipping.adaptive import CLIPPING_STATS, AdaptiveClipping, default_unclipped_num_std, gradient_noise_multiplier
 from dptorch.clipping.checks import MaxGradNorm, check_clipping
@@ -111,6 +122,9 @@ class DrawLedger:
     Shuffled batches (:mod:`dptorch.data.shuffled`): every batch comes with its pass, ``new_passes``
     counts the passes whose first batch was handed out since the last step, and a step may hold
     several batches, all of one pass.
+
+    Padded draws (truncated Poisson): ``padded[i]`` is the rows draw ``i`` reached the loop with (its
+    ``sizes[i]`` real rows first, then padding rows), None for an unpadded draw; see :meth:`padding_mask`.
     """
 
     def __init__(self) -> None:
@@ -118,6 +132,7 @@ class DrawLedger:
 
     def _reset(self) -> None:
         self.sizes: List[Optional[int]] = []
+        self.padded: List[Optional[int]] = []
         self.used: List[bool] = []
         self.passes: List[Optional[int]] = []
         self.new_passes = 0
@@ -125,11 +140,37 @@ class DrawLedger:
         self.undrawn = 0
         self.grouped = False
 
-    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False) -> None:
+    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False,
+                padded: Optional[int] = None) -> None:
+        if padded is not None and (size is None or not 0 <= size <= padded):
+            raise SamplingMismatchError(f"a padded draw of {padded} rows must say how many of them are real (got {size})")
         self.sizes.append(None if size is None else int(size))
+        self.padded.append(None if padded is None else int(padded))
         self.used.append(False)
         self.passes.append(pass_id)
         self.new_passes += int(new_pass)
+
+    def padding_mask(self, rows: int, grouped: bool, whole_draw: bool) -> Optional[torch.Tensor]:
+        """Which of the next backward round's ``rows`` rows are padding of the latest draw (None: none are).
+
+        A padded draw's padding rows are known by their place only (at and past its real rows), so a round
+        on it must have run the model on the whole latest draw, its rows in the order handed out
+        (``whole_draw``, the controller's draw watch says so); any other round is refused before its
+        gradients are kept: a batch of an earlier draw (its padding rows would be counted as real rows), a
+        part of the batch, its rows reordered, rows grouped into privacy units."""
+        if not self.padded or self.padded[-1] is None:
+            return None
+        if grouped or not whole_draw or rows != self.padded[-1]:
+            what = ("its rows grouped into privacy units (hooks.set_privacy_units)" if grouped else
+                    f"{rows} rows" if rows != self.padded[-1] else "a batch other than the latest draw's")
+            raise SamplingMismatchError(
+                f"a backward pass on {what}, while the latest draw of the padded (truncated Poisson) loader has "
+                f"{self.padded[-1]} rows ({self.sizes[-1]} real, then {self.padded[-1] - self.sizes[-1]} padding): "
+                "padding rows are told apart by their place in the latest batch only. Run the model on each batch as "
+                "the loader hands it out (derived by torch operations, e.g. .to(device), but all its rows, in order), "
+                "before taking the next one. Nothing was kept; call optimizer.zero_grad() to drop the refused pass"
+            )
+        return torch.arange(int(rows)) >= self.sizes[-1]
 
     def on_backward(self, rows: int, grouped: bool) -> None:
         self.rows += int(rows)
@@ -170,7 +211,7 @@ class DrawLedger:
                 "was updated; call optimizer.zero_grad() to drop the held gradients"
             )
         if used and not self.grouped:
-            size = self.sizes[used[0]]
+            size = self.sizes[used[0]] if self.padded[used[0]] is None else self.padded[used[0]]
             if size is not None and size != self.rows:
                 raise SamplingMismatchError(_count_message(self.rows, size, batch_first))
         count = max(1, len(self.sizes))
@@ -196,6 +237,7 @@ class DrawLedger:
     def state_dict(self) -> Dict[str, Any]:
         return {
             "sizes": [-1 if s is None else s for s in self.sizes],
+            "padded": [-1 if p is None else p for p in self.padded],
             "passes": [-1 if p is None else p for p in self.passes],
             "new_passes": self.new_passes,
             "used": list(self.used),
@@ -206,6 +248,7 @@ class DrawLedger:
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.sizes = [None if s < 0 else int(s) for s in state["sizes"]]
+        self.padded = [None if p < 0 else int(p) for p in state.get("padded", [-1] * len(self.sizes))]
         self.used = [bool(u) for u in state["used"]]
         self.passes = [None if p < 0 else int(p) for p in state.get("passes", [-1] * len(self.sizes))]
         self.new_passes = int(state.get("new_passes", 0))
@@ -268,6 +311,23 @@ def _check_strategy(mechanism: str, strategy: Any) -> Any:
     return strategy
 
 
+def _check_selection(sampling: Optional[str], selection: Optional[Selection], sample_rate: Optional[float],
+                     num_units: Optional[int]) -> Selection:
+    """The plan's batch selection: ``selection`` for the static-shape samplings (its kind is ``sampling``, its
+    units the plan's), Poisson otherwise."""
+    if sampling not in ("truncated_poisson", "fixed_size"):
+        if selection is not None and selection.kind != "poisson":
+            raise ValueError(f"a {selection.kind} selection was given with sampling={sampling!r}")
+        return POISSON
+    if selection is None or selection.kind != sampling:
+        raise ValueError(f"sampling={sampling!r} needs selection=Selection({sampling!r}, num_units, batch_size)")
+    if num_units is not None and selection.num_units != num_units:
+        raise ValueError(f"the selection draws from {selection.num_units} units, the plan has num_units={num_units}")
+    if sample_rate is not None:
+        selection.check_sample_rate(float(sample_rate))
+    return selection
+
+
 def sampler_fields(batch_sampler: Any) -> Dict[str, Any]:
     """The plan fields a batch sampler decides: q, draws per epoch, N, and where it says so, the
     expected batch (cyclic Poisson: ``q_p * N / b``) and the sampling kind (shuffled batches)."""
@@ -277,6 +337,9 @@ def sampler_fields(batch_sampler: Any) -> Dict[str, Any]:
         fields["expected_batch_size"] = batch_sampler.global_expected_batch_size
     if getattr(batch_sampler, "sampling", "poisson") == "shuffled":
         fields.update(sampling="shuffled", expected_batch_size=batch_sampler.expected_batch_size)
+    selection = getattr(batch_sampler, "selection", None)
+    if selection is not None and selection.kind != "poisson":  # static-shape selections
+        fields.update(sampling=selection.kind, selection=selection, expected_batch_size=batch_sampler.expected_batch_size)
     return fields
 
 
@@ -287,7 +350,10 @@ class PrivacyPlan:
     or None (steps are counted but not accounted: a bare ``DPOptimizer``). ``expected_batch_size``
     defaults to ``sample_rate * num_units``, the expected (global) logical batch. ``sampling`` is
     "poisson" when the batches come from a Poisson sampler with ``sample_rate``, "shuffled" for
-    fixed-size batches accounted per pass (needs ``track_draws``), None when unknown.
+    fixed-size batches accounted per pass (needs ``track_draws``), "truncated_poisson" or
+    "fixed_size" for the static-shape selections that ``selection`` describes
+    (:class:`~dptorch.accounting.selection.Selection`; truncated Poisson needs ``track_draws``, which
+    masks its padding rows), None when unknown.
 
     Clipping options: ``gamma`` (automatic clipping, default 0.01), ``adaptive``
     (:class:`~dptorch.clipping.adaptive.AdaptiveClipping`, for ``clipping="adaptive"``; default
@@ -319,6 +385,7 @@ class PrivacyPlan:
         clipping_stats: Optional[str] = None,
         unclipped_num_std: Optional[float] = None,
         strategy: Optional[Any] = None,
+        selection: Optional[Selection] = None,
     ) -> None:
         if mechanism not in MECHANISMS:
             raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
@@ -343,6 +410,10 @@ class PrivacyPlan:
         )
         self.mechanism = mechanism
         self.sampling = sampling
+        #: How each step's batch is selected, as the accountant composes it (Poisson unless the sampler says).
+        self.selection = _check_selection(sampling, selection, sample_rate, num_units)
+        if self.accountant is not None:
+            self.accountant.use_selection(self.selection)  # refuses an accountant that cannot compose it
         self.secure_mode = bool(secure_mode)
         self._divisor = _divisor(expected_batch_size, self._sample_rate, self._num_units, self.bands)
         self.planned_steps = planned_steps
@@ -356,6 +427,8 @@ class PrivacyPlan:
         self._set_clipping_options(gamma, adaptive, clipping_stats, unclipped_num_std)
         if sampling == "shuffled":
             self._check_shuffled_plan()
+        if self.selection.kind != "poisson":
+            self._check_selection_plan()
         if self.strategy is not None and self.counts_unclipped:
             raise ValueError(
                 "bandmf noise with a released count of unclipped units (clipping='adaptive' or clipping_stats="
@@ -375,6 +448,15 @@ class PrivacyPlan:
                 "count of unclipped units is accounted for Poisson-sampled steps (sensitivity 1/2), not for shuffled "
                 "passes. Use poisson_sampling=True, or a fixed clipping bound"
             )
+
+    def _check_selection_plan(self) -> None:
+        """Refuse what the accounting of a static-shape selection does not cover."""
+        if self.strategy is not None:
+            raise ValueError(f"{self.sampling} selection is refused with bandmf noise: the amplified banded MF "
+                             "accounting needs b-min-separated cyclic Poisson sampling")
+        if self.sampling == "truncated_poisson" and self.draws is None:
+            raise ValueError("sampling='truncated_poisson' needs track_draws=True: the draw ledger tells the optimizer "
+                             "which rows of a padded batch are padding")
 
     @property
     def shuffled(self) -> bool:
@@ -420,7 +502,7 @@ class PrivacyPlan:
         name = accountant.mechanism if isinstance(accountant, Accountant) else accountant
         sigma = get_noise_multiplier(
             target_epsilon=target_epsilon, target_delta=target_delta, sample_rate=sample_rate, steps=accounted,
-            accountant=name,
+            accountant=name, selection=fields.get("selection") or POISSON,
         )
         return cls(noise_multiplier=sigma, planned_steps=total, target_epsilon=target_epsilon,
                    target_delta=target_delta, **fields)
@@ -570,11 +652,20 @@ class PrivacyPlan:
 
     # ------------------------------------------------------------------ steps (the optimizer)
 
-    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False) -> None:
+    def on_draw(self, size: Optional[int], pass_id: Optional[int] = None, new_pass: bool = False,
+                padded: Optional[int] = None) -> None:
         """The DP data loader handed a Poisson draw of ``size`` samples to the training loop (shuffled
-        batches: a batch of pass ``pass_id``, the pass's first when ``new_pass``)."""
+        batches: a batch of pass ``pass_id``, the pass's first when ``new_pass``; a padded draw: ``size``
+        real rows followed by padding up to ``padded`` rows)."""
         if self.draws is not None:
-            self.draws.on_draw(size, pass_id, new_pass)
+            self.draws.on_draw(size, pass_id, new_pass, padded)
+        elif padded is not None:
+            raise SamplingMismatchError("a padded draw needs a plan that tracks draws (track_draws=True): only its "
+                                        "ledger tells the optimizer which rows are padding")
+
+    def padding_mask(self, rows: int, grouped: bool = False, whole_draw: bool = False) -> Optional[torch.Tensor]:
+        """Which rows of the next backward round (of ``rows`` rows) are padding (None: none); see ``DrawLedger``."""
+        return None if self.draws is None else self.draws.padding_mask(rows, grouped, whole_draw)
 
     def on_backward(self, rows: int, grouped: bool = False) -> None:
         """A backward round added the clipped gradients of ``rows`` samples (units when ``grouped``)."""
@@ -728,6 +819,8 @@ class PrivacyPlan:
                           accounted_steps=self._accounted(self.steps),
                           accounting=("amplified banded MF (Choquette-Choo et al. 2023): Poisson-subsampled Gaussian "
                                       "at the partition rate over ceil(steps / bands) steps"))
+        if self.selection.kind != "poisson":
+            report.update(adjacency=self.selection.adjacency, accounting=self.selection.describe())
         if self.shuffled:
             report.update(passes=self.passes, adjacency="replace one unit", accounting=(
                 "shuffled fixed-size batches, no amplification: each pass one Gaussian of noise multiplier "
@@ -761,6 +854,7 @@ class PrivacyPlan:
             "steps_per_epoch": self.steps_per_epoch,
             "num_units": self.num_units,
             "sampling": self.sampling,
+            "selection": self.selection.as_dict(),
             "passes": self.passes,
             "noise_multiplier": self._noise_multiplier,
             "steps": self.steps,
@@ -777,8 +871,10 @@ class PrivacyPlan:
         differs from this plan's: the resumed run would not be the one the history describes. The
         noise multiplier stays this plan's (each recorded step keeps its own in the history).
         """
-        for key in ("mechanism", "bands", "sample_rate", "steps_per_epoch", "num_units", "sampling"):
+        for key in ("mechanism", "bands", "sample_rate", "steps_per_epoch", "num_units", "sampling", "selection"):
             saved, mine = state.get(key), getattr(self, key)
+            if key == "selection":
+                saved, mine = (Selection.from_dict(saved) if saved is not None else None), self.selection
             if saved is not None and mine is not None and saved != mine:
                 raise ValueError(
                     f"the checkpoint's privacy plan has {key}={saved}, this run has {mine}: the data, the batch size "

@@ -1,5 +1,8 @@
 """Privacy accounting for DP-SGD: (epsilon, delta) of Poisson-sampled Gaussian steps.
 
+Each accountant composes the steps of one batch :class:`Selection` (Poisson by default; truncated
+Poisson with "pld", fixed-size sampling without replacement with "rdp": :mod:`dptorch.accounting.selection`).
+
 Accountants share one interface (``step``, ``get_epsilon``, ``history``, ``state_dict``):
 
 * :class:`PLDAccountant` ("pld", the default): privacy loss distributions (``dp_accounting``).
@@ -26,6 +29,7 @@ from dptorch.accounting.pld import PLDAccountant
 from dptorch.accounting.privacy_random_variable import EpsilonBounds
 from dptorch.accounting.prv import PRVAccountant
 from dptorch.accounting.rdp import RDPAccountant, RDPOrderGridWarning
+from dptorch.accounting.selection import Selection
 
 __all__ = [
     "ACCOUNTANTS",
@@ -39,6 +43,7 @@ __all__ = [
     "PRVAccountant",
     "RDPAccountant",
     "RDPOrderGridWarning",
+    "Selection",
     "accountant_from_state_dict",
     "check_accountant_name",
     "check_calibration_accountant",

@@ -7,6 +7,7 @@ import warnings
 from abc import ABC, abstractmethod
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple
 
+from dptorch.accounting.selection import POISSON, Selection
 from dptorch.accounting.validation import check_delta, check_noise_multiplier, check_sample_rate, check_steps
 
 #: One run of identical steps: (noise_multiplier, sample_rate, count).
@@ -59,11 +60,18 @@ class Accountant(ABC):
 
     The history is kept compressed: consecutive steps with the same noise multiplier and
     sample rate form one ``[sigma, q, count]`` entry, so long runs cost nothing to store.
+
+    Every step of one accountant selects its batch the same way, ``selection``
+    (:mod:`dptorch.accounting.selection`; Poisson unless :meth:`use_selection` says otherwise): an
+    accountant composes only the selections named in its ``selections``.
     """
 
     #: Short name of the accounting method ("pld", "prv", "rdp", "gdp"); a :class:`MechanismName`,
     #: so Opacus' ``accountant.mechanism()`` works too.
     mechanism: ClassVar[str] = MechanismName("")
+    #: The batch selections (``Selection.kind``) this accountant can compose.
+    selections: ClassVar[Tuple[str, ...]] = ("poisson",)
+    _selection: Selection = POISSON  # (a class default too: a subclass may skip this __init__)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -74,13 +82,45 @@ class Accountant(ABC):
     def __init__(self) -> None:
         self._history: List[List[Any]] = []
         self._epsilon_cache: Dict[Any, float] = {}
+        self._selection = POISSON
+
+    # -- batch selection -------------------------------------------------------------------
+
+    @property
+    def selection(self) -> Selection:
+        """How every recorded step selected its batch (Poisson unless ``use_selection`` set another)."""
+        return self._selection
+
+    def use_selection(self, selection: Selection) -> None:
+        """Account every step as selecting its batch by ``selection``; refused when this accountant cannot
+        compose it, or when steps of another selection are recorded already."""
+        self._check_supported(selection)
+        if self._history and selection != self._selection:
+            raise ValueError(
+                f"this accountant holds {len(self)} steps of {self._selection.kind} selection; steps of "
+                f"{selection.kind} selection cannot join them (one accountant composes one selection)"
+            )
+        self._selection = selection
+        self._epsilon_cache.clear()
+
+    def _check_supported(self, selection: Selection) -> None:
+        if selection.kind in self.selections:
+            return
+        from dptorch.accounting.factory import ACCOUNTANTS  # the registry imports this module
+
+        able = [repr(name) for name, kind in ACCOUNTANTS.items() if selection.kind in kind.selections]
+        raise ValueError(
+            f"the {self.mechanism!r} accountant cannot account {selection.kind} batch selection ("
+            f"{selection.describe()}); it is accounted by the {' or '.join(able) or 'no'} accountant: build the "
+            f"PrivacyEngine with accountant={able[0] if able else '...'}"
+        )
 
     # -- recording -------------------------------------------------------------------------
 
     def step(self, *, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` steps with noise multiplier sigma and Poisson sample rate q."""
         sigma = check_noise_multiplier(noise_multiplier)
-        q = check_sample_rate(sample_rate)
+        q = self._selection.check_sample_rate(check_sample_rate(sample_rate))
         count = check_steps(num_steps, "num_steps")
         if count == 0:
             return
@@ -149,7 +189,7 @@ class Accountant(ABC):
         The history itself is left unchanged (a projection, e.g. for a curve against steps).
         """
         sigma = check_noise_multiplier(noise_multiplier)
-        q = check_sample_rate(sample_rate)
+        q = self._selection.check_sample_rate(check_sample_rate(sample_rate))
         counts = [check_steps(count, "steps") for count in steps]
         delta = check_delta(delta)
         return self._epsilons_after(sigma, q, counts, delta)
@@ -175,13 +215,15 @@ class Accountant(ABC):
             "version": STATE_VERSION,
             "history": [[float(sigma), float(q), int(count)] for sigma, q, count in self._history],
         }
+        if self._selection != POISSON:  # a Poisson state stays as it was (Opacus reads it)
+            state["selection"] = self._selection.as_dict()
         if destination is None:
             return state
         destination.update(state)
         return destination
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Replace the history by the one in ``state_dict`` (as made by :meth:`state_dict`)."""
+        """Replace the history and the batch selection by those in ``state_dict`` (as made by :meth:`state_dict`)."""
         if not isinstance(state_dict, dict) or "history" not in state_dict:
             raise ValueError("state_dict must be a dict with a 'history' entry, as made by Accountant.state_dict()")
         mechanism = state_dict.get("mechanism", self.mechanism)
@@ -190,14 +232,17 @@ class Accountant(ABC):
                 f"state_dict was saved by a {mechanism!r} accountant and cannot be loaded into a "
                 f"{self.mechanism!r} one; use dptorch.accounting.accountant_from_state_dict(state_dict)"
             )
+        selection = Selection.from_dict(state_dict.get("selection"))
+        self._check_supported(selection)
         history: List[List[Any]] = []
         for index, entry in enumerate(state_dict["history"]):
             if len(entry) != 3:
                 raise ValueError(f"history[{index}] must be [sigma, q, count], got {entry!r}")
             sigma = check_noise_multiplier(entry[0], f"history[{index}] noise_multiplier")
-            q = check_sample_rate(entry[1], f"history[{index}] sample_rate")
+            q = selection.check_sample_rate(check_sample_rate(entry[1], f"history[{index}] sample_rate"))
             count = check_steps(entry[2], f"history[{index}] count")
             if count:
                 history.append([sigma, q, count])
         self._history = history
+        self._selection = selection
         self._epsilon_cache.clear()

@@ -14,6 +14,7 @@ from dptorch.accounting.factory import DEFAULT_ACCOUNTANT, check_accountant_name
 from dptorch.accounting.gdp import clt_mu, gdp_epsilon
 from dptorch.accounting.pld_limits import PLDGridWarning
 from dptorch.accounting.rdp import RDPOrderGridWarning
+from dptorch.accounting.selection import POISSON, Selection
 from dptorch.accounting.validation import (
     check_delta,
     check_epsilon,
@@ -143,9 +144,9 @@ def _round_down(value: float, digits: int = 3) -> float:
 
 
 def _unreachable_message(epsilon_at: Callable[[float, float, int], float], reached: float, target: float,
-                         delta: float, sample_rate: float, steps: int, accountant: str) -> str:
+                         delta: float, sample_rate: float, steps: int, accountant: str, vary_rate: bool = True) -> str:
     """Why the target is refused, and what reaches it at the largest noise multiplier searched: fewer
-    steps (epochs), or a smaller sample rate (more data at the same batch), each with its figure."""
+    steps (epochs), or (``vary_rate``) a smaller sample rate (more data at the same batch), each with its figure."""
     sigma = MAX_NOISE_MULTIPLIER
     head = (f"target_epsilon={target:g} is unreachable: even noise_multiplier={sigma:g} gives epsilon "
             f"{reached:.4g} ({accountant}, sample rate {sample_rate:g}, {steps} steps, delta {delta:g})")
@@ -156,7 +157,7 @@ def _unreachable_message(epsilon_at: Callable[[float, float, int], float], reach
         most = int(_largest_meeting(lambda t: epsilon_at(sigma, sample_rate, int(t)) <= target, 1, steps))
         ways.append(f"at most {most:,} steps at this sample rate (fewer epochs: {most / steps:.3g} of the planned run)")
     floor = sample_rate * 1e-6
-    if epsilon_at(sigma, floor, steps) <= target:
+    if vary_rate and epsilon_at(sigma, floor, steps) <= target:
         rate = _largest_meeting(lambda r: epsilon_at(sigma, r, steps) <= target, floor, sample_rate)
         rate = _round_down(rate)
         ways.append(f"a sample rate of at most {rate:.3g} at these steps (the same batch from a data set "
@@ -192,12 +193,15 @@ def check_calibration_accountant(name: object, argument: str = "accountant") -> 
 
 @lru_cache(maxsize=128)
 def _calibrate(
-    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str, tolerance: float
+    target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str, tolerance: float,
+    selection: Selection = POISSON,
 ) -> float:
     counter = create_accountant(accountant)
+    counter.use_selection(selection)  # refuses an accountant that cannot compose the selection
 
     def epsilon_at(sigma: float, q: float, count: int) -> float:
-        counter.load_state_dict({"mechanism": accountant, "history": [[sigma, q, count]]})
+        counter.load_state_dict({"mechanism": accountant, "history": [[sigma, q, count]],
+                                 "selection": selection.as_dict()})
         with warnings.catch_warnings():
             # Far from the answer the best RDP order may sit on the grid's edge, or the PLD grid
             # grow too large: not news. An unresolvable delta ends in a ValueError that says so.
@@ -214,7 +218,7 @@ def _calibrate(
         return _smallest_sigma(epsilon_of, target_epsilon, tolerance, start)
     except _Unreachable as refusal:
         raise ValueError(_unreachable_message(epsilon_at, refusal.epsilon, target_epsilon, delta, sample_rate, steps,
-                                              accountant)) from None
+                                              accountant, selection.kind != "fixed_size")) from None
 
 
 def get_noise_multiplier(
@@ -226,8 +230,12 @@ def get_noise_multiplier(
     steps: Optional[int] = None,
     accountant: str = DEFAULT_ACCOUNTANT,
     epsilon_tolerance: float = 1e-3,
+    selection: Selection = POISSON,
 ) -> float:
     """Smallest noise multiplier whose epsilon does not exceed ``target_epsilon``.
+
+    Each step selects its batch by ``selection`` (default Poisson; :mod:`dptorch.accounting.selection`),
+    which the accountant must be able to compose.
 
     Give ``steps`` or ``epochs`` (then steps = ceil(epochs / sample_rate)). The result never
     overshoots: its epsilon is in [target * (1 - epsilon_tolerance), target] (a relative
@@ -243,4 +251,4 @@ def get_noise_multiplier(
     tolerance = check_positive(epsilon_tolerance, "epsilon_tolerance")
     if tolerance >= 1:
         raise ValueError(f"epsilon_tolerance must be in (0, 1), got {epsilon_tolerance!r}")
-    return _calibrate(target, delta, q, count, name, tolerance)
+    return _calibrate(target, delta, selection.check_sample_rate(q), count, name, tolerance, selection)

@@ -238,6 +238,12 @@ class BatchMemoryManager:
             raise ValueError("data_loader must batch its samples (it has no batch_sampler)")
         if not hasattr(optimizer, "signal_skip_step"):
             raise TypeError("optimizer must provide signal_skip_step(do_skip: bool)")
+        if getattr(data_loader, "pads_batches", False):
+            raise ValueError(
+                f"BatchMemoryManager cannot split the padded batches of a {type(data_loader).__name__}: each of them is "
+                "one physical batch of fixed shape whose padding rows only the whole batch identifies. Choose "
+                "max_batch_size to fit in memory, or use a FixedSizeDataLoader (no padding) with BatchMemoryManager"
+            )
         self.data_loader = data_loader
         self.max_physical_batch_size = int(max_physical_batch_size)
         self.optimizer = optimizer

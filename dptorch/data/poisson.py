@@ -427,6 +427,13 @@ def check_sharded_for_process_group(batch_sampler: Any) -> None:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size == 1 or getattr(batch_sampler, "mirror", None) is not None:  # TP: one data-parallel rank
         return
+    if not getattr(batch_sampler, "shardable", True):
+        raise ValueError(
+            f"{type(batch_sampler).__name__} draws its batches on one process only, but training runs on rank {rank} "
+            f"of {world_size} processes: every rank would draw its own batch and the clipped sums of all ranks are "
+            "added up (one sample could count once per rank). Use a DPDataLoader(..., distributed=True) (Poisson "
+            "sampling) under torch.distributed"
+        )
     has, at = int(getattr(batch_sampler, "world_size", 1)), int(getattr(batch_sampler, "rank", 0))
     if (has, at) == (world_size, rank):
         return
@@ -460,7 +467,7 @@ def mirror_draws(batch_sampler: Any, group: Any, data_parallel: Any = None) -> N
             f"data-parallel ranks only (rank {expected[0]} of {expected[1]} here): build {how}, or pass a plain "
             "DataLoader to make_private, which builds it"
         )
-    if not hasattr(batch_sampler, "mirror"):
+    if not hasattr(batch_sampler, "mirror") or not getattr(batch_sampler, "shardable", True):
         raise ValueError(f"{type(batch_sampler).__name__} cannot share its draws over a tensor-parallel group; "
                          "use a DPDataLoader (Poisson sampling) under tensor parallelism")
     batch_sampler.mirror = group
@@ -520,7 +527,7 @@ class DPDataLoader(DataLoader):
         super().__init__(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=EmptyBatchCollate.for_dataset(dataset, collate_fn),
+            collate_fn=self._collate(dataset, collate_fn),
             **dataloader_kwargs,
         )
         self.sample_rate = batch_sampler.sample_rate
@@ -534,6 +541,10 @@ class DPDataLoader(DataLoader):
     def _batch_sampler(self, num_samples: int, sample_rate: float, **options: Any) -> "PoissonBatchSampler":
         """The sampler that draws this loader's batches (a subclass may draw otherwise)."""
         return PoissonBatchSampler(num_samples, sample_rate, **options)
+
+    def _collate(self, dataset: Dataset, collate_fn: Optional[Callable]) -> Callable[[List[Any]], Any]:
+        """The collate function of this loader's batches (a subclass may pad them)."""
+        return EmptyBatchCollate.for_dataset(dataset, collate_fn)
 
     @property
     def steps(self) -> int:

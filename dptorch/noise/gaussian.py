@@ -196,6 +196,22 @@ def secure_bernoulli(count: int, probability: float) -> np.ndarray:
     return bernoulli(_STREAM, count, probability)
 
 
+def secure_subset(count: int, size: int) -> np.ndarray:
+    """``size`` distinct indices of ``range(count)``, a uniformly random subset in random order, from the secure
+    stream: a partial Fisher-Yates shuffle whose picks are words modulo the remaining count (each within
+    ``count * 2^-64`` of uniform). Used by the secure fixed-size and truncated Poisson samplers."""
+    if not 0 <= size <= count:
+        raise ValueError(f"cannot choose {size} of {count} indices")
+    words = _STREAM.words(size)
+    moved: dict = {}  # position -> the index now there (positions not in it hold themselves)
+    chosen = np.empty(size, dtype=np.int64)
+    for i in range(size):
+        j = i + int(words[i] % np.uint64(count - i))
+        chosen[i] = moved.get(j, j)
+        moved[j] = moved.get(i, i)
+    return chosen
+
+
 def secure_seed(bits: int = 63) -> int:
     """A non-negative integer of ``bits`` random bits from ``os.urandom`` (a secret seed)."""
     return int.from_bytes(os.urandom((bits + 7) // 8), "little") & ((1 << bits) - 1)
@@ -368,6 +384,7 @@ __all__ = [
     "secure_gaussian_numpy",
     "secure_seed",
     "secure_standard_normals",
+    "secure_subset",
     "secure_summands",
     "secure_uniforms",
 ]

@@ -335,11 +335,19 @@ class DPOptimizer(torch.optim.Optimizer):
             self.gradient_writer.keep(self, hooks, {})  # every rank takes part in the writer's collectives of every pass
             return
         # Units when hooks.set_privacy_units grouped rows (not comparable to the loader's sample count).
-        self.plan.on_backward(hooks.batch_size, grouped=getattr(hooks, "_unit_ids", None) is not None)
+        grouped = getattr(hooks, "_unit_ids", None) is not None
+        # a padded draw's padding rows (None: none); refused unless the round ran on the whole latest draw
+        padding = self.plan.padding_mask(hooks.batch_size, grouped, getattr(hooks, "whole_draw", False))
+        self.plan.on_backward(hooks.batch_size, grouped=grouped)
         scale = self.loss_scaler.round_scale() if self.loss_scaler is not None else 1.0  # fp16: DPGradScaler's
         norms = unscale_norms(norms, scale)
         total = flat_norms(norms)
+        if padding is not None:  # padding rows are no units: norm 0 here, dropped below (exactly 0 in every mode)
+            padding = padding.to(total.device)
+            total = torch.where(padding, total.new_zeros(()), total)
         dropped = self._nonfinite(total)  # units whose gradient is not finite contribute 0 (None: none)
+        if padding is not None:
+            dropped = padding if dropped is None else dropped | padding
         within: Optional[torch.Tensor] = None  # per unit: no clipping applied (None: automatic, no bound)
         if self.clipping in ("flat", "adaptive"):
             bound = float(self.max_grad_norm)
@@ -347,7 +355,9 @@ class DPOptimizer(torch.optim.Optimizer):
             factors = {p: factor for p in norms}
             within = total <= bound  # False for a dropped unit (inf, NaN)
             clipped = (factor < 1) if dropped is None else (factor < 1) & ~dropped
-            self.last_clipped_fraction = float(clipped.float().mean()) if factor.numel() else 0.0
+            if padding is not None:
+                clipped = clipped[~padding]
+            self.last_clipped_fraction = float(clipped.float().mean()) if clipped.numel() else 0.0
         elif self.clipping == "automatic":
             factor = drop_nonfinite(self.unit_factors(total), dropped)
             factors = {p: factor for p in norms}
@@ -359,7 +369,7 @@ class DPOptimizer(torch.optim.Optimizer):
             factors = {p: drop_nonfinite(clip_factors(n, thresholds[p]), dropped) for p, n in norms.items()}
             within = torch.stack([n <= thresholds[p] for p, n in norms.items()]).all(0)
         factors = unscale_factors(factors, scale)  # applied to the scaled rows: the clipped sum in true units
-        self._observe_clipping(total, within, dropped)
+        self._observe_clipping(total, within, dropped, padding)
         whole = self.gradient_writer.keep(self, hooks, factors, dropped)  # FSDP2: its shards reduce-scattered now
         for param, clipped in hooks.clipped_sums(whole, dropped).items():
             held = self._summed.get(param)
@@ -400,13 +410,19 @@ class DPOptimizer(torch.optim.Optimizer):
             ), stacklevel=2)
         return dropped
 
-    def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor], dropped: Optional[torch.Tensor] = None) -> None:
+    def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor], dropped: Optional[torch.Tensor] = None,
+                          padding: Optional[torch.Tensor] = None) -> None:
         """Accumulate, over the backward passes of this logical step, what the step will release.
 
         The released count is the vector ``sum_i v_i``: ``(1/2, 0)`` for an unclipped unit, ``(-1/2, 0)``
         for a clipped one, ``(0, 1/2)`` for a dropped one (non-finite gradient). Every ``||v_i|| = 1/2``:
         the sensitivity, and so the cost, of the count of unclipped units alone (``dptorch.clipping.adaptive``).
+        ``padding`` rows (in ``dropped`` too) are no units: they add nothing, to the count or to raw statistics.
         """
+        if padding is not None:
+            real = ~padding
+            total, dropped = total[real], (None if dropped is None else dropped[real])
+            within = None if within is None else within[real]
         if self.plan.counts_unclipped and within is not None:
             if dropped is not None:
                 within = within & ~dropped

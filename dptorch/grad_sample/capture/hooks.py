@@ -138,6 +138,7 @@ class GradSampleHooks:
     grad_sample_mode = _Delegated("_settings")
     keep_param_grads = _Delegated("_settings")
     last_batch_size = _Delegated("_session")  # of the last root forward
+    whole_draw = _Delegated("_session")  # the training forwards since the last backward ran on the whole latest draw
     uncaptured = _Delegated("_rounds")  # parameters the last backward gave gradients but no capture
 
     # ------------------------------------------------------------------ attach / detach

@@ -53,6 +53,9 @@ class RootForward(HookTarget):
         self.depth = 0
         self._batch_size: Optional[int] = None
         self.last_batch_size: Optional[int] = None
+        #: Whether every training root forward since the last backward ran on the whole latest draw of a DP loader,
+        #: its rows in the order handed out (what a padded draw's mask relies on: data/truncated_poisson.py).
+        self.whole_draw = False
         self.tracker: Optional[BatchTracker] = None  # follows the batch through the current root forward
         self.loss_tracker: Optional[BatchTracker] = None  # then through the loss, until backward (tracking/loss.py)
         self.token_units: Optional[TokenUnits] = None  # for the next root forward (set_privacy_units of (B, T) ids)
@@ -159,6 +162,9 @@ class RootForward(HookTarget):
                 elif isinstance(leaf, torch.Tensor) and leaf.dim() > dim and leaf.shape[dim] == n:
                     leaves.append((leaf, strong or leaf is primary))
         drawn_rows, rows = _drawn_rows([tracker.get(leaf) for leaf, _ in leaves], dim, n)
+        primary_tag = tracker.get(primary) if isinstance(primary, torch.Tensor) else None
+        on_draw = watched is not None and drawn_rows and rows is None and type(primary_tag) is int and primary_tag == dim
+        self.whole_draw = on_draw and (previous is None or self.whole_draw)
         if rows is not None:  # a micro-batch cut from the draw: its rows (the labels' too) are this forward's batch
             tracker.take_rows(rows, watched.n)
         for leaf, strong in leaves:
