@@ -6,7 +6,7 @@ that has a norm sampler (``nn.Linear``, transformers' ``Conv1D``, ``nn.Embedding
 and output gradients, without instantiating one gradient per sample, and falls back to the
 instantiated per-sample gradients of ``"hooks"`` for every other layer. It holds far less memory
 (``benchmarks/models.py``: 1.03-1.07x the plain step's peak against hooks' 1.04-2.30x). Its norms
-are formed in float64 and certified, which costs time: 1.06-1.32x hooks' step on the narrow and wide
+are certified (float64 products on CPU: ``norms/exact_products.py``), which costs time: 1.06-1.32x hooks' step on the narrow and wide
 benchmark shapes, 0.94x on long sequences (docs/performance.md, 2026-12-06).
 
 So ``"auto"`` is ``"bk"`` when a trainable parameter belongs to a layer with a norm sampler, else
