@@ -273,3 +273,52 @@ def test_dropped_units_add_nothing_through_the_kept_factors(experts, monkeypatch
         assert all(torch.isfinite(s).all() for s in sums.values())
         assert_sums(sums, factor[kept_rows], want)
         assert len(calls) == 1
+
+
+class ProjectedBank(torch.nn.Module):
+    """``bank(x) * g`` on ``(B, T, H)`` tokens: the bank's output gradient is ``g``, a per-sample input."""
+
+    def __init__(self, bank):
+        super().__init__()
+        self.bank = bank
+
+    def forward(self, x, index, weights, g):
+        rows = (x.shape[0] * x.shape[1], -1)
+        return self.bank(x.reshape(rows), index.reshape(rows), weights.reshape(rows)).view(x.shape) * g
+
+
+@pytest.mark.parametrize("route", ["float64", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_exp, delta_exp", [(12, 0), (24, -2), (30, 4)])
+def test_a_cancelling_record_is_clipped(experts, route, dtype, k_exp, delta_exp):
+    """Sample 0: two identical tokens routed alike, output gradients ``K u`` and ``-K u + delta``, so its
+    ``du`` and ``w g`` cancel. What the clipped sum adds for each sample at a factor ``c`` has a float64
+    norm within ``c N`` (``N`` its certified norm, with the clip factors' margin), and so has its exact
+    gradient (float64, of the inputs as rounded to ``dtype``)."""
+    from dptorch.clipping.factors import ROUNDING_MARGIN
+
+    torch.manual_seed(0)
+    model = ProjectedBank(block("mixtral", "eager").experts).to(dtype)
+    g = torch.Generator().manual_seed(k_exp)
+    n, t = 3, 3
+    x, index, weights = routed_batch(n, t, 5, g)
+    out_grad = torch.randn(n, t, H, generator=g, dtype=torch.float64)
+    x[0, 1], index[0, 1], weights[0, 1] = x[0, 0], index[0, 0], weights[0, 0]
+    u, v = (w / w.norm() for w in torch.randn(2, H, generator=g, dtype=torch.float64))
+    out_grad[0, 0], out_grad[0, 1] = 2.0**k_exp * u, -(2.0**k_exp) * u + 2.0**delta_exp * v
+    inputs = (x.to(dtype), index, weights.to(dtype), out_grad.to(dtype))
+    model64 = ProjectedBank(block("mixtral", "eager").experts).double()
+    model64.load_state_dict(model.state_dict())
+    exact = oracle(model64, tuple(t.double() if t.is_floating_point() else t for t in inputs), (0, 0, 0, 0),
+                   lambda out: out.flatten(1).sum(1), n)
+    exact = torch.stack([w.flatten(1).pow(2).sum(1) for w in exact.values()]).sum(0).sqrt()
+    c = 1 / 3
+    with use_route(route), GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum") as hooks:
+        model(*inputs).sum().backward()
+        norms = hooks.per_sample_norms()
+        bound = torch.stack([m.double().square() for m in norms.values()]).sum(0).sqrt() * (1 + ROUNDING_MARGIN)
+        for i in range(n):
+            only = c * (torch.arange(n) == i).float()
+            added = hooks.clipped_sums({p: only for p in norms})
+            assert sum(s.double().square().sum() for s in added.values()).sqrt() <= c * bound[i], i
+            assert exact[i] <= bound[i], (i, float(exact[i]), float(bound[i]))
