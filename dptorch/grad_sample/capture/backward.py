@@ -66,6 +66,7 @@ class CallBackward:
                     norm_sampler, norms_sq=sharding.keyed_by_registered(norm_sampler.norms_sq),
                     clipped_sum=sharding.keyed_by_registered(norm_sampler.clipped_sum),
                     linear_form=sharding.keyed_by_registered(norm_sampler.linear_form),
+                    kept_clipped_sum=sharding.keyed_by_registered(norm_sampler.kept_clipped_sum),
                 )
         call = LayerCall(layer.name, layer.module, params, sampler, norm_sampler, tuple(activations), backprops, scale, units=packed)
         self._rounds.strategy.on_call(call)

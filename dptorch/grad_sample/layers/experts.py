@@ -12,9 +12,21 @@ tokens ``x`` ``(N, H)`` with the router's choice ``top_k_index`` ``(N, k)`` and 
     gate_up_proj[e]: sum_p du_p (x) x_p               du_p = vjp(gate, u_p)(w_p down_proj[e]^T g_p)
 
 with ``g`` the output gradient. The factors are recomputed per expert from the call's inputs (one
-forward's worth of work), in float64 (float32 on the split route of ``exact_products``), and each expert's block is then a linear weight's
-gradient over that sample's pairs, padded per sample (``linear.linear_weight_norms_sq``: ghost or
-instantiated, certified). The bank works token by token, so its norm sampler is token-wise.
+forward's worth of work) in float32 (the model's dtype if wider), and each expert's block is then a
+linear weight's gradient over that sample's pairs, padded per sample (``linear.linear_weight_norms_sq``:
+ghost or instantiated, certified). The bank works token by token, so its norm sampler is token-wise.
+
+The norm pass keeps its factors for the clipped sum (``experts_kept_clipped_sum``; the layer call holds
+them for its round, ``NormSampler.kept_clipped_sum``), which applies each sample's clip factor ``c_b``
+to them: ``sum_p (c_b du_p) x_p^T`` and ``sum_p (c_b wg_p) a_p^T``. Every factor but ``x`` and ``a`` is
+linear in ``g``, so this is the clipped sum, and it is formed from the very arrays whose norm was
+certified: ``linear_weight_norms_sq`` bounds ``||sum_p du_p x_p^T||`` of those arrays, rounding included,
+and the sum's own roundings (the factor's application, ``CLIP_ROUNDINGS``, and the matmul over the
+sample's pairs) as for a Linear layer over the pairs. Whether those arrays are the exact gradient
+does not matter to the bound (a few float32 roundings off it: the exactness tests' concern): what is
+summed for a sample is within ``c_b`` times the certified norm. Recomputing the factors from the
+scaled ``c_b g`` instead (``experts_clipped_sum``, where no norm pass was kept) gives arrays that differ
+by rounding from those whose norm was certified.
 
 The class is recognised by its layout (``looks_like_experts``), never imported from transformers,
 and the rule is checked against each sample's own autograd gradient once per instance and
@@ -26,13 +38,12 @@ from __future__ import annotations
 import copy
 import inspect
 import weakref
-from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
 
-from dptorch.grad_sample.norms.certified import gamma, magnitudes
-from dptorch.grad_sample.norms.exact_products import products_route
+from dptorch.grad_sample.norms.certified import gamma, wide_dtype
 from dptorch.grad_sample.layers.linear import linear_weight_norms_sq, linear_weight_sum
 from dptorch.grad_sample.norms.linear_forms import at_least_float32_dtype, flatten_middle_dims
 from dptorch.grad_sample.layers.registry import register_duck_grad_sampler, register_norm_sampler
@@ -80,16 +91,25 @@ def looks_like_experts(module: nn.Module) -> bool:
 
 
 class ExpertFactors(NamedTuple):
-    """One expert's factors for the pairs routed to it, padded per sample: ``(B, n, F)``, zero rows
-    past each sample's own pairs. ``gate_up_proj[e]``'s per-sample gradient is
-    ``du^T x``, ``down_proj[e]``'s ``wg^T a``."""
+    """One expert's factors, one row per (token, slot) pair routed to it, each sample's pairs together and
+    in sample order: over sample ``b``'s pairs, ``gate_up_proj[e]``'s gradient is ``du^T x`` and
+    ``down_proj[e]``'s ``wg^T a``."""
 
     expert: int
-    x: torch.Tensor  # (B, n, H)
-    du: torch.Tensor  # (B, n, 2I)
-    wg: torch.Tensor  # (B, n, H): routing weight times output gradient
-    a: torch.Tensor  # (B, n, I): the gated activation
-    du_bound: Optional[torch.Tensor] = None  # (B, n, 2I): |vjp(gate)(|wg| |down_proj[e]|)|, see experts_norms_sq
+    x: torch.Tensor  # (P, H)
+    du: torch.Tensor  # (P, 2I)
+    wg: torch.Tensor  # (P, H): routing weight times output gradient
+    a: torch.Tensor  # (P, I): the gated activation
+    rows: torch.Tensor  # (P,) the sample of each pair
+    ranks: torch.Tensor  # (P,) its place among its sample's pairs
+    batch: int
+    width: int  # the most pairs of one sample
+
+    def padded(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``(P, F)`` as ``(B, width, F)``: each sample's pairs, zero rows past them."""
+        out = values.new_zeros(self.batch, self.width, values.shape[-1])
+        out[self.rows, self.ranks] = values
+        return out
 
 
 def _pairs(activations: Tensors, backprops: torch.Tensor):
@@ -104,17 +124,11 @@ def _pairs(activations: Tensors, backprops: torch.Tensor):
     return x.repeat_interleave(k, dim=1), g.repeat_interleave(k, dim=1), index, weights
 
 
-def _padded(values: torch.Tensor, rows: torch.Tensor, ranks: torch.Tensor, batch: int, width: int) -> torch.Tensor:
-    out = values.new_zeros(batch, width, values.shape[-1])
-    out[rows, ranks] = values
-    return out
-
-
 def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Tensor,
-                   dtype: torch.dtype, bounds: bool = False) -> Iterator[ExpertFactors]:
-    """Each expert's factors (``ExpertFactors``), recomputed in ``dtype`` from the call's inputs;
-    experts no pair was routed to are skipped. ``backprops`` may carry per-sample clip factors:
-    every factor but ``x`` and ``a`` is linear in it. ``bounds``: also ``du_bound``."""
+                   dtype: torch.dtype) -> Iterator[ExpertFactors]:
+    """Each expert's factors (``ExpertFactors``), computed in ``dtype`` from the call's inputs; experts
+    no pair was routed to are skipped. ``backprops`` may carry per-sample clip factors: every factor
+    but ``x`` and ``a`` is linear in it."""
     x, g, index, weights = _pairs(activations, backprops)
     batch = x.shape[0]
     gate_up = module.gate_up_proj.detach().to(dtype)
@@ -127,27 +141,15 @@ def expert_factors(module: nn.Module, activations: Tensors, backprops: torch.Ten
         counts = torch.bincount(rows, minlength=batch)
         starts = torch.cumsum(counts, 0) - counts
         ranks = torch.arange(rows.shape[0], device=rows.device) - starts[rows]
-        width = int(counts.max())
         xs = x[rows, cols].to(dtype)
         wg = g[rows, cols].to(dtype) * weights[rows, cols].to(dtype).unsqueeze(-1)
-        u = xs @ gate_up[e].t()
-        a, pullback = torch.func.vjp(apply_gate, u)
+        a, pullback = torch.func.vjp(apply_gate, xs @ gate_up[e].t())
         (du,) = pullback(wg @ down[e])
-        pad = lambda t: _padded(t, rows, ranks, batch, width)  # noqa: E731
-        # each entry of du is one coefficient of the gate's Jacobian times one entry of its cotangent,
-        # so for a non-negative cotangent |vjp(v)| is |J|^T v
-        bound = pad(pullback(wg.abs() @ down[e].abs())[0].abs()) if bounds else None
-        yield ExpertFactors(e, pad(xs), pad(du), pad(wg), pad(a), bound)
-
-
-def _recompute_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the factors are recomputed in: float64 where certified products take the float64 route,
-    else float32 (no float64 matmul on an accelerator; ``_recompute_slack`` bounds either)."""
-    return torch.float64 if products_route(device) == "float64" else torch.float32
+        yield ExpertFactors(e, xs, du, wg, a, rows, ranks, batch, int(counts.max()))
 
 
 def _factor_dtype(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> torch.dtype:
-    """The dtype the clipped sum is formed in: float32 at least (the model's wider dtype if any)."""
+    """The dtype the factors and the clipped sum are formed in: float32 at least (the model's wider dtype if any)."""
     dtype = torch.promote_types(activations[0].dtype, backprops.dtype)
     return at_least_float32_dtype(torch.promote_types(dtype, module.gate_up_proj.dtype))
 
@@ -168,62 +170,73 @@ def experts_grad_sampler(module: nn.Module, activations: Tensors, backprops: tor
     dtype = _factor_dtype(module, activations, backprops)
     batch = activations[0].shape[0]
     grads = {p: torch.zeros(batch, *p.shape, dtype=dtype, device=p.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, backprops, _recompute_dtype(backprops.device)):
+    for f in expert_factors(module, activations, backprops, dtype):
         if gate_up is not None:
-            grads[gate_up][:, f.expert] = torch.bmm(f.du.transpose(1, 2), f.x).to(dtype)
+            grads[gate_up][:, f.expert] = torch.bmm(f.padded(f.du).transpose(1, 2), f.padded(f.x))
         if down is not None:
-            grads[down][:, f.expert] = torch.bmm(f.wg.transpose(1, 2), f.a).to(dtype)
+            grads[down][:, f.expert] = torch.bmm(f.padded(f.wg).transpose(1, 2), f.padded(f.a))
     return {p: g.to(p.dtype) for p, g in grads.items()}
 
 
-def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
+def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.Tensor,
+                     keep: Optional[Dict[str, object]] = None) -> Dict[nn.Parameter, torch.Tensor]:
     """Certified per-sample squared norms: each expert's block is a linear weight's gradient over the
-    sample's pairs (``linear_weight_norms_sq``, which bounds the clipped sum's matmul), widened by what
-    recomputing the factors from scaled output gradients can change (``_recompute_slack``); the
-    blocks' bounds are summed (rounded up)."""
+    sample's pairs (``linear_weight_norms_sq``, which bounds the clipped sum's matmul); the blocks'
+    bounds are summed (rounded up). ``keep``: a dict that gets the factors, for ``experts_kept_clipped_sum``."""
     gate_up, down = _wanted(module)
-    batch = activations[0].shape[0]
-    wide = _recompute_dtype(backprops.device)
+    wide = wide_dtype(backprops.device)
+    norms = {p: torch.zeros(activations[0].shape[0], dtype=wide, device=backprops.device) for p in (gate_up, down) if p is not None}
     dtype = _factor_dtype(module, activations, backprops)
-    hidden = module.gate_up_proj.shape[2]
-    norms = {p: torch.zeros(batch, dtype=wide, device=backprops.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, backprops, wide, bounds=gate_up is not None):
-        # the factors the clipped sum multiplies, in its dtype
+    kept = []
+    for f in expert_factors(module, activations, backprops, dtype):
+        if keep is not None:
+            kept.append(f)
         if gate_up is not None:
-            x, du = f.x.to(dtype), f.du.to(dtype)
-            slack = _recompute_slack(x, du, dtype, wide, hidden, f.du_bound)
-            norms[gate_up] += (linear_weight_norms_sq(x, du).sqrt() + slack).square()
+            norms[gate_up] += linear_weight_norms_sq(f.padded(f.x), f.padded(f.du))
         if down is not None:
-            a, wg = f.a.to(dtype), f.wg.to(dtype)
-            norms[down] += (linear_weight_norms_sq(a, wg).sqrt() + _recompute_slack(a, wg, dtype, wide)).square()
+            norms[down] += linear_weight_norms_sq(f.padded(f.a), f.padded(f.wg))
+    if keep is not None:
+        keep.update(factors=kept, dtype=dtype)
     experts = module.gate_up_proj.shape[0]
-    return {p: n * (1 + gamma(2 * experts + 8, wide)) for p, n in norms.items()}
+    return {p: n * (1 + gamma(experts + 2, wide)) for p, n in norms.items()}  # the blocks' sum, rounded up
 
 
-def _recompute_slack(right: torch.Tensor, left: torch.Tensor, dtype: torch.dtype, wide: torch.dtype,
-                     hidden: int = 0, bound: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """How far the clipped sum's factor ``left`` (recomputed from ``c_i g_i``) may be from ``c_i`` times
-    the norms' (from ``g_i``), as a norm per sample: two casts to ``dtype`` of each entry
-    (relative), and, for ``du``, the rounding of ``c_i g_i`` and of the two wide recomputations of
-    ``down_proj[e]^T (w g)``, bounded by ``bound`` (``du_bound``) entrywise, not by ``|du|``."""
-    slack = gamma(2, dtype) * magnitudes(left, right)
-    if bound is not None:
-        slack = slack + (2 * gamma(hidden + 64, wide) + gamma(2, dtype)) * magnitudes(bound, right)
-    return slack.to(wide)
+def _summed(module: nn.Module, factors: Iterable[ExpertFactors], dtype: torch.dtype,
+            scale: Optional[torch.Tensor] = None, dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+    """Per expert, ``sum_p (c_p du_p) x_p^T`` and ``sum_p (c_p wg_p) a_p^T`` over all its pairs, one matmul
+    each (``linear_weight_sum``), in ``dtype`` (the factors'), with ``c_p`` the factor ``scale`` of the pair's
+    sample (None: 1); the pairs of the samples in ``dropped`` add exactly 0 (``torch.where``: their rows
+    may be inf or NaN)."""
+    gate_up, down = _wanted(module)
+    sums = {p: torch.zeros(p.shape, dtype=dtype, device=p.device) for p in (gate_up, down) if p is not None}
+    for f in factors:
+        x, du, wg, a = f.x, f.du, f.wg, f.a
+        if scale is not None:
+            c = scale.to(device=du.device, dtype=torch.promote_types(scale.dtype, dtype))[f.rows].unsqueeze(-1)
+            du, wg = du * c, wg * c
+        if dropped is not None:
+            gone = dropped.to(du.device)[f.rows].unsqueeze(-1)
+            x, du, wg, a = (torch.where(gone, t.new_zeros(()), t) for t in (x, du, wg, a))
+        if gate_up is not None:
+            sums[gate_up][f.expert] = linear_weight_sum(x, du)
+        if down is not None:
+            sums[down][f.expert] = linear_weight_sum(a, wg)
+    return sums
 
 
 def experts_clipped_sum(module: nn.Module, activations: Tensors, scaled_backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """The bank's batch gradient from clip-factor-scaled output gradients: per expert, one matmul
-    over all its pairs (``linear_weight_sum``)."""
-    gate_up, down = _wanted(module)
+    """The bank's batch gradient from clip-factor-scaled output gradients, its factors recomputed (where
+    no norm pass was kept: ``experts_kept_clipped_sum``)."""
     dtype = _factor_dtype(module, activations, scaled_backprops)
-    sums = {p: torch.zeros(p.shape, dtype=dtype, device=p.device) for p in (gate_up, down) if p is not None}
-    for f in expert_factors(module, activations, scaled_backprops, _recompute_dtype(scaled_backprops.device)):
-        if gate_up is not None:
-            sums[gate_up][f.expert] = linear_weight_sum(f.x.to(dtype), f.du.to(dtype))
-        if down is not None:
-            sums[down][f.expert] = linear_weight_sum(f.a.to(dtype), f.wg.to(dtype))
-    return sums
+    return _summed(module, expert_factors(module, activations, scaled_backprops, dtype), dtype)
+
+
+def experts_kept_clipped_sum(module: nn.Module, kept: Dict[str, object], factors: torch.Tensor,
+                             dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
+    """The bank's batch gradient from the factors its norm pass kept (``experts_norms_sq(keep=)``), each
+    sample's factor ``factors`` ``(B,)`` applied to its pairs' ``du`` and ``wg``: the gradient whose norm was
+    bounded, scaled."""
+    return _summed(module, kept["factors"], kept["dtype"], factors, dropped)
 
 
 # ----------------------------------------------------------------------------- check and registration
@@ -270,13 +283,16 @@ def matches_batch_of_one(module: nn.Module) -> bool:
                 want.append(torch.autograd.grad((out * backprops[i]).sum(), params, allow_unused=True))
         want = {p: torch.stack([torch.zeros_like(p) if w[j] is None else w[j] for w in want]) for j, p in enumerate(params)}
         got = experts_grad_sampler(small, inputs, backprops)
-        squared = experts_norms_sq(small, inputs, backprops)
+        kept: Dict[str, object] = {}
+        squared = experts_norms_sq(small, inputs, backprops, keep=kept)
         factors = torch.rand(2, generator=generator) + 0.5
         sums = experts_clipped_sum(small, inputs, backprops * factors.view(2, 1, 1))
+        kept_sums = experts_kept_clipped_sum(small, kept, factors)
         close = lambda x, y: torch.allclose(x.double(), y.double(), rtol=1e-4, atol=1e-5 * float(y.abs().max()))  # noqa: E731
         return all(
             close(got[p], w) and close(squared[p], w.flatten(1).pow(2).sum(1))
-            and close(sums[p], torch.einsum("i,i...->...", factors, w)) for p, w in want.items()
+            and close(sums[p], torch.einsum("i,i...->...", factors, w))
+            and close(kept_sums[p], torch.einsum("i,i...->...", factors, w)) for p, w in want.items()
         )
     except Exception:
         return False
@@ -296,4 +312,5 @@ def verify_experts(module: nn.Module) -> bool:
 
 register_duck_grad_sampler(looks_like_experts, verify=verify_experts)(experts_grad_sampler)
 # find_norm_sampler hands the norm sampler only to modules the grad sampler's check passed
-register_norm_sampler(predicate=looks_like_experts, clipped_sum=experts_clipped_sum, token_wise=True)(experts_norms_sq)
+register_norm_sampler(predicate=looks_like_experts, clipped_sum=experts_clipped_sum, token_wise=True,
+                      kept_clipped_sum=experts_kept_clipped_sum)(experts_norms_sq)

@@ -163,12 +163,20 @@ class NormSampler:
     of one privacy unit can be concatenated along the middle dimensions. ``linear_form``, if
     given, returns the weight's per-sample gradient as factors ``sum_t left_t (x) right_t`` so that
     a weight shared with another layer (tied embeddings) needs no instantiation either.
+
+    ``kept_clipped_sum(module, kept, factors, dropped)``, if given, forms the clipped sum from what
+    ``norms_sq(module, activations, backprops, keep=kept)`` left in ``kept`` (a dict its caller holds
+    for that one layer call) and each sample's factor ``factors`` ``(B,)``, instead of recomputing it
+    from scaled output gradients: what it sums is then the gradient whose norm ``norms_sq`` bounded.
+    The rows of the samples in the bool mask ``dropped`` (None: none) must add exactly 0 (by
+    ``torch.where``: they may hold inf or NaN). Where no norm pass was kept, ``clipped_sum`` runs.
     """
 
     norms_sq: NormFunction
     clipped_sum: NormFunction
     token_wise: bool = False
     linear_form: Optional[Callable] = None
+    kept_clipped_sum: Optional[Callable] = None
 
 
 _NORM_SAMPLERS: Dict[Type[nn.Module], Tuple[NormSampler, Optional[ModulePredicate]]] = {}
@@ -181,11 +189,13 @@ def register_norm_sampler(
     predicate: Optional[ModulePredicate] = None,
     token_wise: bool = False,
     linear_form: Optional[Callable] = None,
+    kept_clipped_sum: Optional[Callable] = None,
 ):
     """Decorator registering ``norms_sq(module, activations, backprops)`` for ghost/BK modes.
 
     ``clipped_sum(module, activations, scaled_backprops)`` must return the batch gradient of each
     trainable direct parameter given backprops already multiplied by each sample's clip factor.
+    With ``kept_clipped_sum`` (see ``NormSampler``), ``norms_sq`` also takes ``keep=``.
     Give module types (with a ``predicate``, the rule holds only for the instances it accepts),
     or a ``predicate`` alone for duck-typed families.
     """
@@ -193,7 +203,7 @@ def register_norm_sampler(
         raise TypeError("register_norm_sampler needs module types or a predicate")
 
     def decorator(fn: NormFunction) -> NormFunction:
-        sampler = NormSampler(fn, clipped_sum, token_wise, linear_form)
+        sampler = NormSampler(fn, clipped_sum, token_wise, linear_form, kept_clipped_sum)
         for module_type in module_types:
             _NORM_SAMPLERS[module_type] = (sampler, predicate)
         if not module_types:
@@ -310,7 +320,9 @@ def _grads_match(computed: Dict[nn.Parameter, torch.Tensor], expected: Dict[nn.P
 
 
 def _norm_sampler_matches(norm_sampler, module, inputs, backprops, expected, random) -> bool:
-    squared = norm_sampler.norms_sq(module, inputs, backprops)
+    kept: Dict[str, Any] = {}
+    keep = {} if norm_sampler.kept_clipped_sum is None else {"keep": kept}
+    squared = norm_sampler.norms_sq(module, inputs, backprops, **keep)
     want_squared = {p: g.flatten(1).pow(2).sum(1) for p, g in expected.items()}
     if not _grads_match(squared, want_squared):
         return False
@@ -318,6 +330,8 @@ def _norm_sampler_matches(norm_sampler, module, inputs, backprops, expected, ran
     scaled = backprops * factors.view(-1, *([1] * (backprops.dim() - 1)))
     want_sums = {p: torch.einsum("i,i...->...", factors, g) for p, g in expected.items()}
     if not _grads_match(norm_sampler.clipped_sum(module, inputs, scaled), want_sums):
+        return False
+    if keep and not _grads_match(norm_sampler.kept_clipped_sum(module, kept, factors, None), want_sums):
         return False
     if norm_sampler.linear_form is None:
         return True

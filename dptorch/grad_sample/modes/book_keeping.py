@@ -12,7 +12,8 @@ clip-factor-scaled copy (``shared_inputs.shared_affine_norms_and_grads`` /
 ``shared_affine_clipped_sums``). A Linear / Conv1D norm that was instantiated (long sequences:
 ``T (d + p) >= d p``) keeps its per-sample gradient, and the clipped sum is its weighted sum: one
 pass over ``B d p`` numbers instead of a second ``T d p`` matmul per sample; a bias keeps its
-per-sample gradient (the summed output gradient) the same way.
+per-sample gradient (the summed output gradient) the same way. A norm sampler that keeps its norm
+pass (``NormSampler.kept_clipped_sum``: the expert banks' factors) forms its clipped sum from it.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class BookKeeping:
                 affine_calls.append(call)
                 affine_uses.append(use)
             elif own:
-                squared = call.norm_sampler.norms_sq(call.module, call.activations, call.backprops)
+                squared = call.norms_sq()
                 squares += [(param, squared[param], call.scale) for param in own]
             if len(own) < len(call.params):
                 for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
@@ -198,6 +199,15 @@ class BookKeeping:
                     affine_factors.append(tuple(
                         None if p is None else scaled_factor(p, call.scale) for p in (use.weight, use.bias)
                     ))
+                    continue
+                norm_pass = call.kept_norm_pass()
+                if norm_pass is not None:  # the norm pass's own factors: the sum is of the gradient it bounded
+                    for _, params in _group_by_factor(call.params.values(), factors):
+                        computed = call.norm_sampler.kept_clipped_sum(
+                            call.module, norm_pass, scaled_factor(params[0], call.scale), dropped)
+                        for param in params:
+                            summed = computed[param].float()
+                            sums[param] = summed + sums[param] if param in sums else summed
                     continue
                 if dropped is not None and any(a.is_floating_point() for a in call.activations):
                     # A sampler's row i depends on sample i's rows only: dropped rows are zeroed after it.

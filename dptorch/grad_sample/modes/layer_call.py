@@ -3,7 +3,9 @@
 A call's scale (the batch size, for a mean loss) goes on the smaller of its output gradient and its
 per-sample gradients (``sampled_grads``). ``affine_layout`` tells the built-in ``nn.Linear`` / HF
 ``Conv1D`` norm samplers apart from any other; ``plain_embedding`` whether a call is an
-``nn.Embedding`` lookup that ``Instantiate`` may keep as rows.
+``nn.Embedding`` lookup that ``Instantiate`` may keep as rows. What a norm sampler's norm pass keeps
+for its clipped sum (``NormSampler.kept_clipped_sum``) is the call's own (``NormPass``): never another
+call's, never after the call's tensors changed, and gone with the call when its round is cleared.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,6 +30,24 @@ from dptorch.grad_sample.units.token_units import TokenUnits
 FRESH_RESULT_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler, embedding_grad_sampler})
 #: Built-in samplers that take ``empty=`` (memory for their per-sample weight gradients) and ``scale=``.
 POOLED_SAMPLERS = frozenset({linear_grad_sampler, hf_conv1d_grad_sampler})
+
+
+@dataclass
+class NormPass:
+    """What one call's norm pass kept for its clipped sum, and the tensors (and their versions) it read."""
+
+    kept: Dict[str, Any]
+    sources: Tuple[torch.Tensor, ...]
+    versions: Tuple[Optional[int], ...]
+
+    def read(self, tensors: Tuple[torch.Tensor, ...]) -> bool:
+        """Whether ``tensors`` are the very ones it read, unmodified since."""
+        return len(tensors) == len(self.sources) and all(
+            t is s for t, s in zip(tensors, self.sources)) and _versions(tensors) == self.versions
+
+
+def _versions(tensors: Tuple[torch.Tensor, ...]) -> Tuple[Optional[int], ...]:
+    return tuple(None if t.is_inference() else t._version for t in tensors)  # (inference tensors keep none)
 
 
 @dataclass
@@ -48,9 +68,29 @@ class LayerCall:
     # the token units, and the tokens whose weight gradient the norms did not instantiate (None: all were).
     units: Optional[TokenUnits] = None
     unkept_tokens: Optional[torch.Tensor] = None
+    # What the norm sampler's norm pass kept for its clipped sum (``norms_sq``, ``kept_norm_pass``).
+    norm_pass: Optional[NormPass] = None
 
     def scaled_backprops(self) -> torch.Tensor:
         return self.backprops * self.scale if self.scale != 1.0 else self.backprops
+
+    def norms_sq(self) -> Dict[nn.Parameter, torch.Tensor]:
+        """The norm sampler's squared norms of this call; a sampler with ``kept_clipped_sum`` keeps its
+        norm pass in ``norm_pass``."""
+        sampler = self.norm_sampler
+        if sampler.kept_clipped_sum is None:
+            return sampler.norms_sq(self.module, self.activations, self.backprops)
+        sources = (self.backprops, *self.activations)
+        versions, kept = _versions(sources), {}
+        squared = sampler.norms_sq(self.module, self.activations, self.backprops, keep=kept)
+        self.norm_pass = NormPass(kept, sources, versions)
+        return squared
+
+    def kept_norm_pass(self) -> Optional[Dict[str, Any]]:
+        """What this call's norm pass kept, if the call still holds the tensors it read, unmodified;
+        else None (the clipped sum is recomputed)."""
+        held = self.norm_pass
+        return held.kept if held is not None and held.read((self.backprops, *self.activations)) else None
 
     @property
     def samples(self) -> int:
@@ -64,7 +104,8 @@ class LayerCall:
         if self.units is None:
             return self
         return dataclasses.replace(self, activations=tuple(self.units.group(a) for a in self.activations),
-                                   backprops=self.units.group(self.backprops), units=None, per_sample=None)
+                                   backprops=self.units.group(self.backprops), units=None, per_sample=None,
+                                   norm_pass=None)
 
 
 def sampled_grads(call: LayerCall, empty: Callable[..., torch.Tensor]) -> Tuple[Dict[nn.Parameter, torch.Tensor], bool]:
