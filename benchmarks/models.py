@@ -7,7 +7,12 @@
 
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
-after two warm-up steps. Peak memory is the process's peak RSS growth over the step loop.
+after two warm-up steps, with the optimizer built by hand (a fixed batch). Peak memory is the
+process's peak RSS over the step loop. Then each dptorch mode and the plain step run again in
+their own processes through the path users take (``--engine-steps``, default 10; 0 skips it):
+``make_private`` with its Poisson DP data loader, the same draws (seed 0) for the plain step (plain
+SGD on the same loader), each step's peak RSS and the RSS after it recorded, so a private step is
+compared with the plain step on the same batch and a climb over the steps shows.
 Prints a table and writes models.json into a fresh folder (``--out-dir``; printed at the end), or
 into benchmarks/results/ with ``--update-committed``. Opacus (an optional peer, ``pip install
 dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``opacus-ghost``
@@ -138,6 +143,107 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
             "min_s": min(times), "max_s": max(times), "peak_mib": peak, "peak_kind": "CUDA allocated" if cuda else "RSS",
             "peak_rss_mib": rss, "rss_growth_mib": rss - rss_before / 1024, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype}
+
+
+ENGINE_MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch")  # the modes make_private runs
+
+
+class StepPeak:
+    """Peak memory of each step: RSS on the CPU (the kernel's high-water mark, reset before each step
+    through ``/proc/self/clear_refs``; where that cannot be written, the process's peak so far),
+    allocated memory on CUDA."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.cuda = torch.device(device).type == "cuda"
+        self.per_step = self.cuda
+        if not self.cuda:
+            try:
+                self.reset()
+                self.per_step = True
+            except OSError:
+                pass
+
+    def reset(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # resets the peak resident set size (VmHWM)
+
+    def peak_mib(self) -> float:
+        import torch
+
+        if self.cuda:
+            return torch.cuda.max_memory_allocated() / 2**20
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the high-water mark, reset or not
+
+    def now_mib(self) -> float:
+        import torch
+
+        if self.cuda:
+            return torch.cuda.memory_allocated() / 2**20
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def measure_engine(shape: str, mode: str, steps: int, seq: int | None, batch: int | None, device: str = "cpu",
+                   dtype: str = "float32") -> dict:
+    """``steps`` steps through ``make_private`` (its defaults: the wrapped model) with its Poisson DP data
+    loader, or (mode ``nonprivate``) plain SGD on the same loader: each step's peak memory, the memory
+    after it, its batch size and time. Expected batch ``batch`` (sample rate 1/20), seed 0 for the draws."""
+    import torch
+
+    from dptorch import PrivacyEngine
+    from dptorch.data import DPDataLoader
+
+    family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
+    seq, batch = seq or default_seq, batch or default_batch
+    torch.manual_seed(0)
+    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype)).train()
+    rows = torch.utils.data.TensorDataset(torch.randint(0, vocab, (batch * 20, seq)))
+    loader = DPDataLoader.from_data_loader(torch.utils.data.DataLoader(rows, batch_size=batch), seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    if mode != "nonprivate":
+        model, optimizer, loader = PrivacyEngine().make_private(
+            module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+            grad_sample_mode=mode)
+    meter = StepPeak(device)
+    sync = torch.cuda.synchronize if meter.cuda else (lambda: None)
+    records, draws = [], iter(loader)
+    while len(records) < steps:
+        try:
+            (ids,) = next(draws)
+        except StopIteration:
+            draws = iter(loader)
+            continue
+        if not len(ids):  # an empty Poisson draw: HF models cannot run 0 rows
+            continue
+        ids = ids.to(device)
+        meter.reset()
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(input_ids=ids).logits.transpose(1, 2), ids).backward()
+        optimizer.step()
+        sync()
+        records.append({"batch": len(ids), "ms": round(1000 * (time.perf_counter() - start)),
+                        "peak_mib": round(meter.peak_mib()), "after_mib": round(meter.now_mib())})
+    return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "steps": records,
+            "peak_mib": max(r["peak_mib"] for r in records), "per_step_peaks": meter.per_step,
+            "peak_kind": "CUDA allocated" if meter.cuda else "RSS", "threads": torch.get_num_threads()}
+
+
+def engine_line(private: dict, plain: dict | None) -> str:
+    """The engine run's peak against the plain one's, and each step's against the plain step on the same draw."""
+    line = f"through make_private: peak {private['peak_kind']} {private['peak_mib']:7.0f} MiB"
+    if plain is not None and plain is not private:
+        line += f"  x{private['peak_mib'] / plain['peak_mib']:.2f}"
+        if private["per_step_peaks"] and plain["per_step_peaks"]:
+            line += "; per step x " + " ".join(f"{a['peak_mib'] / b['peak_mib']:.2f}" for a, b in zip(private["steps"], plain["steps"]))
+    return line + "; after each step " + " ".join(str(r["after_mib"]) for r in private["steps"]) + " MiB"
 
 
 class FloorStep:
@@ -279,7 +385,52 @@ def summarize(paths: list) -> str:
             ratios = [rows[slower]["median_s"] / rows[faster]["median_s"] for rows in by_mode] if ok(slower) and ok(faster) else None
             cells.append(spread(ratios) if ratios else "-")
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + summarize_engine(runs))
+
+
+def summarize_engine(runs: list) -> list:
+    """Lines of a markdown table of the runs through ``make_private``: the plain step's peak RSS (median
+    over the runs) and each dptorch mode's peak over it, median (min-max) over the runs."""
+    engine = [[r for r in run if "engine_peak_ratio" in r] for run in runs]
+    modes = [m for m in ENGINE_MODES[1:] if all(any(r["mode"] == m for r in rows) for rows in engine)]
+    if not all(engine) or not modes:
+        return []
+    lines = ["", "Peak RSS through make_private (same Poisson draws), over the plain step's:", "",
+             "| shape | plain | " + " | ".join(modes) + " |", "|" + "---|" * (2 + len(modes))]
+    for shape in dict.fromkeys(r["shape"] for r in engine[0]):
+        found = [{r["mode"]: r for r in rows if r["shape"] == shape} for rows in engine]
+        if not all("nonprivate" in rows for rows in found):
+            continue
+        cells = [f"{statistics.median(rows['nonprivate']['engine']['peak_mib'] for rows in found):,.0f} MiB"]
+        for mode in modes:
+            ratios = [rows[mode]["engine_peak_ratio"] for rows in found if mode in rows]
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) == len(found) else "-")
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def run_engine(args, rows: list, shape: str, seq, batch) -> None:
+    """The engine runs of this shape's measured dptorch modes (``measure_engine``), the plain step first,
+    each added to its mode's row (``engine``, and ``engine_peak_ratio`` against the plain run)."""
+    measured = {r["mode"]: r for r in rows if r["shape"] == shape and r.get("seq") == (seq or SHAPES[shape][3])
+                and r.get("batch") == (batch or SHAPES[shape][4]) and "error" not in r}
+    modes = [m for m in ENGINE_MODES if m in measured] if args.engine_steps > 0 else []
+    plain = None
+    for mode in modes:
+        cmd = [sys.executable, __file__, "--engine-steps", str(args.engine_steps), "--device", args.device, "--dtype", args.dtype,
+               "--one-engine", shape, mode, str(seq or 0), str(batch or 0)]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            error = (run.stderr.strip().splitlines() or ["failed"])[-1][:90]
+            measured[mode]["engine"] = {"error": error}
+            print(f"{shape:20s} {mode:13s} through make_private fails: {error}", flush=True)
+            continue
+        engine = json.loads(run.stdout.strip().splitlines()[-1])
+        plain = engine if mode == "nonprivate" else plain
+        measured[mode]["engine"] = engine
+        if plain is not None:
+            measured[mode]["engine_peak_ratio"] = engine["peak_mib"] / plain["peak_mib"]
+        print(f"{shape:20s} {mode:13s} {engine_line(engine, plain)}", flush=True)
 
 
 def main() -> None:
@@ -289,11 +440,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's parameters")
     parser.add_argument("--modes", nargs="+", default=["nonprivate", "floor", "hooks", "bk", "ghost", "opacus-hooks", "opacus-ghost"], choices=list(MODES))
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--engine-steps", type=int, default=10,
+                        help="steps of each dptorch mode and the plain step through make_private (0: skip)")
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
     parser.add_argument("--summarize", nargs="+", metavar="JSON", help="print the table of several runs' results")
     add_output_flags(parser, "benchmarks/results/models.json")
     parser.add_argument("--one", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-engine", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.summarize:
         print(summarize(args.summarize))
@@ -301,6 +455,10 @@ def main() -> None:
     if args.one:
         shape, mode, seq, batch = args.one
         print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None, args.device, args.dtype)))
+        return
+    if args.one_engine:
+        shape, mode, seq, batch = args.one_engine
+        print(json.dumps(measure_engine(shape, mode, args.engine_steps, int(seq) or None, int(batch) or None, args.device, args.dtype)))
         return
     rows = []
     for shape in args.shapes:
@@ -327,6 +485,7 @@ def main() -> None:
                     rows.append(row)
                     print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
                           f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak {row['peak_kind']} {row['peak_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
+                run_engine(args, rows, shape, seq, batch)
                 for ours, theirs in [*OPACUS_PEERS.items(), *FLOOR_PEERS.items()]:
                     line = versus(rows, shape, ours, theirs)
                     if line:

@@ -28,6 +28,19 @@ def test_a_dropped_block_is_lent_again_and_a_larger_request_gets_new_memory():
     assert pool.empty((4, 5), torch.float64, "cpu").data_ptr() != address  # another dtype
 
 
+def test_an_outgrown_block_is_let_go_when_its_successor_is_made():
+    """A larger Poisson batch outgrows last round's block: the pool lets go of it then, rather than holding
+    it beside the new one for the whole round; a block of another dtype or one still large enough stays."""
+    pool = BufferPool()
+    for shape, dtype in [((4, 5), torch.float32), ((40, 5), torch.float32), ((4, 5), torch.float64)]:
+        pool.empty(shape, dtype, "cpu")
+    pool.reclaim()
+    assert sorted((b.numel(), b.dtype == torch.float32) for b in pool._free) == [(25, False), (25, True), (250, True)]
+    pool.empty((8, 5), torch.float32, "cpu")  # fits the 250: nothing let go
+    pool.empty((9, 5), torch.float32, "cpu")  # fits nothing free: the 25 (float32) is let go
+    assert sorted((b.numel(), b.dtype == torch.float32) for b in pool._free) == [(25, False)]
+
+
 @pytest.mark.parametrize("keep", [
     lambda t: t,  # the tensor itself
     lambda t: t[1],  # a view of it

@@ -31,7 +31,14 @@ from dptorch.grad_sample.modes.instantiate import Instantiate, NameOf
 from dptorch.grad_sample.modes.layer_call import LayerCall, affine_layout, plain_embedding, sampled_grads
 from dptorch.grad_sample.modes.precision import float32_matmuls_at_full_precision
 from dptorch.grad_sample.modes.unit_rows import group_rows_by_unit, zero_rows
-from dptorch.grad_sample.norms.linear_forms import at_least_float32, shared_form_norms, stacked_map, weighted_sum, weighted_sums
+from dptorch.grad_sample.norms.linear_forms import (
+    WIDE_BLOCK,
+    at_least_float32,
+    shared_form_norms,
+    stacked_map,
+    weighted_sum,
+    weighted_sums,
+)
 from dptorch.grad_sample.norms.shared_inputs import (
     AffineUse,
     memory_key,
@@ -290,8 +297,22 @@ def _factors_cheaper(call: LayerCall) -> bool:
 
 def shared_norm(uses) -> torch.Tensor:
     """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and linear form
-    ``G_k`` (cross terms included: ``linear_forms.shared_form_norms``)."""
-    return shared_form_norms(uses)
+    ``G_k`` (cross terms included: ``linear_forms.shared_form_norms``), a block of samples at a time:
+    no wide copy of a factor and no Gram it forms holds more than ``WIDE_BLOCK`` elements (a tied LM
+    head's ``(B, T, vocab)`` output gradient is never copied whole). Each sample's norm is its own."""
+    forms = [form for _, form in uses]
+    batch = forms[0].right.shape[0]
+    per_sample = max(form.tokens * max(form.tokens, form.width) for form in forms)
+    rows = max(1, WIDE_BLOCK // max(1, per_sample))
+    if rows >= batch or any(form.left.shape[0] != batch or form.right.shape[0] != batch for form in forms):
+        return shared_form_norms(uses)
+    blocks = []
+    for start in range(0, batch, rows):
+        # One slice per form object: a form entering several uses stays one object (its pairs' weights).
+        block = {id(form): dataclasses.replace(form, left=form.left[start:start + rows], right=form.right[start:start + rows])
+                 for form in forms}
+        blocks.append(shared_form_norms([(scale, block[id(form)]) for scale, form in uses]))
+    return torch.cat(blocks)
 
 
 def _group_by_factor(params, factors: Dict[nn.Parameter, torch.Tensor]):

