@@ -106,9 +106,8 @@ class Accountant(ABC):
     def _check_supported(self, selection: Selection) -> None:
         if selection.kind in self.selections:
             return
-        from dptorch.accounting.factory import ACCOUNTANTS  # the registry imports this module
-
-        able = [repr(name) for name, kind in ACCOUNTANTS.items() if selection.kind in kind.selections]
+        able = sorted({repr(str(kind.mechanism)) for kind in _descendants(Accountant)
+                       if selection.kind in getattr(kind, "selections", ())})
         raise ValueError(
             f"the {self.mechanism!r} accountant cannot account {selection.kind} batch selection ("
             f"{selection.describe()}); it is accounted by the {' or '.join(able) or 'no'} accountant: build the "
@@ -246,3 +245,12 @@ class Accountant(ABC):
         self._history = history
         self._selection = selection
         self._epsilon_cache.clear()
+
+
+def _descendants(cls: type) -> list:
+    """Every subclass of ``cls``, at any depth (the accountants defined so far: importing this module
+    imports the package, which defines them all)."""
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub] + _descendants(sub)
+    return out
