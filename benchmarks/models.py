@@ -19,7 +19,7 @@ dptorch[bench]``) runs the same model and batch in modes ``opacus-hooks`` and ``
 (its ghost clipping with ``DPLossFastGradientClipping``); hooks and bk are compared against them.
 Mode ``floor`` is the non-private step plus the work no exact DP-SGD step can skip, timed alone:
 each trainable Linear / Conv1D / Embedding call's per-sample gradient norms, ghost or
-instantiated, whichever is cheaper (a tied weight's uses each once: a lower bound; an
+instantiated as bk chooses (``shared_inputs.ghost_norms_chosen``; a tied weight's uses each once: a lower bound; an
 instantiated gradient stands in for the weight gradient, so only its norm and its weighted sum
 are counted), and one Gaussian draw per parameter; bk is reported against it.
 """
@@ -249,7 +249,7 @@ def engine_line(private: dict, plain: dict | None) -> str:
 class FloorStep:
     """The plain optimizer step followed by the private work no exact step can skip: per-sample
     norms of every trainable Linear / Conv1D / Embedding call (on random tensors of the call's
-    shapes, grouped by shared input as bk groups them; where instantiating is cheaper, the norm and
+    shapes, grouped by shared input as bk groups them; where bk instantiates, the norm and
     the weighted sum of a per-sample gradient, which replaces the weight gradient's matmul) and
     one Gaussian draw per parameter."""
 

@@ -1,6 +1,8 @@
 """Fast paths stay exact: transposed output gradients made contiguous at the tap, per-sample
 gradients summed in place only into memory the controller owns."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -95,3 +97,20 @@ def test_a_mean_loss_scale_applied_after_the_sampler_is_exact():
             norms[mode] = hooks.per_sample_norms()
     for p, want in norms["hooks"].items():
         torch.testing.assert_close(norms["bk"][p], want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("width, tokens, kept", [(4, 6, True), (64, 3, False)])
+def test_kept_gradients_take_their_calls_factors_place(width, tokens, kept):
+    """A Linear whose per-sample gradient bk keeps (``d p`` numbers, at most twice the ``T (d + p)`` of its
+    input and output gradient) lets those go once the norms are formed; a ghost-norm Linear holds them for its
+    clipped sum. Both clip as hooks do."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+    seen = []
+    mlp[2].register_forward_pre_hook(lambda module, args: seen.append(weakref.ref(args[0])))
+    with GradSampleHooks(mlp, grad_sample_mode="bk", loss_reduction="sum") as hooks:
+        projection_loss(mlp(torch.randn(3, tokens, width))).sum().backward()
+        assert seen[0]() is not None
+        hooks.per_sample_norms()
+        assert (seen[0]() is None) == kept
+    assert_modes_agree(mlp, (torch.randn(3, tokens, width),), projection_loss)

@@ -9,10 +9,12 @@ instantiated inside ``BookKeeping`` too (by an ``Instantiate``): the norm of a s
 the norm of the sum of its uses. Built-in ``nn.Linear`` / HF ``Conv1D`` calls that read one input
 tensor (q/k/v, gate/up: the same memory, never merely equal values) share its Gram matrix and its
 clip-factor-scaled copy (``shared_inputs.shared_affine_norms_and_grads`` /
-``shared_affine_clipped_sums``). A Linear / Conv1D norm that was instantiated (long sequences:
-``T (d + p) >= d p``) keeps its per-sample gradient, and the clipped sum is its weighted sum: one
-pass over ``B d p`` numbers instead of a second ``T d p`` matmul per sample; a bias keeps its
-per-sample gradient (the summed output gradient) the same way. A norm sampler that keeps its norm
+``shared_affine_clipped_sums``). A Linear / Conv1D norm is instantiated where its
+gradient's memory allows (``shared_inputs.ghost_norms_chosen``: ``B d p`` numbers up to twice the
+``B T (d + p)`` of the call's factors) and kept; the call then lets its factors go, and the clipped sum
+is the weighted sum of the kept gradients: one pass over ``B d p`` numbers instead of a second
+``T d p`` matmul per sample; a bias keeps its per-sample gradient (the summed output gradient) the
+same way. A norm sampler that keeps its norm
 pass (``NormSampler.kept_clipped_sum``: the expert banks' factors) forms its clipped sum from it.
 """
 
@@ -41,6 +43,7 @@ from dptorch.grad_sample.norms.linear_forms import (
 )
 from dptorch.grad_sample.norms.shared_inputs import (
     AffineUse,
+    ghost_norms_chosen,
     memory_key,
     shared_affine_clipped_sums,
     shared_affine_norms_and_grads,
@@ -147,9 +150,13 @@ class BookKeeping:
                 for param, form in call.norm_sampler.linear_form(call.module, call.activations, call.backprops).items():
                     if param in self._shared:
                         forms.setdefault(param, []).append((call.scale, form))
-        for call, squared, grads in zip(affine_calls, *shared_affine_norms_and_grads(affine_uses)):
+        handed = [_hand_over(call, use) for call, use in zip(affine_calls, affine_uses)]
+        computed = shared_affine_norms_and_grads(affine_uses, release=True)
+        for call, use, squared, grads, moved in zip(affine_calls, affine_uses, *computed, handed):
             squares += [(param, value, call.scale) for param, value in squared.items()]
             call.per_sample = grads or None
+            if moved and use.inputs is not None:  # not released: the clipped sum reads the factors
+                call.activations, call.backprops = (use.inputs,), use.backprops
         if packed_calls:
             squared, kept = packed_affine_norms_and_grads(packed_uses, layout_of(packed_calls[0].units))
             for call, value, held in zip(packed_calls, squared, kept):
@@ -248,6 +255,16 @@ class BookKeeping:
         return self.dense.batch_size()
 
 
+def _hand_over(call: LayerCall, use: AffineUse) -> bool:
+    """Whether ``call``'s factors were moved into ``use`` (every parameter of the call is the use's): the use
+    may then release them (``shared_affine_norms_and_grads``). The call keeps an empty ``(B, 0)`` output
+    gradient meanwhile (its rows stay countable: ``LayerCall.samples``)."""
+    if any(p is not use.weight and p is not use.bias for p in call.params.values()):
+        return False
+    call.activations, call.backprops = (), call.backprops.new_empty((call.backprops.shape[0], 0))
+    return True
+
+
 def _without_units(use: AffineUse, dropped: torch.Tensor, zeroed_inputs: Dict[object, torch.Tensor]) -> AffineUse:
     """``use`` with the dropped units' input and output-gradient rows zeroed; uses that read one input
     share its zeroed copy (``zeroed_inputs``, by memory), so they stay one group."""
@@ -282,8 +299,8 @@ def _root(squared: torch.Tensor) -> torch.Tensor:
 
 
 def _factors_cheaper(call: LayerCall) -> bool:
-    """Cross terms cost about ``T^2 (d + p)`` per sample against ``T d p`` to instantiate; index
-    (embedding) inputs make the factors cheap whatever ``T``."""
+    """Whether a shared use's norm comes from its factors (``ghost_norms_chosen``, the rule of unshared uses:
+    memory decides); index (embedding) inputs and single tokens make the factors cheap whatever the shape."""
     inputs = call.activations[0] if call.activations else None
     if inputs is None or not inputs.is_floating_point():
         return True
@@ -291,8 +308,7 @@ def _factors_cheaper(call: LayerCall) -> bool:
         tokens = call.units.width * (math.prod(call.backprops.shape[2:-1]))
     else:
         tokens = math.prod(call.backprops.shape[1:-1]) if call.backprops.shape[0] else 0
-    d, p = inputs.shape[-1], call.backprops.shape[-1]
-    return tokens * (d + p) < d * p
+    return tokens <= 1 or ghost_norms_chosen(tokens, inputs.shape[-1], [call.backprops.shape[-1]])
 
 
 def shared_norm(uses) -> torch.Tensor:

@@ -42,8 +42,8 @@ def memory_key(t: torch.Tensor):
 class AffineUse:
     """One call of a Linear / Conv1D whose trainable weight and/or bias are wanted."""
 
-    inputs: torch.Tensor  # (B, *middle, d)
-    backprops: torch.Tensor  # (B, *middle, p)
+    inputs: Optional[torch.Tensor]  # (B, *middle, d); None once released (``shared_affine_norms_and_grads``)
+    backprops: Optional[torch.Tensor]  # (B, *middle, p)
     weight: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
     in_by_out: bool = False
@@ -62,21 +62,22 @@ def shared_affine_norms_sq(uses) -> list:
     return shared_affine_norms_and_grads(uses)[0]
 
 
-def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tuple[list, list]:
+def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None, release: bool = False) -> Tuple[list, list]:
     """Squared per-sample norms ``{param: (B,)}`` for each use, with one input Gram per group, and
     the per-sample gradients that were instantiated on the way ``{param: (B, *shape)}``: every
-    bias's (``B p`` numbers), and the weights' where instantiating was cheaper.
+    bias's (``B p`` numbers), and the weights' where their memory allows (``ghost_norms_chosen``).
 
     Per group of uses reading the same ``a`` (``T`` tokens of ``d`` features), weight norms are
     ghost (``<a a^T, b_k b_k^T>``, certified products: ``exact_products``) or instantiated
-    (``||b_k^T a||^2``, exact for the kept gradient the clipped sum then reads). Once the Gram is paid a
-    ghost norm costs ``T^2 p_k`` against ``T d p_k`` instantiated, so the group goes ghost when
-    ``T < d`` and ``sum_k (T d - T^2) p_k > T^2 d`` (for one use: the usual ``T (d + p) < d p``).
-    An instantiated gradient (``B d p`` numbers, no more than the ``B T (d + p)`` of ``a`` and
-    ``b``) then gives the clipped sum as a weighted sum (``weighted_sum``) instead of a second
-    ``T d p`` matmul per sample. ``sum_tokens``: the tokens a certified norm's clipped sum is counted
+    (``||b_k^T a||^2`` in float32, exact for the kept gradient the clipped sum then reads: what is
+    summed is what was measured). An instantiated gradient gives the clipped sum as a weighted sum of
+    ``B d p`` numbers (``weighted_sum``) instead of the ``T d p`` matmul per sample a ghost norm's
+    clipped sum costs, the same matmul that instantiated it. ``sum_tokens``: the tokens a certified norm's clipped sum is counted
     for, when more than the inputs' (``packed_affine``'s buckets are narrower than the longest unit).
     Small groups of one shape (the blocks of a deep narrow model) are computed as one: ``stacks``.
+    ``release``: a use whose every parameter's gradient was kept lets go of its ``inputs`` and ``backprops``
+    (sets them to None) once its group is done, so that, where the caller holds no other reference, the
+    kept gradients take the factors' memory instead of adding to it.
     """
     results = [dict() for _ in uses]
     grads = [dict() for _ in uses]
@@ -95,15 +96,30 @@ def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None) -> Tup
                 if bias_sq is not None:
                     results[group[k]][use.bias] = bias_sq
                     grads[group[k]][use.bias] = bias_grad
+        del a, parts  # this stack's factors: only the uses hold them now
+        if release:
+            for index in (i for group in stack for i in group):
+                if all(p is None or p in grads[index] for p in (uses[index].weight, uses[index].bias)):
+                    uses[index].inputs = uses[index].backprops = None
     return results, grads
 
 
-def ghost_is_cheaper(tokens: int, d: int, widths) -> bool:
-    """Whether weights of output widths ``widths`` reading ``tokens`` tokens of ``d`` features form ghost norms
-    (one input Gram, then ``T^2 p_k`` each) rather than instantiated gradients (``T d p_k`` each): ``T < d`` and
-    ``sum_k (T d - T^2) p_k > T^2 d`` (see ``shared_affine_norms_and_grads``)."""
-    saving = sum((tokens * d - tokens * tokens) * p for p in widths)
-    return 1 < tokens < d and saving > tokens * tokens * d
+#: How many times the numbers of a call's held factors (``a`` and ``b``: ``B T (d + p)``) its kept instantiated
+#: weight gradients (``B d p``) may hold. Instantiating costs one ``T d p`` matmul per sample: what a ghost norm's
+#: clipped sum costs anyway, so the instantiated route is always the faster one (no Grams, certified in float64
+#: on CPU; the clipped sum a weighted sum of ``B d p`` numbers). Ghost norms save memory, so memory decides: the
+#: kept gradients exist between the norms and the clipped sums, after the backward pass, when the
+#: activations its peak held are gone.
+INSTANTIATED_MEMORY = 2
+
+
+def ghost_norms_chosen(tokens: int, d: int, widths) -> bool:
+    """Whether weights of output widths ``widths`` reading ``tokens`` tokens of ``d`` features form ghost norms (one
+    input Gram, then ``T^2 p_k`` each) rather than instantiated gradients: when ``B d sum_k p_k`` kept numbers
+    would exceed ``INSTANTIATED_MEMORY`` times the ``B T (d + sum_k p_k)`` of the held factors (see
+    ``shared_affine_norms_and_grads``)."""
+    width = sum(widths)
+    return 1 < tokens and d * width > INSTANTIATED_MEMORY * tokens * (d + width)
 
 
 def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
@@ -113,7 +129,7 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     if weighted:
         a = at_least_float32(a)
     tokens, d = a.shape[1], a.shape[2]
-    ghost = ghost_is_cheaper(tokens, d, [b.shape[-1] for b, use in parts if use.weight is not None])
+    ghost = ghost_norms_chosen(tokens, d, [b.shape[-1] for b, use in parts if use.weight is not None])
     dtypes = [torch.promote_types(a.dtype, at_least_float32_dtype(b.dtype)) for b, _ in parts]
     parts = [(_as(b, dtype) if use.weight is not None else b, use) for (b, use), dtype in zip(parts, dtypes)]
     # Norms not instantiated are certified (their clipped sum is a matmul).

@@ -3,8 +3,8 @@ clipped sums from the packed ``(B, T, ...)`` tensors, without the ``(U, L)`` lay
 to the longest.
 
 Where each unit's tokens are one run of the flattened ``(B * T)`` positions (``TokenUnits.spans``: what
-packing collators emit), a unit is a pair of row slices of the packed tensors. A unit whose gradient is
-cheaper to instantiate than to form as a ghost norm (``shared_inputs.ghost_is_cheaper`` at the unit's own
+packing collators emit), a unit is a pair of row slices of the packed tensors. A unit whose gradient bk
+instantiates rather than form a ghost norm (``shared_inputs.ghost_norms_chosen`` at the unit's own
 length, the rule of the row path) gets it as one matmul of its slices, written into its row of the kept
 ``(U, ...)`` per-unit gradient: no copy of the tokens, no padding. Every bias's per-unit gradient is one
 ``index_add`` of the token rows (pads into a row that is dropped).
@@ -39,7 +39,7 @@ from dptorch.grad_sample.layers.linear import common_dtype, linear_map_grad_samp
 from dptorch.grad_sample.norms.linear_forms import STACK_LIMIT, at_least_float32_dtype, squared_norms
 from dptorch.grad_sample.norms.shared_inputs import (
     AffineUse,
-    ghost_is_cheaper,
+    ghost_norms_chosen,
     group_by_input,
     memory_key,
     shared_affine_clipped_sums,
@@ -247,7 +247,7 @@ def _span_norms(uses: Sequence[AffineUse], group: List[int], weighted: List[int]
     than one matmul call per unit); returns those units and the buckets of the others (ghost, one token)."""
     widths = [uses[i].backprops.shape[-1] for i in weighted]
     direct = [u for u, n in enumerate(layout.lengths)
-              if weighted and n * middle > 1 and not ghost_is_cheaper(n * middle, d, widths)]
+              if weighted and n * middle > 1 and not ghost_norms_chosen(n * middle, d, widths)]
     if weighted and (layout.num_units - len(direct)) * d * sum(widths) <= STACK_LIMIT:
         direct = list(range(layout.num_units))
     chosen = set(direct)
