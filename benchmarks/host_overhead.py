@@ -1,6 +1,7 @@
 """Host overhead of a private step at a dispatch-bound shape: forward, backward and optimizer step timed apart.
 
     python benchmarks/host_overhead.py [--runs 3] [--steps 6] [--modes plain bk hooks opacus-hooks]
+    python benchmarks/host_overhead.py --runs 1 --modes plain compiled-plain compiled-bk compiled-hooks
     python benchmarks/host_overhead.py --device cuda --dtype bfloat16 --shapes gpt2-small llama-1b
 
 Default shape: GPT-2, 12 layers of width 64, vocabulary 5000, B = 1, T = 4, where the kernels are
@@ -13,6 +14,12 @@ torch, no DP) of the same run; the table gives min / median / max over the runs.
 optional peer (``pip install dptorch[bench]``), runs the same model as ``opacus-hooks``.
 The last column counts the operators each phase dispatches to kernels in one more step: the work the
 host issues, the same on any machine. Time on a quiet machine: other work beside it inflates the ratios.
+Modes ``compiled-plain``, ``compiled-bk``, ``compiled-hooks`` (opt-in; benchmarks/compiled.py) run the model
+under ``torch.compile`` (the private ones compiled after the controller is attached) and are compared with
+``compiled-plain``; their compile time (the two warm-up steps beyond two median steps) is a column of its
+own, with the graphs compiled, the graph breaks, the recompilations after the first step and how far the
+first step's logits are from the eager model's (at B = 1 a compiled private forward is wrong: docs/performance.md).
+Their aten operator counts are not given (under a dispatch mode Dynamo runs the model eagerly).
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
+    from benchmarks.compiled import CompileWatch, compile_seconds, describe, max_difference, split_mode
     from benchmarks.models import build, opacus_private
 except ImportError:  # run as a script: benchmarks/ is on the path
+    from compiled import CompileWatch, compile_seconds, describe, max_difference, split_mode
     from models import build, opacus_private
 
 SHAPES = {
@@ -52,6 +61,7 @@ def measure(shape: str, mode: str, steps: int, device: str, dtype: str) -> dict:
 
     warnings.simplefilter("ignore")  # noise_multiplier=0's warning: the noise draw is left out on purpose
     family, layers, width, seq, batch, vocab, tied = SHAPES[shape]
+    mode, compiled = split_mode(mode)
     torch.manual_seed(0)
     model = build(family, layers, width, vocab, tied).to(device=device, dtype=getattr(torch, dtype)).train()
     ids = torch.randint(0, vocab, (batch, seq), device=device)
@@ -63,6 +73,11 @@ def measure(shape: str, mode: str, steps: int, device: str, dtype: str) -> dict:
         hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum", keep_param_grads=False)
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=0.0, max_grad_norm=1.0,
                                 expected_batch_size=batch, loss_reduction="sum")
+    watch = CompileWatch() if compiled else None
+    call = watch.compile(model) if compiled else model  # after the hooks: make_private(..., wrap_model=False)'s order
+    if compiled:
+        with torch.no_grad():
+            eager_logits = model(input_ids=ids).logits  # what the compiled model's first step must compute
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
     def timed(run):
@@ -72,19 +87,28 @@ def measure(shape: str, mode: str, steps: int, device: str, dtype: str) -> dict:
         sync()
         return out, time.perf_counter() - start
 
-    times = {phase: [] for phase in PHASES}
+    times, warm_up = {phase: [] for phase in PHASES}, []
     for index in range(steps + 2):
         optimizer.zero_grad()
-        logits, forward = timed(lambda: model(input_ids=ids).logits)
+        logits, forward = timed(lambda: call(input_ids=ids).logits)
         loss = criterion(logits.transpose(1, 2), ids)
         _, backward = timed(loss.backward)
         _, step = timed(optimizer.step)
+        if index == 0 and watch:
+            watch.first_step_done()
+            difference, eager_logits = max_difference(eager_logits, logits), None
         if index >= 2:
             for phase, value in zip(PHASES, (forward, backward, step)):
                 times[phase].append(value)
-    calls = count_torch_functions(model, ids)
-    return {"shape": shape, "mode": mode, **{phase: statistics.median(v) for phase, v in times.items()},
-            "torch_functions_per_forward": calls, "aten_ops": count_aten_ops(model, ids, criterion, optimizer)}
+        else:
+            warm_up.append(forward + backward + step)
+    medians = {phase: statistics.median(v) for phase, v in times.items()}
+    result = {"shape": shape, "mode": f"compiled-{mode}" if compiled else mode, **medians,
+              "torch_functions_per_forward": count_torch_functions(model, ids)}
+    if compiled:  # counting aten ops runs a dispatch mode, under which Dynamo runs the model eagerly
+        return {**result, "compile_s": compile_seconds(warm_up, sum(medians.values())), **watch.summary(),
+                "forward_max_diff": difference}
+    return {**result, "aten_ops": count_aten_ops(model, ids, criterion, optimizer)}
 
 
 def count_aten_ops(model, ids, criterion, optimizer) -> list:
@@ -152,32 +176,45 @@ def main() -> None:
     for shape in args.shapes:
         ratios = {mode: {phase: [] for phase in PHASES} for mode in modes}
         absolute = {mode: {phase: [] for phase in PHASES} for mode in modes}
-        calls, aten_ops = None, {}
+        calls, last = None, {}
         for _ in range(args.runs):
             run = {}
             for mode in modes:
                 command = [sys.executable, __file__, "--one", shape, mode, "--steps", str(args.steps),
                            "--device", args.device, "--dtype", args.dtype]
                 done = subprocess.run(command, capture_output=True, text=True, check=True)
-                run[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+                run[mode] = last[mode] = json.loads(done.stdout.strip().splitlines()[-1])
                 calls = run[mode]["torch_functions_per_forward"]
-                aten_ops[mode] = run[mode]["aten_ops"]
             for mode in modes:
+                reference = run.get(reference_mode(mode))
                 for phase in PHASES:
                     absolute[mode][phase].append(1000 * run[mode][phase])
-                    ratios[mode][phase].append(run[mode][phase] / run["plain"][phase])
+                    if reference is not None:
+                        ratios[mode][phase].append(run[mode][phase] / reference[phase])
         print(f"\n{shape} ({calls} torch functions per forward), {args.device} {args.dtype}; "
-              f"min / median / max over {args.runs} runs of the median of {args.steps} steps")
-        print("| mode | forward ms | backward ms | step ms | forward / plain | backward / plain | step / plain "
-              "| aten ops (forward / backward / step) |")
-        print("|---|---|---|---|---|---|---|---|")
+              f"min / median / max over {args.runs} runs of the median of {args.steps} steps; ratios against plain, "
+              "compiled modes' against compiled-plain; compile s: the 2 warm-up steps beyond 2 median steps (last run)")
+        print("| mode | forward ms | backward ms | step ms | forward / ref | backward / ref | step / ref "
+              "| aten ops (forward / backward / step) | compile s | graphs |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for mode in modes:
             ms = [f"{statistics.median(absolute[mode][phase]):.1f}" for phase in PHASES]
-            rs = [spread(ratios[mode][phase]) for phase in PHASES]
-            ops = " / ".join(str(n) for n in aten_ops[mode])
-            print(f"| {mode} | {' | '.join(ms)} | {' | '.join(rs)} | {ops} |")
+            rs = [spread(ratios[mode][phase]) if ratios[mode][phase] else "-" for phase in PHASES]
+            print(f"| {mode} | {' | '.join(ms)} | {' | '.join(rs)} | {compile_cells(last[mode])} |")
     if skipped:
         print(f"\nnot run (not installed): {', '.join(skipped)}")
+
+
+def reference_mode(mode: str) -> str:
+    """What a mode's ratios are against: ``plain``, or ``compiled-plain`` for a compiled mode."""
+    return "compiled-plain" if split_mode(mode)[1] else "plain"
+
+
+def compile_cells(row: dict) -> str:
+    """The last three cells of a row: aten ops (eager modes), compile seconds and graphs (compiled modes)."""
+    if "compile_s" not in row:
+        return " / ".join(str(n) for n in row["aten_ops"]) + " | - | -"
+    return f"- | {row['compile_s']:.1f} | {describe(row)}"
 
 
 def _has_opacus() -> bool:

@@ -4,6 +4,9 @@
     python benchmarks/models.py --summarize run1.json run2.json run3.json
     python benchmarks/models.py --device cuda --dtype bfloat16 --shapes gpt2-small llama-1b
     python benchmarks/models.py --shapes narrow-mixtral   # mixture of experts (opt-in; floor skips expert banks)
+    python benchmarks/models.py --shapes narrow-gpt2-tied --modes nonprivate bk compiled-plain compiled-bk compiled-hooks
+    python benchmarks/models.py --device cuda --dtype bfloat16 --shapes llama-1b --batch 8 --seq 1024 --lora 16 \
+        --modes nonprivate bk compiled-plain compiled-bk compiled-hooks
 
 Each (model, mode) runs in its own process: one full optimizer step per iteration (forward,
 backward, and for private modes clipping, noise and the update), median of ``--steps`` steps
@@ -22,6 +25,13 @@ each trainable Linear / Conv1D / Embedding call's per-sample gradient norms, gho
 instantiated as bk chooses (``shared_inputs.ghost_norms_chosen``; a tied weight's uses each once: a lower bound; an
 instantiated gradient stands in for the weight gradient, so only its norm and its weighted sum
 are counted), and one Gaussian draw per parameter; bk is reported against it.
+Modes ``compiled-plain``, ``compiled-bk`` and ``compiled-hooks`` (opt-in; benchmarks/compiled.py) run the
+step with the model under ``torch.compile``, the private ones compiled after the controller is attached
+(``make_private(..., wrap_model=False)``'s order; through make_private exactly that, the batch dim marked
+dynamic for the Poisson draws); each is compared with ``compiled-plain``. The compile time (the warm-up
+steps beyond as many median steps), the graphs compiled, the graph breaks and the recompilations after
+the first step are reported apart from the step time. ``--lora R`` trains LoRA adapters of rank R on
+every linear layer (peft) instead of all the weights.
 """
 
 from __future__ import annotations
@@ -37,8 +47,12 @@ import time
 from pathlib import Path
 
 try:
+    from benchmarks.compiled import MODES as COMPILED_MODES
+    from benchmarks.compiled import CompileWatch, compile_seconds, describe, max_difference, split_mode
     from benchmarks.output_place import RESULTS, OutputPlace, add_output_flags
 except ImportError:  # run as a script: benchmarks/ is on the path
+    from compiled import MODES as COMPILED_MODES
+    from compiled import CompileWatch, compile_seconds, describe, max_difference, split_mode
     from output_place import RESULTS, OutputPlace, add_output_flags
 
 SHAPES = {
@@ -64,7 +78,7 @@ CPU_SHAPES = list(SHAPES)
 SHAPES.update(GPU_SHAPES)
 SHAPES.update(MOE_SHAPES)
 SHAPES.update(DISPATCH_BOUND_SHAPES)
-MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost")
+MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost", *COMPILED_MODES)
 
 
 def build(family, layers, width, vocab, tied, kv_heads=None):
@@ -87,8 +101,24 @@ def build(family, layers, width, vocab, tied, kv_heads=None):
     return transformers.LlamaForCausalLM(cfg)
 
 
+def with_lora(model, rank: int):
+    """``model`` with LoRA adapters of rank ``rank`` on every linear layer (peft), only they trainable; as is for 0."""
+    if not rank:
+        return model
+    import peft
+
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules="all-linear")
+    return peft.get_peft_model(model, config)
+
+
+def split(mode: str):
+    """(the mode compiled or not, whether compiled): ``compiled-plain`` is ``nonprivate`` compiled."""
+    base, compiled = split_mode(mode)
+    return ("nonprivate" if base == "plain" else base), compiled
+
+
 def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | None, device: str = "cpu",
-            dtype: str = "float32") -> dict:
+            dtype: str = "float32", lora: int = 0) -> dict:
     """One (shape, mode) in this process; peak memory is the RSS on the CPU, allocated memory on CUDA."""
     import torch
 
@@ -98,13 +128,15 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
 
     family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
     seq, batch = seq or default_seq, batch or default_batch
+    name, (mode, compiled) = mode, split(mode)
     torch.manual_seed(0)
-    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype)).train()
+    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype))
+    model = with_lora(model, lora).train()
     ids = torch.randint(0, vocab, (batch, seq), device=device)
     # Explicit (B, T) position ids, in memory of their own: Opacus cannot take GPT-2's default
     # broadcast (1, T) ones, and its ghost embedding norm views the ids (an expanded tensor fails).
     inputs = {"input_ids": ids, "position_ids": torch.arange(seq, device=device).expand(batch, seq).contiguous()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss()
     if mode.startswith("opacus"):
         model, optimizer, criterion = opacus_private(model, optimizer, criterion, mode.split("-")[1], batch)
@@ -115,19 +147,32 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=batch)
         if mode == "ghost":
             criterion = DPLoss(criterion, hooks)
+    watch = CompileWatch() if compiled else None
+    call = watch.compile(model) if compiled else model  # after the hooks: make_private(..., wrap_model=False)'s order
+    if compiled:
+        with torch.no_grad():
+            eager_logits = model(**inputs).logits  # what the compiled model's first step must compute
 
     def step():
         optimizer.zero_grad()
-        logits = model(**inputs).logits
+        logits = call(**inputs).logits
         loss = criterion(logits.transpose(1, 2), ids)  # per-sample friendly: (B, V, T) against (B, T)
         loss.backward()
         optimizer.step()
+        return logits
 
     cuda = torch.device(device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    warm_up = []
     for _ in range(2):
-        step()
-    sync()
+        start = time.perf_counter()
+        logits = step()
+        sync()
+        warm_up.append(time.perf_counter() - start)
+        if watch and watch.graphs_after_first_step is None:
+            watch.first_step_done()
+            difference = max_difference(eager_logits, logits)
+    logits = eager_logits = None  # not held through the timed steps (their peak memory)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -139,13 +184,16 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         times.append(time.perf_counter() - start)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else rss
-    return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "median_s": statistics.median(times),
-            "min_s": min(times), "max_s": max(times), "peak_mib": peak, "peak_kind": "CUDA allocated" if cuda else "RSS",
-            "peak_rss_mib": rss, "rss_growth_mib": rss - rss_before / 1024, "threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype}
+    row = {"shape": shape, "mode": name, "seq": seq, "batch": batch, "median_s": statistics.median(times),
+           "min_s": min(times), "max_s": max(times), "peak_mib": peak, "peak_kind": "CUDA allocated" if cuda else "RSS",
+           "peak_rss_mib": rss, "rss_growth_mib": rss - rss_before / 1024, "threads": torch.get_num_threads(),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype, "lora": lora}
+    if compiled:
+        row.update(compile_s=compile_seconds(warm_up, row["median_s"]), **watch.summary(), forward_max_diff=difference)
+    return row
 
 
-ENGINE_MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch")  # the modes make_private runs
+ENGINE_MODES = ("nonprivate", "hooks", "bk", "ghost", "ew", "functorch", *COMPILED_MODES)  # the modes make_private runs
 
 
 class StepPeak:
@@ -191,10 +239,12 @@ class StepPeak:
 
 
 def measure_engine(shape: str, mode: str, steps: int, seq: int | None, batch: int | None, device: str = "cpu",
-                   dtype: str = "float32") -> dict:
+                   dtype: str = "float32", lora: int = 0) -> dict:
     """``steps`` steps through ``make_private`` (its defaults: the wrapped model) with its Poisson DP data
     loader, or (mode ``nonprivate``) plain SGD on the same loader: each step's peak memory, the memory
-    after it, its batch size and time. Expected batch ``batch`` (sample rate 1/20), seed 0 for the draws."""
+    after it, its batch size and time. Expected batch ``batch`` (sample rate 1/20), seed 0 for the draws.
+    A compiled mode compiles the model after ``make_private(..., wrap_model=False)``, each batch's dim 0
+    marked dynamic (``maybe_mark_dynamic``): the graphs compiled after the first step are recompilations."""
     import torch
 
     from dptorch import PrivacyEngine
@@ -202,15 +252,20 @@ def measure_engine(shape: str, mode: str, steps: int, seq: int | None, batch: in
 
     family, layers, width, default_seq, default_batch, vocab, tied, *kv_heads = SHAPES[shape]
     seq, batch = seq or default_seq, batch or default_batch
+    name, (mode, compiled) = mode, split(mode)
     torch.manual_seed(0)
-    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype)).train()
+    model = build(family, layers, width, vocab, tied, *kv_heads).to(device=device, dtype=getattr(torch, dtype))
+    model = with_lora(model, lora).train()
     rows = torch.utils.data.TensorDataset(torch.randint(0, vocab, (batch * 20, seq)))
     loader = DPDataLoader.from_data_loader(torch.utils.data.DataLoader(rows, batch_size=batch), seed=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if mode != "nonprivate":
-        model, optimizer, loader = PrivacyEngine().make_private(
+        made, optimizer, loader = PrivacyEngine().make_private(
             module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-            grad_sample_mode=mode)
+            grad_sample_mode=mode, wrap_model=not compiled)
+        model = model if compiled else made  # compiled: the user keeps calling their own model
+    watch = CompileWatch() if compiled else None
+    call = watch.compile(model) if compiled else model
     meter = StepPeak(device)
     sync = torch.cuda.synchronize if meter.cuda else (lambda: None)
     records, draws = [], iter(loader)
@@ -223,17 +278,22 @@ def measure_engine(shape: str, mode: str, steps: int, seq: int | None, batch: in
         if not len(ids):  # an empty Poisson draw: HF models cannot run 0 rows
             continue
         ids = ids.to(device)
+        if compiled:
+            torch._dynamo.maybe_mark_dynamic(ids, 0)  # Poisson batches change size: one graph for every size
         meter.reset()
         start = time.perf_counter()
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(input_ids=ids).logits.transpose(1, 2), ids).backward()
+        torch.nn.functional.cross_entropy(call(input_ids=ids).logits.transpose(1, 2), ids).backward()
         optimizer.step()
         sync()
+        if watch and not records:
+            watch.first_step_done()
         records.append({"batch": len(ids), "ms": round(1000 * (time.perf_counter() - start)),
                         "peak_mib": round(meter.peak_mib()), "after_mib": round(meter.now_mib())})
-    return {"shape": shape, "mode": mode, "seq": seq, "batch": batch, "steps": records,
+    return {"shape": shape, "mode": name, "seq": seq, "batch": batch, "steps": records,
             "peak_mib": max(r["peak_mib"] for r in records), "per_step_peaks": meter.per_step,
-            "peak_kind": "CUDA allocated" if meter.cuda else "RSS", "threads": torch.get_num_threads()}
+            "peak_kind": "CUDA allocated" if meter.cuda else "RSS", "threads": torch.get_num_threads(), "lora": lora,
+            **(watch.summary() if watch else {})}
 
 
 def engine_line(private: dict, plain: dict | None) -> str:
@@ -243,7 +303,10 @@ def engine_line(private: dict, plain: dict | None) -> str:
         line += f"  x{private['peak_mib'] / plain['peak_mib']:.2f}"
         if private["per_step_peaks"] and plain["per_step_peaks"]:
             line += "; per step x " + " ".join(f"{a['peak_mib'] / b['peak_mib']:.2f}" for a, b in zip(private["steps"], plain["steps"]))
-    return line + "; after each step " + " ".join(str(r["after_mib"]) for r in private["steps"]) + " MiB"
+    line += "; after each step " + " ".join(str(r["after_mib"]) for r in private["steps"]) + " MiB"
+    if "graphs" in private:  # a compiled mode: the first step compiles
+        line += "; step ms " + " ".join(str(r["ms"]) for r in private["steps"]) + "; " + describe(private)
+    return line
 
 
 class FloorStep:
@@ -360,17 +423,19 @@ def versus(rows: list, shape: str, ours: str, theirs: str) -> str:
 
 def summarize(paths: list) -> str:
     """A markdown table from several runs' JSON: per shape and mode, the median time ratio over the
-    runs (min-max) / the median peak-RSS ratio, then bk / floor and the speed-ups over Opacus."""
+    runs (min-max) / the median peak-RSS ratio, then bk / floor and the speed-ups over Opacus, then
+    the compiled modes where the runs have them."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     modes = ["floor", "hooks", "bk", "opacus-hooks", "opacus-ghost"]
+    compiled = [m for m in COMPILED_MODES if any(r["mode"] == m for r in runs[0])]
     comparisons = [("bk", "floor", "bk / floor"), ("opacus-hooks", "hooks", "hooks vs Opacus hooks"),
                    ("opacus-ghost", "bk", "bk vs Opacus ghost")]
 
     def spread(values: list) -> str:
         return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
-    lines = ["| shape | non-private | " + " | ".join(modes + [c[2] for c in comparisons]) + " |",
-             "|" + "---|" * (2 + len(modes) + len(comparisons))]
+    lines = ["| shape | non-private | " + " | ".join(modes + [c[2] for c in comparisons] + compiled) + " |",
+             "|" + "---|" * (2 + len(modes) + len(comparisons) + len(compiled))]
     for shape in dict.fromkeys(r["shape"] for r in runs[0]):
         by_mode = [{r["mode"]: r for r in run if r["shape"] == shape} for run in runs]
         ok = lambda mode: all(mode in rows and "error" not in rows[mode] for rows in by_mode)
@@ -384,8 +449,31 @@ def summarize(paths: list) -> str:
         for slower, faster, _ in comparisons:
             ratios = [rows[slower]["median_s"] / rows[faster]["median_s"] for rows in by_mode] if ok(slower) and ok(faster) else None
             cells.append(spread(ratios) if ratios else "-")
+        cells += [compiled_cell(mode, [rows.get(mode, {}) for rows in by_mode]) for mode in compiled]
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    if compiled:
+        lines += ["", "compiled-plain: its median step and compile time; compiled-bk / compiled-hooks: time over "
+                  "compiled-plain's, median (min-max) over the runs / peak over its peak; compile time; operators compiled "
+                  "in the last run (0: Dynamo ran the model eagerly)"]
     return "\n".join(lines + summarize_engine(runs))
+
+
+def compiled_cell(mode: str, rows: list) -> str:
+    """One compiled mode's cell of the summary from its row in each run (``{}`` where it did not run)."""
+    if any("error" in row for row in rows):
+        return "fails"
+    if not all("compile_s" in row for row in rows):
+        return "not run"
+    compile_s = statistics.median(row["compile_s"] for row in rows)
+    if mode == "compiled-plain":
+        return f"{statistics.median(row['median_s'] for row in rows) * 1000:.0f} ms, compile {compile_s:.0f} s"
+    if not all("compiled_time_ratio" in row for row in rows):
+        return "no compiled-plain"
+    times = [row["compiled_time_ratio"] for row in rows]
+    peak = statistics.median(row["compiled_peak_ratio"] for row in rows)
+    wrong = any(row.get("forward_max_diff", 0) > 1e-2 for row in rows)  # the bug of batch size 1 (benchmarks/compiled.py)
+    return (f"{statistics.median(times):.2f}x ({min(times):.2f}-{max(times):.2f}) / {peak:.2f}x, compile "
+            f"{compile_s:.0f} s, {rows[-1]['graph_ops']} ops compiled" + (", FORWARD OFF EAGER" if wrong else ""))
 
 
 def summarize_engine(runs: list) -> list:
@@ -395,7 +483,8 @@ def summarize_engine(runs: list) -> list:
     modes = [m for m in ENGINE_MODES[1:] if all(any(r["mode"] == m for r in rows) for rows in engine)]
     if not all(engine) or not modes:
         return []
-    lines = ["", "Peak RSS through make_private (same Poisson draws), over the plain step's:", "",
+    lines = ["", "Peak RSS through make_private (same Poisson draws), over the plain step's (compiled modes: over "
+             "compiled-plain's):", "",
              "| shape | plain | " + " | ".join(modes) + " |", "|" + "---|" * (2 + len(modes))]
     for shape in dict.fromkeys(r["shape"] for r in engine[0]):
         found = [{r["mode"]: r for r in rows if r["shape"] == shape} for rows in engine]
@@ -415,10 +504,10 @@ def run_engine(args, rows: list, shape: str, seq, batch) -> None:
     measured = {r["mode"]: r for r in rows if r["shape"] == shape and r.get("seq") == (seq or SHAPES[shape][3])
                 and r.get("batch") == (batch or SHAPES[shape][4]) and "error" not in r}
     modes = [m for m in ENGINE_MODES if m in measured] if args.engine_steps > 0 else []
-    plain = None
+    plains = {}  # the plain run each mode is against: nonprivate, or compiled-plain for a compiled mode
     for mode in modes:
         cmd = [sys.executable, __file__, "--engine-steps", str(args.engine_steps), "--device", args.device, "--dtype", args.dtype,
-               "--one-engine", shape, mode, str(seq or 0), str(batch or 0)]
+               "--lora", str(args.lora), "--one-engine", shape, mode, str(seq or 0), str(batch or 0)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             error = (run.stderr.strip().splitlines() or ["failed"])[-1][:90]
@@ -426,11 +515,27 @@ def run_engine(args, rows: list, shape: str, seq, batch) -> None:
             print(f"{shape:20s} {mode:13s} through make_private fails: {error}", flush=True)
             continue
         engine = json.loads(run.stdout.strip().splitlines()[-1])
-        plain = engine if mode == "nonprivate" else plain
+        if mode in ("nonprivate", "compiled-plain"):
+            plains[mode] = engine
+        plain = plains.get(reference_mode(mode))
         measured[mode]["engine"] = engine
         if plain is not None:
             measured[mode]["engine_peak_ratio"] = engine["peak_mib"] / plain["peak_mib"]
         print(f"{shape:20s} {mode:13s} {engine_line(engine, plain)}", flush=True)
+
+
+def compiled_line(row: dict) -> str:
+    """A compiled mode's figures apart from its step time (empty for the others)."""
+    if "compile_s" not in row:
+        return ""
+    against = (f"; x{row['compiled_time_ratio']:.2f} time, x{row['compiled_peak_ratio']:.2f} peak of compiled-plain"
+               if "compiled_time_ratio" in row else "")
+    return f"   compile {row['compile_s']:.1f} s, {describe(row)}{against}"
+
+
+def reference_mode(mode: str) -> str:
+    """What a mode is compared with: ``nonprivate``, or ``compiled-plain`` for a compiled mode."""
+    return "compiled-plain" if split(mode)[1] else "nonprivate"
 
 
 def main() -> None:
@@ -444,6 +549,8 @@ def main() -> None:
                         help="steps of each dptorch mode and the plain step through make_private (0: skip)")
     parser.add_argument("--seq", type=int, nargs="+", default=[None], help="sequence lengths to sweep")
     parser.add_argument("--batch", type=int, nargs="+", default=[None], help="batch sizes to sweep")
+    parser.add_argument("--lora", type=int, default=0, metavar="R",
+                        help="train LoRA adapters of rank R on every linear layer (peft) instead of all weights")
     parser.add_argument("--summarize", nargs="+", metavar="JSON", help="print the table of several runs' results")
     add_output_flags(parser, "benchmarks/results/models.json")
     parser.add_argument("--one", nargs=4, metavar=("SHAPE", "MODE", "SEQ", "BATCH"), help=argparse.SUPPRESS)
@@ -454,24 +561,26 @@ def main() -> None:
         return
     if args.one:
         shape, mode, seq, batch = args.one
-        print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None, args.device, args.dtype)))
+        print(json.dumps(measure(shape, mode, args.steps, int(seq) or None, int(batch) or None, args.device, args.dtype,
+                                 args.lora)))
         return
     if args.one_engine:
         shape, mode, seq, batch = args.one_engine
-        print(json.dumps(measure_engine(shape, mode, args.engine_steps, int(seq) or None, int(batch) or None, args.device, args.dtype)))
+        print(json.dumps(measure_engine(shape, mode, args.engine_steps, int(seq) or None, int(batch) or None, args.device,
+                                        args.dtype, args.lora)))
         return
     rows = []
     for shape in args.shapes:
         for seq in args.seq:
             for batch in args.batch:
-                base = None
+                bases = {}
                 for mode in args.modes:
                     if mode.startswith("opacus") and importlib.util.find_spec("opacus") is None:
                         rows.append({"shape": shape, "mode": mode, "error": "not installed"})
                         print(f"{shape:20s} {mode:13s} not installed (pip install opacus --no-deps; opt_einsum)", flush=True)
                         continue
                     cmd = [sys.executable, __file__, "--steps", str(args.steps), "--device", args.device, "--dtype", args.dtype,
-                           "--one", shape, mode, str(seq or 0), str(batch or 0)]
+                           "--lora", str(args.lora), "--one", shape, mode, str(seq or 0), str(batch or 0)]
                     run = subprocess.run(cmd, capture_output=True, text=True)
                     if run.returncode != 0:
                         error = (run.stderr.strip().splitlines() or ["failed"])[-1][:90]
@@ -479,12 +588,18 @@ def main() -> None:
                         print(f"{shape:20s} {mode:13s} fails: {error}", flush=True)
                         continue
                     row = json.loads(run.stdout.strip().splitlines()[-1])
-                    base = base or row
+                    base = bases.setdefault("first", row)
                     row["time_ratio"] = row["median_s"] / base["median_s"]
                     row["peak_ratio"] = row["peak_mib"] / base["peak_mib"]
+                    if mode == "compiled-plain":
+                        bases[mode] = row
+                    if split(mode)[1] and mode != "compiled-plain" and "compiled-plain" in bases:  # against compiled-plain
+                        row["compiled_time_ratio"] = row["median_s"] / bases["compiled-plain"]["median_s"]
+                        row["compiled_peak_ratio"] = row["peak_mib"] / bases["compiled-plain"]["peak_mib"]
                     rows.append(row)
                     print(f"{row['shape']:20s} T={row['seq']:<5d} B={row['batch']:<4d} {row['mode']:13s} "
-                          f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak {row['peak_kind']} {row['peak_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}", flush=True)
+                          f"{row['median_s'] * 1000:8.1f} ms  x{row['time_ratio']:.2f}   peak {row['peak_kind']} {row['peak_mib']:7.0f} MiB  x{row['peak_ratio']:.2f}"
+                          + compiled_line(row), flush=True)
                 run_engine(args, rows, shape, seq, batch)
                 for ours, theirs in [*OPACUS_PEERS.items(), *FLOOR_PEERS.items()]:
                     line = versus(rows, shape, ours, theirs)

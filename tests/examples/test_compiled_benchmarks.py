@@ -1,0 +1,77 @@
+"""The compiled modes of benchmarks/models.py and benchmarks/host_overhead.py: a compiled private step runs on
+a tiny model and reports its compile time and graphs apart from its step time; the tables show the columns."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import host_overhead, models
+from benchmarks.compiled import compile_seconds, describe, split_mode
+
+TINY = ("gpt2", 1, 16, 4, 3, 40, True)  # family, layers, width, seq, batch, vocab, tied
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch):
+    config = torch.compiler.config
+    monkeypatch.setattr(config, "force_disable_caches", config.force_disable_caches)  # restored: the benchmark sets it
+    monkeypatch.setitem(models.SHAPES, "tiny-test", TINY)
+    monkeypatch.setitem(host_overhead.SHAPES, "tiny-test", TINY)
+    return "tiny-test"
+
+
+def test_a_compiled_private_step_reports_compile_time_and_graphs_apart_from_the_step(tiny_shape):
+    row = models.measure(tiny_shape, "compiled-bk", steps=1, seq=None, batch=None)
+    assert row["mode"] == "compiled-bk" and row["median_s"] > 0
+    assert row["compile_s"] >= 0 and row["recompiles"] == 0  # one fixed shape
+    assert {"graphs", "graph_ops", "graph_breaks"} <= set(row)
+    assert row["forward_max_diff"] < 1e-5  # a batch of 3: the compiled model computes the eager forward
+    phases = host_overhead.measure(tiny_shape, "compiled-hooks", steps=1, device="cpu", dtype="float32")
+    assert phases["mode"] == "compiled-hooks" and "aten_ops" not in phases  # not counted: Dynamo would run eagerly
+    assert all(phases[phase] > 0 for phase in host_overhead.PHASES) and phases["compile_s"] >= 0
+    assert phases["forward_max_diff"] < 1e-5
+
+
+def test_compile_time_is_the_warm_up_beyond_as_many_median_steps():
+    assert compile_seconds([5.0, 1.5], 1.0) == pytest.approx(4.5)
+    assert compile_seconds([0.9, 1.0], 1.0) == 0.0
+    assert split_mode("compiled-bk") == ("bk", True) and split_mode("bk") == ("bk", False)
+    assert models.split("compiled-plain") == ("nonprivate", True)
+    assert describe({"graphs": 1, "graph_ops": 0, "graph_breaks": 5, "recompiles": 0}).startswith("no operator compiled")
+    assert describe({"graphs": 2, "graph_ops": 9, "graph_breaks": 0, "recompiles": 1, "forward_max_diff": 0.05}) == (
+        "2 graphs (9 ops), 0 breaks, 1 recompiles, forward off eager by 5e-02 (relative)")
+    assert host_overhead.reference_mode("compiled-hooks") == "compiled-plain"
+    assert host_overhead.reference_mode("hooks") == "plain"
+    assert host_overhead.compile_cells({"aten_ops": [1, 2, 3]}) == "1 / 2 / 3 | - | -"
+    assert host_overhead.compile_cells({"compile_s": 61.04, "graphs": 1, "graph_ops": 50, "graph_breaks": 0,
+                                        "recompiles": 0}) == "- | 61.0 | 1 graphs (50 ops), 0 breaks, 0 recompiles"
+
+
+def row(mode, median_s, peak, **extra):
+    return {"shape": "narrow", "mode": mode, "median_s": median_s, "peak_mib": peak, "time_ratio": median_s / 0.1,
+            "peak_ratio": peak / 100, **extra}
+
+
+def test_the_summary_shows_the_compiled_columns_when_the_runs_have_them(tmp_path):
+    paths = []
+    for index, factor in enumerate([1.0, 1.2, 1.1]):
+        run = [row("nonprivate", 0.1, 100), row("bk", 0.2, 120),
+               row("compiled-plain", 0.05, 110, compile_s=60.0 + index, graphs=1, graph_ops=50, graph_breaks=0,
+                   compiled_time_ratio=1.0, compiled_peak_ratio=1.0),
+               row("compiled-bk", 0.1 * factor, 121, compile_s=5.0, graphs=0, graph_ops=0, graph_breaks=17,
+                   compiled_time_ratio=2.0 * factor, compiled_peak_ratio=1.1)]
+        paths.append(tmp_path / f"run{index}.json")
+        paths[-1].write_text(json.dumps(run))
+    header, _, line, *rest = models.summarize(paths).splitlines()
+    cells = dict(zip([c.strip() for c in header.split("|")], [c.strip() for c in line.split("|")]))
+    assert cells["compiled-plain"] == "50 ms, compile 61 s"
+    assert cells["compiled-bk"] == "2.20x (2.00-2.40) / 1.10x, compile 5 s, 0 ops compiled"
+    assert "compiled-hooks" not in cells  # not in the runs: no column
+    run = json.loads(paths[1].read_text())
+    run[-1]["forward_max_diff"] = 0.5  # a compiled forward that is not the eager one is flagged
+    paths[1].write_text(json.dumps(run))
+    assert models.summarize(paths).splitlines()[2].endswith("0 ops compiled, FORWARD OFF EAGER |")
+    assert any("compiled-plain's" in text for text in rest)
+    paths[0].write_text(json.dumps([r for r in json.loads(paths[0].read_text()) if not r["mode"].startswith("compiled")]))
+    assert "compiled-bk" not in models.summarize(paths[:1])
