@@ -1,15 +1,14 @@
 """The compiled modes of the step benchmarks: ``compiled-X`` is mode X with the model under ``torch.compile``.
 
 ``compiled-plain`` compiles the non-private model; ``compiled-bk`` and ``compiled-hooks`` compile the
-model after the private controller is attached to it, as a user does after
-``make_private(..., wrap_model=False)`` (the only compiled private path: a model compiled before is
-refused, docs/errors.md). :class:`CompileWatch` is the backend (inductor, its on-disk caches off, so
-that the compile time is a first run's) that counts the graphs Dynamo hands it, their operators, the
-graph breaks and the graphs compiled after the first step (recompilations). Compile time is never in a step time: it is the warm-up steps' time beyond as
-many median steps (:func:`compile_seconds`). Each compiled mode also reports how far its first step's
-output is from the eager model's on the same input (``forward_max_diff``): a compiled private model at
-batch size 1 computes a different forward (tests/engine/test_compile_after_wrap.py, xfail), so its
-times are those of a wrong step.
+model after the private controller is attached to it, as a user would after
+``make_private(..., wrap_model=False)``: refused today at the first training forward (docs/errors.md),
+so their rows report the refusal until a compiled private step exists. :class:`CompileWatch` is the
+backend (inductor, its on-disk caches off, so that the compile time is a first run's) that counts the
+graphs Dynamo hands it, their operators, the graph breaks and the graphs compiled after the first step
+(recompilations). Compile time is never in a step time: it is the warm-up steps' time beyond as many
+median steps (:func:`compile_seconds`). Each compiled mode also reports how far its first step's output
+is from the eager model's on the same input (``forward_max_diff``).
 """
 
 from __future__ import annotations
