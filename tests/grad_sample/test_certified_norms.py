@@ -45,11 +45,11 @@ FEW = settings(max_examples=4, deadline=None)
 @pytest.fixture(autouse=True, params=["float64", "split", "instantiated"])
 def route(request):
     """Every check runs with ghost norms on both routes of certified products (``exact_products``):
-    float64 products, and error-free split float32 ones (what accelerators take); and with bk's default
-    choice, which instantiates (and keeps) these small gradients."""
+    float64 products, and error-free split float32 ones (what accelerators take); and with every weight's
+    gradient instantiated and kept (bk's choice where its memory allows)."""
     default = shared_inputs.INSTANTIATED_MEMORY
-    if request.param != "instantiated":
-        shared_inputs.INSTANTIATED_MEMORY = 0  # every weight of T > 1 tokens: ghost norms
+    # Ghost norms for every weight of T > 1 tokens, or instantiated gradients for all.
+    shared_inputs.INSTANTIATED_MEMORY = float("inf") if request.param == "instantiated" else 0
     try:
         with use_route(None if request.param == "instantiated" else request.param):
             yield request.param
@@ -239,8 +239,11 @@ def test_ordinary_data_keeps_the_exact_norm(name, mode, n, tokens, seed):
     exact = exact_norms(model, tuple(t.double() if t.is_floating_point() else t for t in inputs))
     seen = run_step(model, inputs, mode)
     norms = seen["norms"].double()
-    assert (exact <= norms * (1 + ROUNDING_MARGIN)).all()
-    torch.testing.assert_close(norms, exact, rtol=1e-5, atol=0)
+    if ghost_norms():
+        assert (exact <= norms * (1 + ROUNDING_MARGIN)).all()
+        torch.testing.assert_close(norms, exact, rtol=1e-5, atol=0)
+    else:  # the norm of the float32 gradient that is summed (never below it: test_adversarial_cancellation_is_clipped)
+        torch.testing.assert_close(norms, exact, rtol=1e-4, atol=0)
 
 
 def test_the_bound_is_the_documented_one():

@@ -101,7 +101,7 @@ def test_a_mean_loss_scale_applied_after_the_sampler_is_exact():
 
 @pytest.mark.parametrize("width, tokens, kept", [(4, 6, True), (64, 3, False)])
 def test_kept_gradients_take_their_calls_factors_place(width, tokens, kept):
-    """A Linear whose per-sample gradient bk keeps (``d p`` numbers, at most twice the ``T (d + p)`` of its
+    """A Linear whose per-sample gradient bk keeps (``d p`` numbers, no more than the ``T (d + p)`` of its
     input and output gradient) lets those go once the norms are formed; a ghost-norm Linear holds them for its
     clipped sum. Both clip as hooks do."""
     torch.manual_seed(0)

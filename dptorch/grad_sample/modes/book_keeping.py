@@ -10,7 +10,7 @@ the norm of the sum of its uses. Built-in ``nn.Linear`` / HF ``Conv1D`` calls th
 tensor (q/k/v, gate/up: the same memory, never merely equal values) share its Gram matrix and its
 clip-factor-scaled copy (``shared_inputs.shared_affine_norms_and_grads`` /
 ``shared_affine_clipped_sums``). A Linear / Conv1D norm is instantiated where its
-gradient's memory allows (``shared_inputs.ghost_norms_chosen``: ``B d p`` numbers up to twice the
+gradient's memory allows (``shared_inputs.ghost_norms_chosen``: ``B d p`` numbers no more than the
 ``B T (d + p)`` of the call's factors) and kept; the call then lets its factors go, and the clipped sum
 is the weighted sum of the kept gradients: one pass over ``B d p`` numbers instead of a second
 ``T d p`` matmul per sample; a bias keeps its per-sample gradient (the summed output gradient) the

@@ -107,10 +107,12 @@ def shared_affine_norms_and_grads(uses, sum_tokens: Optional[int] = None, releas
 #: How many times the numbers of a call's held factors (``a`` and ``b``: ``B T (d + p)``) its kept instantiated
 #: weight gradients (``B d p``) may hold. Instantiating costs one ``T d p`` matmul per sample: what a ghost norm's
 #: clipped sum costs anyway, so the instantiated route is always the faster one (no Grams, certified in float64
-#: on CPU; the clipped sum a weighted sum of ``B d p`` numbers). Ghost norms save memory, so memory decides: the
-#: kept gradients exist between the norms and the clipped sums, after the backward pass, when the
-#: activations its peak held are gone.
-INSTANTIATED_MEMORY = 2
+#: on CPU; the clipped sum a weighted sum of ``B d p`` numbers). Ghost norms save memory, so memory decides. At 1
+#: a kept gradient takes no more memory than the factors it lets go of (``release``); at 2 the narrow shapes'
+#: bk step through make_private took 0.7-0.9x its time at 1 on CPU, but the kept gradients, alive together
+#: between the norms and the clipped sums, raised its peak RSS to 1.11-1.29x the plain step's
+#: (docs/performance.md, "Memory through the engine"): memory first.
+INSTANTIATED_MEMORY = 1
 
 
 def ghost_norms_chosen(tokens: int, d: int, widths) -> bool:
