@@ -1,12 +1,12 @@
 """A model run under ``torch.compile`` after ``make_private(..., wrap_model=False)`` (the user keeps calling
-their own model, compiled) is refused at its first training forward, before anything is captured.
+their own model, compiled) is refused at its first training forward, before anything is captured; so is compiled code the tracker meets later (a compiled loss, an evaluation while the DP loader's
+batch is still watched). After ``cleanup()`` compiled evaluation runs.
 
 Measured before the refusal: at batch size 1 Dynamo compiled the code between the hooks and GPT-2's MLP
 block computed a different forward (about 5e-2 off, also with an eager backend: torch 2.13's Dynamo ran
 the graph a resumed ``__torch_function__`` frame compiled for one operator for another), so the clipped
 update was the gradient of a wrong forward; at 2 or more rows Dynamo skipped every frame (the tracker's
-dispatch guard is on the stack) and the step ran eagerly, 5x slower than eager. An evaluation forward
-(no gradient) may run compiled."""
+dispatch guard is on the stack) and the step ran eagerly, 5x slower than eager."""
 
 import warnings
 
@@ -43,11 +43,14 @@ def test_a_model_compiled_after_make_private_is_refused_at_its_training_forward(
     with pytest.raises(PerSampleGradientError, match="torch.compile"):
         compiled(x)
     model.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x))  # evaluation: no per-sample work, compiled is fine
+    with torch.no_grad(), pytest.raises(PerSampleGradientError, match="cleanup"):
+        compiled(x)  # the draw is still watched: compiled code meets the tracker
     model.train()
     model(torch.randn(3, 6)).sum()  # the controller is intact: the eager model still trains
     hooks.cleanup()
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))  # after cleanup() evaluation may run compiled
 
 
 def test_gpt2_mlp_at_batch_size_one_under_a_compiled_step_function_is_refused():
@@ -64,3 +67,20 @@ def test_gpt2_mlp_at_batch_size_one_under_a_compiled_step_function_is_refused():
     with pytest.raises(PerSampleGradientError, match="torch.compile"):
         step(torch.randn(1, 4, 32))
     hooks.cleanup()
+
+
+def test_a_compiled_loss_under_the_loss_tracker_is_refused():
+    """The loss tracker follows the loss: compiled there, ``((o * 2) * 3 + 5).sum()`` of one row came out -14.80
+    for 7.04 (the same Dynamo fault); a compiled loss that mixes samples is refused as well."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = mlp()
+    loss = torch.compile(lambda out: ((out * 2.0) * 3.0 + 5.0).sum(), backend="eager")
+    mixing = torch.compile(lambda out: (out - out.mean(0)).pow(2).sum(), backend="eager")
+    with GradSampleHooks(model, loss_reduction="sum") as hooks:
+        for batch, compiled in ((1, loss), (8, mixing)):
+            out = model(torch.randn(batch, 6))
+            with pytest.raises(PerSampleGradientError, match="torch.compile"):
+                compiled(out)
+            hooks.clear()
+        model(torch.randn(3, 6)).sum().backward()  # the controller is intact: eager training goes on

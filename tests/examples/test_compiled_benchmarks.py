@@ -29,7 +29,7 @@ def tiny_shape(monkeypatch):
 
 def test_the_compiled_plain_step_reports_compile_time_and_graphs_apart_from_the_step():
     """In a fresh process, as the benchmark runs each mode (in this one, earlier tests' controllers, never
-    detached, may still watch their last draw: under that watch's dispatch guard Dynamo compiles nothing)."""
+    detached, may still watch their last draw, and compiled code is refused while a batch is watched)."""
     code = ("import json, sys; from benchmarks import models; models.SHAPES['tiny-test'] = %r; "
             "print(json.dumps(models.measure('tiny-test', 'compiled-plain', steps=1, seq=None, batch=None)))" % (TINY,))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)

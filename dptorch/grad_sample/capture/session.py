@@ -27,6 +27,7 @@ from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking import WEAK, BatchTracker, Lost, packed
 from dptorch.grad_sample.tracking import watch as draw_watch
+from dptorch.grad_sample.tracking.compiled import COMPILED_CODE, under_torch_compile
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
@@ -40,25 +41,6 @@ _PER_SAMPLE_KEYS = frozenset(_BATCH_KEYS + (
     "attention_mask", "token_type_ids", "position_ids", "labels", "decoder_input_ids", "decoder_attention_mask",
     "decoder_inputs_embeds", "pixel_mask", "bool_masked_pos", "encoder_hidden_states", "encoder_attention_mask",
 ))
-
-
-#: Why a training forward under torch.compile is refused (``under_torch_compile``).
-COMPILED_FORWARD = (
-    "the model runs under torch.compile (compiled after make_private(..., wrap_model=False), or called from a "
-    "compiled function): Dynamo compiles the code between the per-sample gradient hooks, and there torch 2.13 "
-    "can run a graph compiled for one operation in place of another (measured: GPT-2's MLP block off by 5e-2 at "
-    "batch size 1; under a function mode that breaks the graph, (x * 2.0) * 3.0 + 5.0 gives 60 at x = 2), a "
-    "wrong gradient; at 2 or more rows nothing is compiled (Dynamo skips every frame under the tracker's "
-    "dispatch guard) and the step runs 5x slower than eager. Call the uncompiled model: the private step does "
-    "not run compiled yet"
-)
-
-
-def under_torch_compile() -> bool:
-    """Whether this call runs in code that torch.compile (Dynamo) traces or compiled: Dynamo's frame
-    callback is set for the whole compiled call, graph breaks included (an untraceable call: it always
-    runs eagerly)."""
-    return torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
 class RootForward(HookTarget):
@@ -96,7 +78,7 @@ class RootForward(HookTarget):
     def on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is self.module and not self._switches.replaying:
             if module.training and torch.is_grad_enabled() and under_torch_compile():
-                raise PerSampleGradientError(COMPILED_FORWARD)
+                raise PerSampleGradientError(COMPILED_CODE)
             self.depth += 1
             if self.depth > 1:  # the root calling itself: the outer call's batch and tracking stand
                 return
