@@ -17,6 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 _LATEST: List["weakref.ref[torch.Tensor]"] = []
 _WATCHERS: List[Callable[[List[torch.Tensor]], None]] = []
+_LET_GO: List[Callable[[], None]] = []
+_COUNT = [0]  # batches handed out so far: the latest one's number
 
 
 def watch(callback: Callable[[List[torch.Tensor]], None]) -> None:
@@ -26,12 +28,30 @@ def watch(callback: Callable[[List[torch.Tensor]], None]) -> None:
         _WATCHERS.append(callback)
 
 
-def hand_out(batch: Any) -> None:
-    """Record ``batch`` (any nesting of tensors) as the latest batch handed to the training loop."""
+def on_let_go(callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the iterator that handed out the latest batch is dropped (see ``let_go``)."""
+    if callback not in _LET_GO:
+        _LET_GO.append(callback)
+
+
+def hand_out(batch: Any) -> int:
+    """Record ``batch`` (any nesting of tensors) as the latest batch handed to the training loop; returns its
+    number (for ``let_go``)."""
     tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     _LATEST[:] = [weakref.ref(t) for t in tensors]
+    _COUNT[0] += 1
     for callback in _WATCHERS:
         callback(tensors)
+    return _COUNT[0]
+
+
+def let_go(number: int) -> None:
+    """The iterator that handed out batch ``number`` was dropped (a loop left by ``break``, a fixed number of
+    steps): if that batch is still the latest, the loop derives nothing more from it through the loader, and
+    the watchers may stop following it. The batch stays the latest (its labels may still reach a loss)."""
+    if number == _COUNT[0]:
+        for callback in _LET_GO:
+            callback()
 
 
 def latest() -> List[torch.Tensor]:

@@ -200,17 +200,21 @@ class PhysicalBatchLoader:
         hand_out = getattr(self.logical_loader, "hand_out", None)
         batches = iter(self._physical_loader)
         self._passing = True
+        handed = None
         try:
             for (_, closes_logical), opened in zip(plan, opens):
                 batch = next(batches)
                 if opened is not None and hand_out is not None:
                     hand_out(*opened)  # the first physical batch of a logical one: one Poisson draw
                 self.optimizer.signal_skip_step(do_skip=not closes_logical)
-                drawn.hand_out(batch)
+                handed = drawn.hand_out(batch)
                 yield batch
             drawn.hand_out(())  # the pass is over
+            handed = None
         finally:
             self._passing = False
+            if handed is not None:  # the loop left early (its iterator was closed)
+                drawn.let_go(handed)
 
 
 class BatchMemoryManager:

@@ -692,6 +692,11 @@ class _HandingOutIterator:
         self._inner = inner
         self._sizes = sizes
         self._ordered = ordered
+        self._handed: Optional[int] = None  # the number of the batch this iterator handed out last
+
+    def __del__(self) -> None:
+        if self._handed is not None:
+            drawn.let_go(self._handed)
 
     def __iter__(self) -> "_HandingOutIterator":
         return self
@@ -704,12 +709,13 @@ class _HandingOutIterator:
             batch = next(self._inner)
         except StopIteration:
             drawn.hand_out(())  # the pass is over: no batch of it is the loop's any more
+            self._handed = None
             raise
         position, size = self._sizes.popleft() if self._sizes else (None, None)
         if not self._ordered:
             size = None  # the sizes queue is in draw order, the batches may not be
         self._loader.hand_out(position, size)
-        drawn.hand_out(batch)
+        self._handed = drawn.hand_out(batch)
         return batch
 
 

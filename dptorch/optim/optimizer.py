@@ -646,8 +646,11 @@ class DPOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with draw_watch.aside():  # the step's own arithmetic is not the training loop's
-            if self.pre_step():
+            stepped = self.pre_step()
+            if stepped:
                 self.original_optimizer.step()
+        if stepped:
+            draw_watch.draw_closed()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -318,3 +318,77 @@ def test_the_watch_ends_with_the_loaders_pass():
         optimizer.step()
     assert torch._C._len_torch_function_stack() == depth and not watch._WATCH
     engine.detach()
+
+
+def _private_loop(loader):
+    from dptorch import PrivacyEngine
+
+    model = OneInput()
+    engine = PrivacyEngine()
+    _, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                               data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
+                                               loss_reduction="sum", wrap_model=False)
+    return engine, model, optimizer, loader
+
+
+def test_the_watch_ends_when_the_loop_leaves_the_loader_early():
+    """A loop left by ``break`` drops the loader's iterator after a forward and backward of the draw: the
+    watch ends there, not at the next hand-out (a mode left on torch's stack slows every later operation)."""
+    from torch.utils.data import TensorDataset
+
+    from dptorch.data import DPDataLoader
+
+    watch.stop()
+    depth = torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+    engine, model, optimizer, loader = _private_loop(DPDataLoader(TensorDataset(*_batch(0)), sample_rate=0.9, steps=5))
+    for step, (x, y) in enumerate(loader):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert watch._WATCH  # still following the loop while it iterates
+        if step == 1:
+            break
+    assert (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()) == depth  # and the guard
+    assert not watch._WATCH
+    engine.detach()
+
+
+def test_a_batch_taken_by_next_iter_is_watched_until_its_step():
+    """``next(iter(loader))`` drops the iterator before the batch is trained on: the watch stays through the
+    draw's micro-batches (each forward still sees the whole way from the draw) and ends at the step."""
+    from torch.utils.data import TensorDataset
+
+    from dptorch.data import DPDataLoader
+
+    watch.stop()
+    depth = torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+    engine, model, optimizer, loader = _private_loop(DPDataLoader(TensorDataset(*_batch(0)), sample_rate=1.0, steps=3))
+    x, y = next(iter(loader))
+    assert watch._WATCH
+    for part in (x[: N // 2], x[N // 2:]):
+        model(part.clone()).sum().backward()  # a copy cut from the draw: the watch tells the forward so
+        assert watch._WATCH
+    optimizer.step()
+    assert (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()) == depth  # and the guard
+    assert not watch._WATCH
+    engine.detach()
+
+
+def test_the_watch_ends_when_a_loop_over_the_memory_manager_breaks():
+    from torch.utils.data import TensorDataset
+
+    from dptorch.data import DPDataLoader
+    from dptorch.data.memory_manager import BatchMemoryManager
+
+    watch.stop()
+    depth = torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()
+    engine, model, optimizer, loader = _private_loop(DPDataLoader(TensorDataset(*_batch(0)), sample_rate=1.0, steps=3))
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=optimizer) as physical:
+        for x, y in physical:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            break
+    assert (torch._C._len_torch_function_stack(), torch._C._len_torch_dispatch_stack()) == depth  # and the guard
+    assert not watch._WATCH
+    engine.detach()

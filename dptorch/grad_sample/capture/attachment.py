@@ -27,6 +27,7 @@ from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # root -> its controller
 drawn.watch(lambda tensors: draw_watch.start(tensors, active=lambda: bool(_ATTACHED)))
+drawn.on_let_go(draw_watch.let_go)
 
 
 def is_attached(module: nn.Module) -> bool:

@@ -33,6 +33,11 @@ def sink(mode: TorchFunctionMode) -> None:
     _replace_stack([mode] + [m for m in _modes() if m is not mode])
 
 
+def on_stack(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on the stack now (a mode running its ``__torch_function__`` is not)."""
+    return any(m is mode for m in _modes())
+
+
 def remove(mode: TorchFunctionMode) -> None:
     """Take ``mode`` off the stack, wherever it is; the others keep their order."""
     modes = _modes()

@@ -13,8 +13,11 @@ are followed by the controller, and goes on after that backward (the next micro-
 draw); the optimizer's step is set aside (``aside``).
 
 The watch refuses nothing itself (a value read, a backward of another model): it only tags. It
-runs only while some controller is attached, and stops at the next hand-out, or when the
-controllers detach.
+runs only while some controller is attached, and stops at the next hand-out, at the end of the
+loader's pass, when the loop drops the loader's iterator after a forward and backward of the draw
+(``let_go``: a ``break``, a fixed number of steps; for a batch taken by ``next(iter(loader))``, at
+the optimizer's step that closes its draw), or when the controllers detach. Stopping early is
+never less private: a root forward without a watch takes an argument it cannot place as batched.
 """
 
 from __future__ import annotations
@@ -25,16 +28,19 @@ from typing import Callable, Iterator, List, Optional, Tuple
 from torch import Tensor
 
 from dptorch.grad_sample.tracking.mode import BatchTracker
-from dptorch.grad_sample.tracking.stack import remove, sink
+from dptorch.grad_sample.tracking.stack import on_stack, remove, sink
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _WATCH: List[BatchTracker] = []  # the running watch, at most one
 _OFF: List[BatchTracker] = []  # the watch while it is off the mode stack (during a forward)
+_SERVED: List[bool] = [False]  # whether a forward and its backward of the draw ran under the running watch
+_LET_GO: List[bool] = [False]  # whether the loop dropped the iterator that handed out the draw
 
 
 def start(tensors: List[Tensor], active: Callable[[], bool]) -> None:
     """A DP loader handed out ``tensors``: watch them (if ``active()``: a controller is attached)."""
     stop()
+    _SERVED[0] = _LET_GO[0] = False
     rows = [t for t in tensors if t.dim()]
     if not rows or not active():
         return
@@ -76,7 +82,31 @@ def resume() -> None:
     """The forward's backward is over: follow the loop again (the next micro-batch of the draw)."""
     if _WATCH:
         _WATCH[0].paused = False
+        _SERVED[0] = True
         follow_unseen()
+
+
+def let_go() -> None:
+    """The loop dropped the iterator that handed out the watched draw. Stop now if a forward and backward of
+    the draw ran; otherwise (``next(iter(loader))``: the batch is still to be trained on, maybe in micro-batches)
+    at the optimizer's step that closes the draw (``draw_closed``)."""
+    _LET_GO[0] = True
+    if _SERVED[0]:
+        _stop_if_on_stack()
+
+
+def draw_closed() -> None:
+    """The optimizer's step closed the draw: stop if the loop already dropped the iterator it came from."""
+    if _LET_GO[0]:
+        _stop_if_on_stack()
+
+
+def _stop_if_on_stack() -> None:
+    """Stop, if the watch sits on the mode stack: not during a forward, the optimizer's step or the watch's
+    own ``__torch_function__`` (where a garbage collection may drop an iterator); then the next hand-out
+    stops it."""
+    if _WATCH and not _OFF and on_stack(_WATCH[0]):
+        stop()
 
 
 @contextlib.contextmanager
@@ -106,3 +136,4 @@ def stop() -> None:
         else:
             remove(tracker)
         tracker.close()
+        follow_unseen()  # the guard of unseen operations leaves with the last tracker that follows the loop
