@@ -14,7 +14,7 @@ import torch
 COMPILED_CODE = (
     "torch.compile runs code that dptorch's batch tracker follows (a model compiled after make_private(..., "
     "wrap_model=False), a compiled loss or step function, or compiled code run while a DP loader's batch is "
-    "watched, before the next batch or the controller's cleanup()): Dynamo compiles around the tracker, and there "
+    "watched, until the loop is done with it or the controller's cleanup()): Dynamo compiles around the tracker, and there "
     "torch 2.13 can run a graph compiled for one operation in place of another (measured: GPT-2's MLP block off "
     "by 5e-2 at batch size 1; a compiled loss ((o * 2.0) * 3.0 + 5.0).sum() gave -14.80 for 7.04), a wrong "
     "gradient; at 2 or more rows nothing is compiled (Dynamo skips every frame under the tracker's dispatch "
