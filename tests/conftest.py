@@ -1,8 +1,9 @@
 """Test isolation: no batch tracker or recorded DP batch outlives the test that made it.
 
 A test that leaves a controller attached (or a refused step un-detached) would otherwise leave its
-tracker on torch's process-wide function-mode stack, and the DP loaders' latest batch recorded,
-for every later test in the same process.
+tracker on torch's process-wide function-mode stack (and the unseen-operation guard on its dispatch
+stack: a Python call for every ATen operation), and the DP loaders' latest batch recorded, for every
+later test in the same process.
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from dptorch.data import drawn
 from dptorch.grad_sample.tracking.mode import BatchTracker
+from dptorch.grad_sample.tracking import unseen
 
 
 @pytest.fixture(autouse=True)
@@ -25,3 +27,4 @@ def _no_tracker_outlives_its_test():
             else:
                 torch._C._push_on_torch_function_stack(m)
     drawn.hand_out(())
+    unseen.off()  # and the guard of unseen operations, on torch's dispatch stack while a tracker followed the loop
