@@ -298,28 +298,6 @@ def test_a_tensor_made_a_string_inside_the_forward_is_refused(show):
     _refused(_judge(OneInput(mix), lambda m, x, y: m(x).sum(), "hooks"))
 
 
-def test_the_watch_ends_with_the_loaders_pass():
-    """After the last batch of a pass nothing of the draw is followed (no mode stays on torch's stack)."""
-    from torch.utils.data import TensorDataset
-
-    from dptorch import PrivacyEngine
-    from dptorch.data import DPDataLoader
-
-    watch.stop()
-    depth = torch._C._len_torch_function_stack()
-    model = OneInput()
-    loader = DPDataLoader(TensorDataset(*_batch(0)), sample_rate=0.5, steps=2)
-    engine = PrivacyEngine()
-    _, optimizer, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                               data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
-                                               loss_reduction="sum", wrap_model=False)
-    for x, y in loader:
-        model(x).sum().backward()
-        optimizer.step()
-    assert torch._C._len_torch_function_stack() == depth and not watch._WATCH
-    engine.detach()
-
-
 def _private_loop(loader):
     from dptorch import PrivacyEngine
 
@@ -329,6 +307,22 @@ def _private_loop(loader):
                                                data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0,
                                                loss_reduction="sum", wrap_model=False)
     return engine, model, optimizer, loader
+
+
+def test_the_watch_ends_with_the_loaders_pass():
+    """After the last batch of a pass nothing of the draw is followed (no mode stays on torch's stack)."""
+    from torch.utils.data import TensorDataset
+
+    from dptorch.data import DPDataLoader
+
+    watch.stop()
+    depth = torch._C._len_torch_function_stack()
+    engine, model, optimizer, loader = _private_loop(DPDataLoader(TensorDataset(*_batch(0)), sample_rate=0.5, steps=2))
+    for x, y in loader:
+        model(x).sum().backward()
+        optimizer.step()
+    assert torch._C._len_torch_function_stack() == depth and not watch._WATCH
+    engine.detach()
 
 
 def test_the_watch_ends_when_the_loop_leaves_the_loader_early():
