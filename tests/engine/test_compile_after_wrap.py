@@ -53,6 +53,32 @@ def test_a_model_compiled_after_make_private_is_refused_at_its_training_forward(
         torch.testing.assert_close(compiled(x), model(x))  # after cleanup() evaluation may run compiled
 
 
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@pytest.mark.parametrize("loader", [True, False])
+def test_a_model_compiled_and_run_before_the_controller_attaches_trains_nothing(mode, loader):
+    """Dynamo keeps a compiled frame's graph when module hooks are added later (its hook guards are off by
+    default), so a compiled callable run once before the controller attached could run without the hooks: either
+    way (hooks seen, or a gradient with no per-sample gradient) the step is refused before any parameter moves,
+    with a DP loader's watch and without one."""
+    torch._dynamo.reset()
+    model = mlp()
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(4, 6)).sum().backward()  # compiled, run and trained through before make_private
+    model.zero_grad()
+    rows = TensorDataset(torch.randn(40, 6), torch.randint(0, 2, (40,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, optimizer, batches = PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=DataLoader(rows, batch_size=8),
+            noise_multiplier=0.0, max_grad_norm=1.0, grad_sample_mode=mode, wrap_model=False, loss_reduction="sum")
+    x, y = next(iter(batches)) if loader else rows[:8]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PerSampleGradientError):
+        nn.functional.cross_entropy(compiled(x), y, reduction="sum").backward()
+        optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
 def test_gpt2_mlp_at_batch_size_one_under_a_compiled_step_function_is_refused():
     """The case that computed a wrong forward: GPT-2's MLP, one row, called from a compiled function."""
     torch._dynamo.reset()
