@@ -141,7 +141,7 @@ def case(name, n, tokens, K, delta, seed):
         x, g1 = rand(n, tokens, d), rand(n, tokens, p)
         g2 = -g1 + rand(n, tokens, p)
         g1[0], g2[0] = crafted_pair(g, p, K, delta)[0], crafted_pair(g, p, K, delta)[1]
-        g2[0] = -g1[0] + delta * unit(g, tokens, p)
+        g2[0] = -g1[0] + delta * tokens**0.5 * unit(g, tokens, p)  # delta per token, as in the other cases
         return TwoCalls(d, p), (x, g1, g2)
     if name == "tied":
         vocab = 9
