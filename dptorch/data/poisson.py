@@ -16,6 +16,7 @@ draws the inclusion bits from the secure stream (AES-256-CTR keyed from the OS C
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
@@ -695,7 +696,7 @@ class _HandingOutIterator:
         self._handed: Optional[int] = None  # the number of the batch this iterator handed out last
 
     def __del__(self) -> None:
-        if self._handed is not None:
+        if self._handed is not None and not sys.is_finalizing():  # the loop let go of it (a break, a fixed count)
             drawn.let_go(self._handed)
 
     def __iter__(self) -> "_HandingOutIterator":
