@@ -5,11 +5,11 @@ differ in cost. Book-keeping (``"bk"``) forms the per-sample norms and the clipp
 that has a norm sampler (``nn.Linear``, transformers' ``Conv1D``, ``nn.Embedding``) from its inputs
 and output gradients, without instantiating one gradient per sample, and falls back to the
 instantiated per-sample gradients of ``"hooks"`` for every other layer. It holds far less memory
-(through ``make_private``: 0.94-1.06x the plain step's peak RSS, hooks 1.47-1.62x on the narrow
+(through ``make_private``: 0.94-1.06x the plain step's peak RSS, hooks 1.4-1.65x on the narrow
 shapes). Its ghost norms are certified (float64 products on CPU: ``norms/exact_products.py``), which
-costs time: on this project's CPU, through ``make_private``, bk took 1.3-2.1x the plain step on the
-narrow shapes where hooks took about the plain step's time (docs/performance.md, "Memory through the
-engine"). Memory first: a user with memory to spare gets the faster step with ``"hooks"``.
+costs time: on this project's CPU, through ``make_private``, bk took 1.6-1.7x the plain step on the
+narrow shapes where hooks took 1.1-1.3x (docs/performance.md, "Memory through the engine"). Memory
+first: a user with memory to spare gets the faster step with ``"hooks"``.
 
 So ``"auto"`` is ``"bk"`` when a trainable parameter belongs to a layer with a norm sampler, else
 ``"hooks"`` (the same computation then, and Opacus code that reads ``p.grad_sample`` finds it on
