@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dptorch.data import drawn
-from dptorch.grad_sample.tracking.mode import BatchTracker
 from dptorch.grad_sample.tracking import unseen
+from dptorch.grad_sample.tracking.mode import BatchTracker
 
 
 @pytest.fixture(autouse=True)

@@ -105,7 +105,7 @@ def _stop_if_on_stack() -> None:
     """Stop, if the watch sits on the mode stack: not during a forward, the optimizer's step or the watch's
     own ``__torch_function__`` (where a garbage collection may drop an iterator); then the next hand-out
     stops it."""
-    if _WATCH and not _OFF and on_stack(_WATCH[0]):
+    if _WATCH and on_stack(_WATCH[0]):  # off it during a forward (``pause``) and the step (``aside``)
         stop()
 
 
