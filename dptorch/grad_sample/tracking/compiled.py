@@ -21,6 +21,7 @@ size 1 (torch 2.13: GPT-2's MLP block off by 5e-2; ``((o * 2.0) * 3.0 + 5.0).sum
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable
 
 import torch
@@ -61,7 +62,22 @@ def eager_under_compile(hook: Callable) -> Callable:
         finally:
             set_eval_frame(prior)
 
+    run._torchdynamo_disable = True  # Dynamo breaks the graph at the call without tracing into it
+    run._torchdynamo_disable_msg = "a hook of dptorch's controller: it runs eagerly"
+    if "torch._dynamo" in sys.modules:
+        skip_hook_frames(run)
     return run
+
+
+def skip_hook_frames(hook: Callable) -> None:
+    """Have Dynamo run the frames of the hooks' wrapper (one code object, ``hook``'s) without looking into them:
+    from the first wrapper made once Dynamo is loaded, or dptorch's backend's first graph."""
+    if not _SKIPPED:
+        torch._dynamo.eval_frame.skip_code(hook.__code__)
+        _SKIPPED.append(hook.__code__)
+
+
+_SKIPPED: list = []
 
 
 def is_private_backend(fn: Any) -> bool:
@@ -96,4 +112,9 @@ def refuse_other_backends(ctx: Any) -> None:
     graph is dptorch's backend's."""
     output = getattr(ctx, "_ComptimeContext__tx").output
     if not is_private_backend(output.compiler_fn):
-        raise PerSampleGradientError(COMPILED_CODE)
+        raise CompiledCodeRefused(COMPILED_CODE)
+
+
+class CompiledCodeRefused(PerSampleGradientError, AssertionError):
+    """The refusal raised while Dynamo traces: an ``AssertionError`` too, which Dynamo lets through as it is (a
+    ``UserError`` or ``Unsupported`` it would turn into a graph break, and others into its own internal error)."""

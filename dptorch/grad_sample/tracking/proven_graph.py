@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor, fx
 
-from dptorch.grad_sample.tracking.compiled import MARK
+from dptorch.grad_sample.tracking.compiled import MARK, eager_under_compile, skip_hook_frames
 from dptorch.grad_sample.tracking.tags import Lost
 
 
@@ -44,6 +44,7 @@ class PrivateBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: List[Any]) -> "ProvenGraph":
         from torch._dynamo.backends.registry import lookup_backend  # start-up time: Dynamo only when compiling
 
+        skip_hook_frames(eager_under_compile(print))
         return ProvenGraph(gm, lookup_backend(self.inner)(gm, example_inputs))
 
     def __repr__(self) -> str:
