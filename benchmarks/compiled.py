@@ -2,8 +2,8 @@
 
 ``compiled-plain`` compiles the non-private model; ``compiled-bk`` and ``compiled-hooks`` compile the
 model after the private controller is attached to it, as a user would after
-``make_private(..., wrap_model=False)``, with ``backend="dptorch"`` (each graph proven by the batch
-tracker's rules, ``dptorch/grad_sample/tracking/proven_graph.py``). :class:`CompileWatch` is the
+``make_private(..., wrap_model=False)``: refused today at the first training forward (docs/errors.md),
+so their rows report the refusal until a compiled private step exists. :class:`CompileWatch` is the
 backend (inductor, its on-disk caches off, so that the compile time is a first run's) that counts the
 graphs Dynamo hands it, their operators, the graph breaks and the graphs compiled after the first step
 (recompilations). Compile time is never in a step time: it is the warm-up steps' time beyond as many
@@ -42,14 +42,10 @@ class CompileWatch:
         self.graph_ops += sum(node.op.startswith("call") for node in graph.graph.nodes)
         return compile_fx(graph, example_inputs)
 
-    def compile(self, model, private: bool):
-        """``model`` under torch.compile; a private one through dptorch's backend (each graph proven), with this
-        watch as its inner backend."""
+    def compile(self, model):
         import torch
 
-        from dptorch.grad_sample.tracking.proven_graph import PrivateBackend
-
-        return torch.compile(model, backend=PrivateBackend(self) if private else self)
+        return torch.compile(model, backend=self)
 
     def first_step_done(self) -> None:
         self.graphs_after_first_step = self.graphs

@@ -74,7 +74,7 @@ def measure(shape: str, mode: str, steps: int, device: str, dtype: str) -> dict:
         optimizer = DPOptimizer(optimizer, hooks=hooks, noise_multiplier=0.0, max_grad_norm=1.0,
                                 expected_batch_size=batch, loss_reduction="sum")
     watch = CompileWatch() if compiled else None
-    call = watch.compile(model, mode != "plain") if compiled else model  # after make_private(wrap_model=False)
+    call = watch.compile(model) if compiled else model  # after the hooks: make_private(..., wrap_model=False)'s order
     if compiled:
         with torch.no_grad():
             eager_logits = model(input_ids=ids).logits  # what the compiled model's first step must compute

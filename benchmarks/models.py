@@ -148,7 +148,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         if mode == "ghost":
             criterion = DPLoss(criterion, hooks)
     watch = CompileWatch() if compiled else None
-    call = watch.compile(model, mode != "nonprivate") if compiled else model  # after make_private(wrap_model=False)
+    call = watch.compile(model) if compiled else model  # after the hooks: make_private(..., wrap_model=False)'s order
     if compiled:
         with torch.no_grad():
             eager_logits = model(**inputs).logits  # what the compiled model's first step must compute
@@ -265,7 +265,7 @@ def measure_engine(shape: str, mode: str, steps: int, seq: int | None, batch: in
             grad_sample_mode=mode, wrap_model=not compiled)
         model = model if compiled else made  # compiled: the user keeps calling their own model
     watch = CompileWatch() if compiled else None
-    call = watch.compile(model, mode != "nonprivate") if compiled else model
+    call = watch.compile(model) if compiled else model
     meter = StepPeak(device)
     sync = torch.cuda.synchronize if meter.cuda else (lambda: None)
     records, draws = [], iter(loader)

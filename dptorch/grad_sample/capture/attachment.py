@@ -23,7 +23,6 @@ from dptorch.grad_sample.layers.checks import incompatibilities
 from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tracking import watch as draw_watch
-from dptorch.grad_sample.tracking.compiled import eager_under_compile
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # root -> its controller
@@ -105,9 +104,9 @@ class Attachment:
         the layer calls' capture), every parameter (``on_grad_accumulated``) and the sharding wrappers
         (``tags``, their batch tags); register ``owner``, the controller, as the model's and its parameters'."""
         mode = self._settings.grad_sample_mode
-        self._handles.append(self.module.register_forward_pre_hook(eager_under_compile(session.on_root_forward), with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(eager_under_compile(session.on_root_forward_end), always_call=True))
-        self._handles.append(self.module.register_forward_hook(eager_under_compile(session.tap_root_outputs)))
+        self._handles.append(self.module.register_forward_pre_hook(session.on_root_forward, with_kwargs=True))
+        self._handles.append(self.module.register_forward_hook(session.on_root_forward_end, always_call=True))
+        self._handles.append(self.module.register_forward_hook(session.tap_root_outputs))
         for name, param in self.module.named_parameters(remove_duplicate=True):
             self.param_names[param] = name
         tensor_parallel = {id(m) for m in tensor_parallel_modules}
@@ -119,15 +118,15 @@ class Attachment:
             norm_sampler = find_norm_sampler(sub) if sampler and mode in ("bk", "ghost") else None
             self.layers[sub] = HookedLayer(name or type(sub).__name__, sub, params, sampler, norm_sampler,
                                            _token_wise(sub, norm_sampler or (find_norm_sampler(sub) if sampler else None)))
-            self._handles.append(sub.register_forward_pre_hook(eager_under_compile(calls.before_layer_forward)))
+            self._handles.append(sub.register_forward_pre_hook(calls.before_layer_forward))
             if mode == "ew":
-                self._handles.append(sub.register_forward_pre_hook(eager_under_compile(calls.check_expanded_batch), with_kwargs=True))
+                self._handles.append(sub.register_forward_pre_hook(calls.check_expanded_batch, with_kwargs=True))
                 continue
             if id(sub) in tensor_parallel:  # the output before tensor parallelism's output hook redistributes it
-                self._handles.append(sub.register_forward_hook(eager_under_compile(calls.on_tensor_parallel_layer_forward), with_kwargs=True,
+                self._handles.append(sub.register_forward_hook(calls.on_tensor_parallel_layer_forward, with_kwargs=True,
                                                               always_call=True, prepend=True))
                 continue
-            self._handles.append(sub.register_forward_hook(eager_under_compile(calls.on_layer_forward), with_kwargs=True, always_call=True))
+            self._handles.append(sub.register_forward_hook(calls.on_layer_forward, with_kwargs=True, always_call=True))
         self._on_grad_accumulated = on_grad_accumulated
         for param in self.param_names:
             self.watch(param)
@@ -147,12 +146,12 @@ class Attachment:
         for sub in self.module.modules():
             layer = id(sub) in tensor_parallel
             if is_fully_sharded_module(sub) or layer or torch_style_hooks(sub, outputs=False):
-                self._handles.append(sub.register_forward_pre_hook(eager_under_compile(tags.note_inputs), prepend=True, with_kwargs=True))
-                self._handles.append(sub.register_forward_pre_hook(eager_under_compile(tags.tag_inputs), with_kwargs=True))
+                self._handles.append(sub.register_forward_pre_hook(tags.note_inputs, prepend=True, with_kwargs=True))
+                self._handles.append(sub.register_forward_pre_hook(tags.tag_inputs, with_kwargs=True))
             if layer or torch_style_hooks(sub, outputs=True):
                 if not (layer and sub in self.layers):  # (a tensor-parallel layer's capture notes its output)
-                    self._handles.append(sub.register_forward_hook(eager_under_compile(tags.note_output), prepend=True))
-                self._handles.append(sub.register_forward_hook(eager_under_compile(tags.tag_output)))
+                    self._handles.append(sub.register_forward_hook(tags.note_output, prepend=True))
+                self._handles.append(sub.register_forward_hook(tags.tag_output))
 
     def _attach_leaf_layers(self, calls: Any) -> None:
         """Inside a capturing call of a layer with a grad sampler and no hooked module below it, the
@@ -163,7 +162,7 @@ class Attachment:
             return
         for module, layer in self.layers.items():
             if layer.sampler is not None and not any(m in self.layers for m in module.modules() if m is not module):
-                self._handles.append(module.register_forward_pre_hook(eager_under_compile(calls.enter_leaf_layer), prepend=True))
+                self._handles.append(module.register_forward_pre_hook(calls.enter_leaf_layer, prepend=True))
 
     def watch(self, param: nn.Parameter) -> None:
         """Register the post-accumulate-grad hook that notices gradients arriving at ``param``."""

@@ -27,7 +27,7 @@ from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking import WEAK, BatchTracker, Lost, packed
 from dptorch.grad_sample.tracking import watch as draw_watch
-from dptorch.grad_sample.tracking.compiled import COMPILED_CODE, under_other_backend
+from dptorch.grad_sample.tracking.compiled import COMPILED_CODE, under_torch_compile
 from dptorch.grad_sample.tracking.stack import remove as remove_mode
 from dptorch.grad_sample.tracking.stack import remove_finished as remove_finished_trackers
 from dptorch.grad_sample.tracking.stack import sink as sink_mode
@@ -77,7 +77,7 @@ class RootForward(HookTarget):
 
     def on_root_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module is self.module and not self._switches.replaying:
-            if module.training and torch.is_grad_enabled() and under_other_backend():
+            if module.training and torch.is_grad_enabled() and under_torch_compile():
                 raise PerSampleGradientError(COMPILED_CODE)
             self.depth += 1
             if self.depth > 1:  # the root calling itself: the outer call's batch and tracking stand

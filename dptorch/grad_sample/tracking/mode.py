@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import tap
 from dptorch.grad_sample.tracking.args import any_tensor, op_name
-from dptorch.grad_sample.tracking.compiled import COMPILED_CODE, traced, under_other_backend
+from dptorch.grad_sample.tracking.compiled import COMPILED_CODE, under_torch_compile
 from dptorch.grad_sample.tracking.loss import backward_rule, has_total, read_scaling_rule, scales_after_read, total_rule
 from dptorch.grad_sample.tracking.memory import BatchMemory
 from dptorch.grad_sample.tracking.origins import OriginCall, meeting_backward
@@ -144,13 +144,11 @@ class BatchTracker(TorchFunctionMode):
     # ---------------------------------------------------------------- dispatch
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # Dynamo traces through: dptorch's backend proves the graph (compiled.py)
-            return traced(self, func, args, kwargs or {})
         if kwargs is None:
             kwargs = {}
         if self.paused or self.done or (self.forward_done and self.owner() is None):
             return func(*args, **kwargs)
-        if under_other_backend():
+        if under_torch_compile():
             raise PerSampleGradientError(COMPILED_CODE)
         rule = rule_of(func)
         if self.totals and ((self.forward_done and not self.nested_forwards) or rule is not escape) and has_total(self, args, kwargs):

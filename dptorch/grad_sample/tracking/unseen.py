@@ -32,11 +32,6 @@ from dptorch.grad_sample.tracking.writes import derived
 class UnseenOps(TorchDispatchMode):
     """Refuses an ATen operation on batch data that no batch tracker saw (torch functions switched off)."""
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """Dynamo compiles with the guard on the stack (it is off while Dynamo compiles, on while a graph runs)."""
-        return True
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
