@@ -23,6 +23,7 @@ from dptorch.grad_sample.layers.checks import incompatibilities
 from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tracking import watch as draw_watch
+from dptorch.grad_sample.tracking.compiled import eager_when_followed
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # root -> its controller
@@ -104,7 +105,10 @@ class Attachment:
         the layer calls' capture), every parameter (``on_grad_accumulated``) and the sharding wrappers
         (``tags``, their batch tags); register ``owner``, the controller, as the model's and its parameters'."""
         mode = self._settings.grad_sample_mode
-        self._handles.append(self.module.register_forward_pre_hook(session.on_root_forward, with_kwargs=True))
+        followed = (lambda: session.depth == 1  # a training forward, or one run while a DP loader's draw is watched
+                    and (session.tracker is not None or draw_watch.following()))
+        self._handles.append(self.module.register_forward_pre_hook(eager_when_followed(session.on_root_forward, followed),
+                                                                   with_kwargs=True))
         self._handles.append(self.module.register_forward_hook(session.on_root_forward_end, always_call=True))
         self._handles.append(self.module.register_forward_hook(session.tap_root_outputs))
         for name, param in self.module.named_parameters(remove_duplicate=True):

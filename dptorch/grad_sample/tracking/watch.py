@@ -55,6 +55,11 @@ def start(tensors: List[Tensor], active: Callable[[], bool]) -> None:
     _WATCH.append(tracker)
 
 
+def following() -> bool:
+    """Whether a watch follows the loop now (not paused by a forward or the step, not stopped)."""
+    return bool(_WATCH) and not _WATCH[0].paused and not _WATCH[0].done
+
+
 def pause() -> Tuple[Optional[BatchTracker], bool]:
     """A root forward starts: the watch (None if none runs) leaves torch's mode stack until ``rest`` (a
     mode there costs every operation of the forward a dispatch), paused until ``resume``, for the forward's
