@@ -172,3 +172,26 @@ def test_a_compiled_loss_under_the_loss_tracker_is_refused():
                 compiled(out)
             hooks.clear()
         model(torch.randn(3, 6)).sum().backward()  # the controller is intact: eager training goes on
+
+
+class Mixing(nn.Module):
+    """Every sample's hidden state moves with the others' (a mean over the batch between two layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        return self.b(h - h.mean(0))
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_compiled_model_that_mixes_samples_is_refused_as_the_eager_one(mode):
+    torch._dynamo.reset()
+    model = Mixing()
+    with GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum") as hooks:
+        for call in (model, torch.compile(model, backend="inductor")):
+            with pytest.raises(PerSampleGradientError, match="mean over the batch"):
+                call(torch.randn(4, 6)).sum().backward()
+            hooks.clear()

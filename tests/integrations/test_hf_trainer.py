@@ -221,7 +221,6 @@ class SumLossTrainer(Trainer):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(args=dict(torch_compile=True)), "torch_compile"),
         (dict(args=dict(ignore_data_skip=True)), "ignore_data_skip"),
         (dict(args=dict(train_sampling_strategy="group_by_length")), "train_sampling_strategy"),
         (dict(privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=0.1)), "target_delta"),
@@ -234,6 +233,27 @@ def test_bad_setups_fail_at_construction_naming_the_fix(tmp_path, change, messag
     with pytest.raises((ValueError, TypeError), match=message):
         make_trainer(tmp_path, dataset=change.get("dataset"), trainer_cls=change.get("trainer_cls", DPTrainer),
                      privacy=change.get("privacy"), **change.get("args", {}))
+
+
+def test_torch_compile_trains_as_the_uncompiled_trainer(tmp_path):
+    """``torch_compile=True``: Accelerate compiles the model; its private forwards run eagerly (each turns Dynamo off
+    for the compiled call), so the steps are the uncompiled trainer's, bit for bit (no dropout, the same draws)."""
+    def trained(folder, **args):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_gpt2(TOKENIZER)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        trainer = make_trainer(tmp_path / folder, model=model, max_steps=2, **args,
+                               privacy=PrivacyArguments(noise_multiplier=0.0, target_delta=1e-3, sampling_seed=1))
+        trainer.train()
+        return trainer
+
+    plain, compiled = trained("plain"), trained("compiled", torch_compile=True, torch_compile_backend="eager")
+    assert isinstance(compiled.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    for p, q in zip(plain.model.parameters(), compiled.model.parameters()):
+        assert torch.equal(p, q)
 
 
 def test_a_loss_that_mixes_samples_is_refused(tmp_path):

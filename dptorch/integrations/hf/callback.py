@@ -46,8 +46,9 @@ What a callback cannot do, and how each gap is handled (the same list is in
 5. **Logs.** ``epsilon`` goes into ``trainer.state.log_history`` and the logs of callbacks that
    run after this one; reporting integrations (``report_to``) run before it and do not see it.
    The Trainer's ``grad_norm`` is that of the raw gradient, which is never formed here (0).
-6. The set-ups DPTrainer refuses (DeepSpeed, Liger, ``torch_compile``, LOMO
-   optimizers, length-grouped sampling) are refused here too, and so are several processes and
+6. The set-ups DPTrainer refuses (DeepSpeed, Liger, LOMO optimizers, length-grouped sampling) are
+   refused here too, and so is ``torch_compile`` (DPTrainer runs its private forwards eagerly; the
+   callback attaches after Accelerate compiled the model), and so are several processes and
    FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not; NEFTune, which DPTrainer runs with
    each sample's own length (the callback cannot keep transformers' hook off); and fp16, which DPTrainer
    trains with a ``DPGradScaler`` (the callback does not replace Accelerate's GradScaler); so is

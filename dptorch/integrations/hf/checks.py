@@ -90,10 +90,6 @@ def setup_problems(trainer: Any, privacy_args: PrivacyArguments) -> List[str]:
          "per_device_train_batch_size yourself"),
         (args.use_liger_kernel,
          "Liger kernels replace the model's forward and fuse the LM head; unset use_liger_kernel"),
-        (bool(args.torch_compile),
-         "torch_compile is refused: the per-sample hooks break the compiled graph at every hooked layer (measured "
-         "on a 2-layer GPT-2: 25 graph breaks, 6-9x slower per step after a 13-18 s compile, exact but no gain); "
-         "unset torch_compile"),
         (args.ignore_data_skip,
          "ignore_data_skip=True would replay used Poisson batches on resume, which the accountant does not cover"),
         (optimizer_name in ("lomo", "adalomo"),
