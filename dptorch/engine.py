@@ -764,12 +764,11 @@ def _refuse_compiled(module: nn.Module) -> None:
     compiled = [f"submodule {name!r}" if name else "the model" for name, m in module.named_modules() if _is_compiled(m)]
     if compiled:
         raise ValueError(
-            f"{_name_list(compiled)} {'is' if len(compiled) == 1 else 'are'} compiled with torch.compile, which the "
-            "per-sample gradient hooks defeat: each hooked layer breaks the compiled graph (its parameters' "
-            "requires_grad is switched for the call, and the capture Function's backward calls back into Python), "
-            "so a step runs as dozens of small graphs plus eager code (measured on a 2-layer GPT-2: 25 graph breaks, "
-            "6-9x slower per step than eager, 13-18 s of compilation), and exactness would rest on every hook staying "
-            "outside the graphs. Pass the uncompiled model (compiled_model._orig_mod) to make_private"
+            f"{_name_list(compiled)} {'is' if len(compiled) == 1 else 'are'} compiled with torch.compile: a private "
+            "forward runs eagerly (the batch tracker follows it operation by operation, and Dynamo compiled around it "
+            "into wrong values in torch 2.13), so compiling before make_private gains nothing. Pass the uncompiled "
+            "model (compiled_model._orig_mod) to make_private; compile the whole model after it, with "
+            "wrap_model=False, for compiled evaluation (its private forwards run eagerly)"
         )
 
 

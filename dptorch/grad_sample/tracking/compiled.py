@@ -26,13 +26,13 @@ from typing import Any, Callable, List
 import torch
 
 COMPILED_CODE = (
-    "torch.compile runs code that dptorch's batch tracker follows (a compiled loss or step function, a compiled "
-    "function or another compiled model run on the batch while a DP loader's draw is watched, until the loop is "
-    "done with it or the controller's cleanup()): Dynamo compiles around the tracker, and there torch 2.13 can run "
-    "a graph compiled for one operation in place of another (measured: GPT-2's MLP block off by 5e-2 at batch size "
-    "1; a compiled loss ((o * 2.0) * 3.0 + 5.0).sum() gave -14.80 for 7.04), a wrong gradient. Compile the model "
-    "alone (torch.compile(model) after make_private(..., wrap_model=False): its private forwards run eagerly, its "
-    "evaluation compiled) and keep the loss and the step uncompiled"
+    "torch.compile runs code that dptorch's batch tracker follows (a compiled loss, or compiled code that meets the "
+    "batch outside the model's forward while a DP loader's draw is watched, until the loop is done with it or the "
+    "controller's cleanup()): Dynamo compiles around the tracker, and there torch 2.13 can run a graph compiled for "
+    "one operation in place of another (measured: GPT-2's MLP block off by 5e-2 at batch size 1; a compiled loss "
+    "((o * 2.0) * 3.0 + 5.0).sum() gave -14.80 for 7.04), a wrong gradient. Compile the model alone "
+    "(torch.compile(model) after make_private(..., wrap_model=False): its private forward runs eagerly, with the "
+    "rest of the compiled call it is part of; evaluation outside the loop runs compiled) and keep the loss uncompiled"
 )
 
 
