@@ -2,8 +2,9 @@
 
 ``compiled-plain`` compiles the non-private model; ``compiled-bk`` and ``compiled-hooks`` compile the
 model after the private controller is attached to it, as a user would after
-``make_private(..., wrap_model=False)``: refused today at the first training forward (docs/errors.md),
-so their rows report the refusal until a compiled private step exists. :class:`CompileWatch` is the
+``make_private(..., wrap_model=False)``: their private forwards run eagerly (the root pre-hook turns
+Dynamo off for the compiled call, docs/errors.md), so their rows show what compiling costs a private step
+until a compiled private step exists. :class:`CompileWatch` is the
 backend (inductor, its on-disk caches off, so that the compile time is a first run's) that counts the
 graphs Dynamo hands it, their operators, the graph breaks and the graphs compiled after the first step
 (recompilations). Compile time is never in a step time: it is the warm-up steps' time beyond as many

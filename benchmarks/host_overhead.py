@@ -18,7 +18,7 @@ Modes ``compiled-plain``, ``compiled-bk``, ``compiled-hooks`` (opt-in; benchmark
 under ``torch.compile`` (the private ones compiled after the controller is attached) and are compared with
 ``compiled-plain``; their compile time (the two warm-up steps beyond two median steps) is a column of its
 own, with the graphs compiled, the graph breaks, the recompilations after the first step and how far the
-first step's logits are from the eager model's (the private ones are refused today: docs/performance.md).
+first step's logits are from the eager model's (the private ones run their forwards eagerly: docs/performance.md).
 Their aten operator counts are not given (under a dispatch mode Dynamo runs the model eagerly).
 """
 

@@ -28,7 +28,7 @@ are counted), and one Gaussian draw per parameter; bk is reported against it.
 Modes ``compiled-plain``, ``compiled-bk`` and ``compiled-hooks`` (opt-in; benchmarks/compiled.py) run the
 step with the model under ``torch.compile``, the private ones compiled after the controller is attached
 (``make_private(..., wrap_model=False)``'s order; through make_private exactly that, the batch dim marked
-dynamic for the Poisson draws; refused today, reported as such); each is compared with ``compiled-plain``. The compile time (the warm-up
+dynamic for the Poisson draws; their private forwards run eagerly); each is compared with ``compiled-plain``. The compile time (the warm-up
 steps beyond as many median steps), the graphs compiled, the graph breaks and the recompilations after
 the first step are reported apart from the step time. ``--lora R`` trains LoRA adapters of rank R on
 every linear layer (peft) instead of all the weights.
