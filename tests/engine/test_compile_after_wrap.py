@@ -29,7 +29,7 @@ def mlp():
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
-def private_run(mode, compile_model, steps=5):
+def private_run(mode, compile_model, steps=5, batch_size=8, evaluate=True):
     """The parameters after ``steps`` private steps (noise 0, loss sum) on seeded Poisson draws, the model called
     compiled (``compile_model``: model -> callable) or as it is, with an evaluation call inside the loop; and the
     warnings the run gave."""
@@ -41,7 +41,7 @@ def private_run(mode, compile_model, steps=5):
         warnings.simplefilter("always")
         hooks, optimizer, loader = PrivacyEngine().make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
-            data_loader=DataLoader(rows, batch_size=8, generator=torch.Generator().manual_seed(5)),
+            data_loader=DataLoader(rows, batch_size=batch_size, generator=torch.Generator().manual_seed(5)),
             noise_multiplier=0.0, max_grad_norm=0.5, grad_sample_mode=mode, wrap_model=False, loss_reduction="sum")
         call = compile_model(model)
         for step, (x, y) in enumerate(loader):
@@ -50,10 +50,11 @@ def private_run(mode, compile_model, steps=5):
             optimizer.zero_grad()
             nn.functional.cross_entropy(call(x), y, reduction="sum").backward()
             optimizer.step()
-            model.eval()
-            with torch.no_grad():
-                call(x)  # evaluation inside the loop: the draw is watched, so it runs eagerly
-            model.train()
+            if evaluate:
+                model.eval()
+                with torch.no_grad():
+                    call(x)  # evaluation inside the loop: the draw is watched, so it runs eagerly
+                model.train()
     hooks.cleanup()
     return [p.detach().clone() for p in model.parameters()], [str(w.message) for w in said], model, call
 
@@ -195,3 +196,19 @@ def test_a_compiled_model_that_mixes_samples_is_refused_as_the_eager_one(mode):
             with pytest.raises(PerSampleGradientError, match="mean over the batch"):
                 call(torch.randn(4, 6)).sum().backward()
             hooks.clear()
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_layer_compiled_after_make_private_trains_as_the_eager_one(mode):
+    """A hooked layer compiled on its own: the controller's hooks around it run outside Dynamo (they break the
+    graph), and its forward, whose operations the tracker does not follow in eager either (a layer with a
+    per-sample rule), is compiled; draws of one row and more, as the eager model. (Evaluated inside the loop, the
+    compiled layer would meet the watched draw outside a followed forward: refused.)"""
+    def compile_last(model):
+        model[2] = torch.compile(model[2], backend="eager")
+        return model
+
+    eager, _, _, _ = private_run(mode, lambda model: model, batch_size=2, steps=8, evaluate=False)
+    compiled, _, _, _ = private_run(mode, compile_last, batch_size=2, steps=8, evaluate=False)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

@@ -23,7 +23,7 @@ from dptorch.grad_sample.layers.checks import incompatibilities
 from dptorch.grad_sample.layers.registry import GradSampler, NormSampler, find_grad_sampler, find_norm_sampler
 from dptorch.grad_sample.modes import expanded_weights
 from dptorch.grad_sample.tracking import watch as draw_watch
-from dptorch.grad_sample.tracking.compiled import eager_when_followed
+from dptorch.grad_sample.tracking.compiled import eager_when_followed, outside_dynamo
 from dptorch.grad_sample.tracking.unseen import follow as follow_unseen
 
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # root -> its controller
@@ -108,9 +108,9 @@ class Attachment:
         followed = (lambda: session.depth == 1  # a training forward, or one run while a DP loader's draw is watched
                     and (session.tracker is not None or draw_watch.following()))
         self._handles.append(self.module.register_forward_pre_hook(eager_when_followed(session.on_root_forward, followed),
-                                                                   with_kwargs=True))
-        self._handles.append(self.module.register_forward_hook(session.on_root_forward_end, always_call=True))
-        self._handles.append(self.module.register_forward_hook(session.tap_root_outputs))
+                                                                   with_kwargs=True))  # first: Dynamo off from here
+        self._hook(self.module, session.on_root_forward_end, always_call=True)
+        self._hook(self.module, session.tap_root_outputs)
         for name, param in self.module.named_parameters(remove_duplicate=True):
             self.param_names[param] = name
         tensor_parallel = {id(m) for m in tensor_parallel_modules}
@@ -122,15 +122,14 @@ class Attachment:
             norm_sampler = find_norm_sampler(sub) if sampler and mode in ("bk", "ghost") else None
             self.layers[sub] = HookedLayer(name or type(sub).__name__, sub, params, sampler, norm_sampler,
                                            _token_wise(sub, norm_sampler or (find_norm_sampler(sub) if sampler else None)))
-            self._handles.append(sub.register_forward_pre_hook(calls.before_layer_forward))
+            self._hook(sub, calls.before_layer_forward, pre=True)
             if mode == "ew":
-                self._handles.append(sub.register_forward_pre_hook(calls.check_expanded_batch, with_kwargs=True))
+                self._hook(sub, calls.check_expanded_batch, pre=True, with_kwargs=True)
                 continue
             if id(sub) in tensor_parallel:  # the output before tensor parallelism's output hook redistributes it
-                self._handles.append(sub.register_forward_hook(calls.on_tensor_parallel_layer_forward, with_kwargs=True,
-                                                              always_call=True, prepend=True))
+                self._hook(sub, calls.on_tensor_parallel_layer_forward, with_kwargs=True, always_call=True, prepend=True)
                 continue
-            self._handles.append(sub.register_forward_hook(calls.on_layer_forward, with_kwargs=True, always_call=True))
+            self._hook(sub, calls.on_layer_forward, with_kwargs=True, always_call=True)
         self._on_grad_accumulated = on_grad_accumulated
         for param in self.param_names:
             self.watch(param)
@@ -142,6 +141,12 @@ class Attachment:
         self.attached = True
         self._attach_leaf_layers(calls)
 
+    def _hook(self, module: nn.Module, hook: Callable, pre: bool = False, **options: Any) -> None:
+        """Register a forward (``pre``: pre-) hook of the controller on ``module``, run outside Dynamo: under
+        torch.compile it breaks the graph and runs as in an eager forward (``tracking/compiled.py``)."""
+        register = module.register_forward_pre_hook if pre else module.register_forward_hook
+        self._handles.append(register(outside_dynamo(hook), **options))
+
     def _attach_wrapper_tags(self, tags: Any, tensor_parallel: set) -> None:
         """FSDP2's forward pre-hook replaces a sharded module's inputs that require grad by aliases
         (its post-backward Function), and torch's tensor-parallel styles replace a module's inputs and
@@ -150,12 +155,12 @@ class Attachment:
         for sub in self.module.modules():
             layer = id(sub) in tensor_parallel
             if is_fully_sharded_module(sub) or layer or torch_style_hooks(sub, outputs=False):
-                self._handles.append(sub.register_forward_pre_hook(tags.note_inputs, prepend=True, with_kwargs=True))
-                self._handles.append(sub.register_forward_pre_hook(tags.tag_inputs, with_kwargs=True))
+                self._hook(sub, tags.note_inputs, pre=True, prepend=True, with_kwargs=True)
+                self._hook(sub, tags.tag_inputs, pre=True, with_kwargs=True)
             if layer or torch_style_hooks(sub, outputs=True):
                 if not (layer and sub in self.layers):  # (a tensor-parallel layer's capture notes its output)
-                    self._handles.append(sub.register_forward_hook(tags.note_output, prepend=True))
-                self._handles.append(sub.register_forward_hook(tags.tag_output))
+                    self._hook(sub, tags.note_output, prepend=True)
+                self._hook(sub, tags.tag_output)
 
     def _attach_leaf_layers(self, calls: Any) -> None:
         """Inside a capturing call of a layer with a grad sampler and no hooked module below it, the
@@ -166,7 +171,7 @@ class Attachment:
             return
         for module, layer in self.layers.items():
             if layer.sampler is not None and not any(m in self.layers for m in module.modules() if m is not module):
-                self._handles.append(module.register_forward_pre_hook(calls.enter_leaf_layer, prepend=True))
+                self._hook(module, calls.enter_leaf_layer, pre=True, prepend=True)
 
     def watch(self, param: nn.Parameter) -> None:
         """Register the post-accumulate-grad hook that notices gradients arriving at ``param``."""

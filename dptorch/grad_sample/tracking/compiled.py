@@ -69,6 +69,20 @@ _SET_EVAL_FRAME = torch._C._dynamo.eval_frame.set_eval_frame
 _SAID: List[bool] = []
 
 
+def outside_dynamo(hook: Callable) -> Callable:
+    """``hook`` run with Dynamo's frame callback off, as ``torch.compiler.disable`` does (without importing Dynamo):
+    under torch.compile a controller's hook breaks the graph and runs as in an eager forward, never traced."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = _SET_EVAL_FRAME(None)
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            _SET_EVAL_FRAME(prior)
+
+    return _outside_dynamo(run)
+
+
 def _outside_dynamo(hook: Callable) -> Callable:
     """Mark ``hook`` so that Dynamo breaks its graph at the call and runs it as it is (``torch.compiler.disable``'s
     mark; the frame callback is managed by the hook itself)."""
