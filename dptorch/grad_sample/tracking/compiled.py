@@ -43,6 +43,10 @@ def under_torch_compile() -> bool:
     return torch.compiler.is_compiling() or torch._C._dynamo.eval_frame.get_eval_frame_callback() not in (None, False)
 
 
+_SET_EVAL_FRAME = torch._C._dynamo.eval_frame.set_eval_frame
+_SAID: List[bool] = []
+
+
 def eager_when_followed(pre_hook: Callable, followed: Callable[[], bool]) -> Callable:
     """The root pre-hook ``pre_hook``, run outside Dynamo; where the forward it begins is ``followed()`` (a
     training forward, or any forward while a DP loader's draw is watched) it leaves Dynamo's frame callback off,
@@ -65,10 +69,6 @@ def eager_when_followed(pre_hook: Callable, followed: Callable[[], bool]) -> Cal
     return _outside_dynamo(run)
 
 
-_SET_EVAL_FRAME = torch._C._dynamo.eval_frame.set_eval_frame
-_SAID: List[bool] = []
-
-
 def outside_dynamo(hook: Callable) -> Callable:
     """``hook`` run with Dynamo's frame callback off, as ``torch.compiler.disable`` does (without importing Dynamo):
     under torch.compile a controller's hook breaks the graph and runs as in an eager forward, never traced."""
@@ -87,8 +87,8 @@ def _outside_dynamo(hook: Callable) -> Callable:
     """Mark ``hook`` so that Dynamo breaks its graph at the call and runs it as it is (``torch.compiler.disable``'s
     mark; the frame callback is managed by the hook itself)."""
     hook._torchdynamo_disable = True
-    hook._torchdynamo_disable_msg = "dptorch's controller: the private training forward runs eagerly"
-    if "torch._dynamo" in sys.modules:  # else Dynamo looks into the hook's frame once, and warns, before it is skipped
+    hook._torchdynamo_disable_msg = "a hook of dptorch's controller: it runs eagerly"
+    if "torch._dynamo" in sys.modules:  # else Dynamo tries the hook's frame once (a warning of its own), then runs it
         torch._dynamo.eval_frame.skip_code(hook.__code__)
     return hook
 
@@ -96,7 +96,7 @@ def _outside_dynamo(hook: Callable) -> Callable:
 def _say_once() -> None:
     if not _SAID:
         _SAID.append(True)
-        warnings.warn("dptorch: the model is compiled (torch.compile), and its private training forward runs eagerly, "
-                      "under the batch tracker, outside the compiled graphs (a compiled private step is not built yet: "
-                      "docs/performance.md, 'Compiled columns'); calls that do not train (evaluation) run compiled",
-                      stacklevel=3)
+        warnings.warn("dptorch: the model is compiled (torch.compile), and its private forwards (training, and any "
+                      "forward while a DP loader's draw is watched) run eagerly, under the batch tracker (a compiled "
+                      "private step is not built yet: docs/performance.md, 'Compiled columns'); other calls run "
+                      "compiled", stacklevel=3)
