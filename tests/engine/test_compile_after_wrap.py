@@ -212,3 +212,11 @@ def test_a_layer_compiled_after_make_private_trains_as_the_eager_one(mode):
     compiled, _, _, _ = private_run(mode, compile_last, batch_size=2, steps=8, evaluate=False)
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_fullgraph_is_refused_by_dynamo_naming_the_controllers_hook():
+    torch._dynamo.reset()
+    model = mlp()
+    with GradSampleHooks(model, loss_reduction="sum"):
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="compile it without fullgraph=True"):
+            torch.compile(model, backend="eager", fullgraph=True)(torch.randn(4, 6))

@@ -87,7 +87,8 @@ def _outside_dynamo(hook: Callable) -> Callable:
     """Mark ``hook`` so that Dynamo breaks its graph at the call and runs it as it is (``torch.compiler.disable``'s
     mark; the frame callback is managed by the hook itself)."""
     hook._torchdynamo_disable = True
-    hook._torchdynamo_disable_msg = "a hook of dptorch's controller: it runs eagerly"
+    hook._torchdynamo_disable_msg = ("a hook of dptorch's controller, which runs eagerly: a private model is not one "
+                                     "graph (compile it without fullgraph=True; its private forwards run eagerly)")
     if "torch._dynamo" in sys.modules:  # else Dynamo tries the hook's frame once (a warning of its own), then runs it
         torch._dynamo.eval_frame.skip_code(hook.__code__)
     return hook
