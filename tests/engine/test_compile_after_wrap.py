@@ -39,7 +39,8 @@ def private_run(mode, compile_model, steps=5, batch_size=8, evaluate=True):
                          torch.randint(0, 2, (40,), generator=torch.Generator().manual_seed(4)))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        hooks, optimizer, loader = PrivacyEngine().make_private(
+        engine = PrivacyEngine()
+        hooks, optimizer, loader = engine.make_private(
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             data_loader=DataLoader(rows, batch_size=batch_size, generator=torch.Generator().manual_seed(5)),
             noise_multiplier=0.0, max_grad_norm=0.5, grad_sample_mode=mode, wrap_model=False, loss_reduction="sum")
@@ -55,16 +56,18 @@ def private_run(mode, compile_model, steps=5, batch_size=8, evaluate=True):
                 with torch.no_grad():
                     call(x)  # evaluation inside the loop: the draw is watched, so it runs eagerly
                 model.train()
+    said = [str(w.message) for w in said] + [f"steps accounted: {engine.plan.steps}"]
     hooks.cleanup()
-    return [p.detach().clone() for p in model.parameters()], [str(w.message) for w in said], model, call
+    return [p.detach().clone() for p in model.parameters()], said, model, call
 
 
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
 def test_a_model_compiled_after_make_private_trains_as_the_eager_model(mode):
-    eager, _, _, _ = private_run(mode, lambda model: model)
+    eager, accounted, _, _ = private_run(mode, lambda model: model)
     compiled, said, model, call = private_run(mode, lambda model: torch.compile(model, backend="inductor"))
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)  # the same eager computation, bit for bit
+    assert said[-1] == accounted[-1] == "steps accounted: 5"  # every draw accounted, as in eager
     assert sum("runs eagerly" in w for w in said) <= 1  # said once a process
     assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None  # Dynamo's callback is back where it was
     model.eval()
