@@ -89,8 +89,9 @@ def _outside_dynamo(hook: Callable) -> Callable:
     hook._torchdynamo_disable = True
     hook._torchdynamo_disable_msg = ("a hook of dptorch's controller, which runs eagerly: a private model is not one "
                                      "graph (compile it without fullgraph=True; its private forwards run eagerly)")
-    if "torch._dynamo" in sys.modules:  # else Dynamo tries the hook's frame once (a warning of its own), then runs it
-        torch._dynamo.eval_frame.skip_code(hook.__code__)
+    skip_code = getattr(sys.modules.get("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip_code is not None:  # else Dynamo tries the hook's frame once (a warning of its own), then runs it
+        skip_code(hook.__code__)
     return hook
 
 
