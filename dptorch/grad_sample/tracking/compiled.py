@@ -1,11 +1,11 @@
 """Code that torch.compile (Dynamo) traces or runs, met by the batch tracker: refused; a compiled model's
-private training forward: run eagerly.
+private forwards: run eagerly.
 
 Dynamo compiles around a ``TorchFunctionMode`` whose ``__torch_function__`` breaks its graph, and in
 torch 2.13 it can then run a graph compiled for one operation in place of another: under the tracker,
 a compiled model forward (GPT-2's MLP block) came out 5e-2 off at batch size 1, and a compiled loss
-``((o * 2.0) * 3.0 + 5.0).sum()`` gave -14.80 for 7.04. So the root forward and every operation a live
-tracker follows (the forward, its loss, the draw watch) refuse to run under Dynamo.
+``((o * 2.0) * 3.0 + 5.0).sum()`` gave -14.80 for 7.04. So every operation a live tracker follows (the
+forward, its loss, the draw watch) refuses to run under Dynamo.
 
 A model compiled after ``make_private(..., wrap_model=False)`` still trains: its root pre-hook runs outside
 Dynamo, and where the forward it begins is followed (a training forward, or any forward while a DP loader's
