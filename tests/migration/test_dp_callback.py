@@ -156,6 +156,23 @@ def test_set_ups_it_cannot_keep_private_are_refused(tmp_path, setting, message):
         plain_trainer(tmp_path, callback, **setting).train()
 
 
+def test_torch_compile_trains_as_the_uncompiled_run(tmp_path):
+    """Accelerate compiles the model before the callback attaches; Dynamo traces it at the first forward, with the
+    hooks: the private forwards run eagerly, the steps are the uncompiled run's to the bit."""
+    def trained(folder, **settings):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        callback = DPCallback(PrivacyArguments(noise_multiplier=0.0, target_delta=1e-3), allow_shuffled_batches=True)
+        trainer = plain_trainer(tmp_path / folder, callback, model=without_dropout(tiny_gpt2(TOKENIZER)), **settings)
+        trainer.train()
+        return trainer
+
+    plain, compiled = trained("plain"), trained("compiled", torch_compile=True, torch_compile_backend="eager")
+    assert isinstance(compiled.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    for p, q in zip(plain.model.parameters(), compiled.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_privacy_units_are_refused_at_construction():
     with pytest.raises(ValueError, match="privacy units"):
         DPCallback(PrivacyArguments(noise_multiplier=1.0, privacy_unit_column="user"))

@@ -47,8 +47,7 @@ What a callback cannot do, and how each gap is handled (the same list is in
    run after this one; reporting integrations (``report_to``) run before it and do not see it.
    The Trainer's ``grad_norm`` is that of the raw gradient, which is never formed here (0).
 6. The set-ups DPTrainer refuses (DeepSpeed, Liger, LOMO optimizers, length-grouped sampling) are
-   refused here too, and so is ``torch_compile`` (DPTrainer runs its private forwards eagerly; the
-   callback attaches after Accelerate compiled the model), and so are several processes and
+   refused here too (``torch_compile`` is not: the private forwards run eagerly), and so are several processes and
    FSDP, which DPTrainer supports (DDP, FSDP2) and the callback does not; NEFTune, which DPTrainer runs with
    each sample's own length (the callback cannot keep transformers' hook off); and fp16, which DPTrainer
    trains with a ``DPGradScaler`` (the callback does not replace Accelerate's GradScaler); so is
@@ -368,7 +367,6 @@ def _refuse_setups(args: Any, state: Any) -> None:
          "NEFTune: the Trainer attaches transformers' hook, which scales each sample's embedding noise by the padded "
          "length of its batch (the other samples'); DPTrainer runs a variant scaled by each sample's own length"),
         (args.use_liger_kernel, "Liger kernels replace the model's forward"),
-        (bool(args.torch_compile), "torch_compile with the per-sample gradient hooks"),
         (optimizer_name in ("lomo", "adalomo"), "LOMO optimizers update the parameters inside backward"),
         (args.label_smoothing_factor != 0,
          "label_smoothing_factor: the Trainer's label smoother computes a batch-level loss outside the model"),
