@@ -39,6 +39,20 @@ def without_dropout(model):
     return model
 
 
+def assert_torch_compile_trains_as_uncompiled(trained):
+    """``trained(folder, **training_args)`` trains a tiny model (no dropout, the same draws) and returns the trainer:
+    with ``torch_compile=True`` the model is compiled, and the steps are the uncompiled run's to the bit."""
+    def run(folder, **args):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        return trained(folder, **args)
+
+    plain, compiled = run("plain"), run("compiled", torch_compile=True, torch_compile_backend="eager")
+    assert isinstance(compiled.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    for p, q in zip(plain.model.parameters(), compiled.model.parameters()):
+        assert torch.equal(p, q)
+
+
 def trainable_copy(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 

@@ -28,6 +28,7 @@ from dptorch.integrations.hf import (  # noqa: E402
 from dptorch.grad_sample.units.per_sample_losses import causal_lm_per_sample_loss  # noqa: E402
 from dptorch.optim.optimizer import DPOptimizer  # noqa: E402
 from tests.integrations.tiny import (  # noqa: E402
+    assert_torch_compile_trains_as_uncompiled,
     clipped_unit_update,
     cpu_training_args,
     lm_dataset,
@@ -158,19 +159,14 @@ def test_set_ups_it_cannot_keep_private_are_refused(tmp_path, setting, message):
 
 def test_torch_compile_trains_as_the_uncompiled_run(tmp_path):
     """Accelerate compiles the model before the callback attaches; Dynamo traces it at the first forward, with the
-    hooks: the private forwards run eagerly, the steps are the uncompiled run's to the bit."""
+    hooks: the private forwards run eagerly, the steps are the uncompiled run's."""
     def trained(folder, **settings):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
         callback = DPCallback(PrivacyArguments(noise_multiplier=0.0, target_delta=1e-3), allow_shuffled_batches=True)
         trainer = plain_trainer(tmp_path / folder, callback, model=without_dropout(tiny_gpt2(TOKENIZER)), **settings)
         trainer.train()
         return trainer
 
-    plain, compiled = trained("plain"), trained("compiled", torch_compile=True, torch_compile_backend="eager")
-    assert isinstance(compiled.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
-    for p, q in zip(plain.model.parameters(), compiled.model.parameters()):
-        assert torch.equal(p, q)
+    assert_torch_compile_trains_as_uncompiled(trained)
 
 
 def test_privacy_units_are_refused_at_construction():
