@@ -44,7 +44,7 @@ from dptorch.grad_sample.norms.exact_products import (
     operands,
     square_norm_upper,
 )
-from dptorch.grad_sample.norms.linear_forms import CLIP_ROUNDINGS
+from dptorch.grad_sample.norms.linear_forms import CLIP_ROUNDINGS, token_sums
 
 Tensors = Tuple[torch.Tensor, ...]
 IGNORE_INDEX = -100
@@ -276,11 +276,13 @@ def chunked_head_clipped_sum(module: ChunkedLMHead, activations: Tensors, scaled
         return linear_sums(module.weight, None, activations[0], scaled_backprops)
     if not _trainable(module):
         return {}
+    rows, tokens = activations[1].shape
     h, targets, scales, lse, blocks = _blocks_of(module, activations, scaled_backprops)
     summed = h.new_empty(param_shape(module.weight))
-    for start, stop in blocks:
+    hidden = h.view(rows, tokens, h.shape[-1])
+    for start, stop in blocks:  # each row's tokens summed on their own first (``token_sums``)
         g = _token_grads(h, module.weight, lse, targets, start, stop).mul_(scales.unsqueeze(1))
-        torch.mm(g.t(), h, out=summed[start:stop])
+        summed[start:stop] = token_sums(g.view(rows, tokens, stop - start), hidden)
     return {module.weight: summed.float()}
 
 

@@ -247,12 +247,31 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     weight = module.weight
     if not weight.requires_grad:
         return {}
-    ids = activations[0].reshape(-1)
-    values = at_least_float32(scaled_backprops.reshape(ids.shape[0], scaled_backprops.shape[-1]))
-    summed = values.new_zeros(param_shape(weight)).index_add_(0, ids, values)
+    batch = activations[0].shape[0]
+    ids = activations[0].reshape(batch, math.prod(activations[0].shape[1:]))
+    values = at_least_float32(scaled_backprops.reshape(ids.numel(), scaled_backprops.shape[-1]))
+    if ids.shape[1] > 1:  # each sample's tokens of a row summed on their own first (``linear_forms.token_sums``)
+        rows = SampleRows(ids)
+        ids, values = rows.row, rows.sum(values)
+    summed = values.new_zeros(param_shape(weight)).index_add_(0, ids.reshape(-1), values)
     if module.padding_idx is not None:
         summed[module.padding_idx] = 0
     return {weight: summed.float()}
+
+
+class SampleRows:
+    """The (sample, row) pairs of ``(B, T)`` ids: ``row`` and ``sample`` of each pair, and ``sum``, which adds
+    each token's values ``(B T, *F)`` into its pair (a pair's tokens only: one sample's)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        batch, tokens = ids.shape
+        width = int(ids.max()) + 1 if ids.numel() else 1
+        sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
+        pairs, self._pair_of_token = torch.unique(sample * width + ids.reshape(-1), return_inverse=True)
+        self.row, self.sample = pairs % width, torch.div(pairs, width, rounding_mode="floor")
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(len(self.row), *values.shape[1:]).index_add_(0, self._pair_of_token, values)
 
 
 def _not_scaled_by_frequency(module: nn.Module) -> bool:
@@ -273,16 +292,13 @@ def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, p
     tokens, width = ids.shape[1], backprops.shape[-1]
     wide = wide_dtype(backprops.device)
     b = backprops.reshape(batch * tokens, width).to(wide)
-    sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
-    keys = sample * (int(ids.max()) + 1 if ids.numel() else 1) + ids.reshape(-1)
     if padding_idx is not None:
         b = b * (ids.reshape(-1) != padding_idx).unsqueeze(1)
-    pairs, pair_of_token = torch.unique(keys, return_inverse=True)
-    summed = b.new_zeros(len(pairs), width).index_add_(0, pair_of_token, b)
-    row_magnitude = b.new_zeros(len(pairs)).index_add_(0, pair_of_token, torch.linalg.vector_norm(b, dim=1))
-    sample_of_pair = b.new_zeros(len(pairs), dtype=torch.long).index_copy_(0, pair_of_token, sample) if len(pairs) else sample[:0]
-    computed = b.new_zeros(batch).index_add_(0, sample_of_pair, summed.pow(2).sum(1))
-    magnitude = b.new_zeros(batch).index_add_(0, sample_of_pair, row_magnitude.square()).sqrt()
+    rows = SampleRows(ids)
+    summed = rows.sum(b)
+    row_magnitude = rows.sum(torch.linalg.vector_norm(b, dim=1))
+    computed = b.new_zeros(batch).index_add_(0, rows.sample, summed.pow(2).sum(1))
+    magnitude = b.new_zeros(batch).index_add_(0, rows.sample, row_magnitude.square()).sqrt()
     return certified_norms_sq(
         computed, magnitude * (1 + gamma(2 * tokens + width + 4, wide)),  # its sums of non-negative terms
         norm_terms=2 * tokens + width + 2, norm_dtype=wide,

@@ -203,8 +203,8 @@ def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.T
 
 def _summed(module: nn.Module, factors: Iterable[ExpertFactors], dtype: torch.dtype,
             scale: Optional[torch.Tensor] = None, dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
-    """Per expert, ``sum_p (c_p du_p) x_p^T`` and ``sum_p (c_p wg_p) a_p^T`` over all its pairs, one matmul
-    each (``linear_weight_sum``), in ``dtype`` (the factors'), with ``c_p`` the factor ``scale`` of the pair's
+    """Per expert, ``sum_p (c_p du_p) x_p^T`` and ``sum_p (c_p wg_p) a_p^T`` over all its pairs, each sample's
+    pairs first (``linear_weight_sum``), in ``dtype`` (the factors'), with ``c_p`` the factor ``scale`` of the pair's
     sample (None: 1); the pairs of the samples in ``dropped`` add exactly 0 (``torch.where``: their rows
     may be inf or NaN)."""
     gate_up, down = _wanted(module)
@@ -217,10 +217,11 @@ def _summed(module: nn.Module, factors: Iterable[ExpertFactors], dtype: torch.dt
         if dropped is not None:
             gone = dropped.to(du.device)[f.rows].unsqueeze(-1)
             x, du, wg, a = (torch.where(gone, t.new_zeros(()), t) for t in (x, du, wg, a))
+        # laid out per sample (``padded``): each sample's pairs are summed on their own first (``token_sums``)
         if gate_up is not None:
-            sums[gate_up][f.expert] = linear_weight_sum(x, du)
+            sums[gate_up][f.expert] = linear_weight_sum(f.padded(x), f.padded(du))
         if down is not None:
-            sums[down][f.expert] = linear_weight_sum(a, wg)
+            sums[down][f.expert] = linear_weight_sum(f.padded(a), f.padded(wg))
     return sums
 
 

@@ -23,6 +23,7 @@ from dptorch.grad_sample.norms.linear_forms import (
     instantiated_norms_upper,
     linear_norms_upper,
     squared_norms,
+    token_sums,
 )
 from dptorch.grad_sample.layers.registry import register_grad_sampler, register_norm_sampler
 
@@ -138,15 +139,14 @@ def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> tor
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:
-    """``sum_i sum_t b_it a_it^T`` as ``(out, in)``: one matmul over all tokens of the batch.
+    """``sum_i sum_t b_it a_it^T`` as ``(out, in)`` for ``(B, *middle, F)`` factors, each sample's tokens
+    summed on their own first (``token_sums``: the rounding its certified norm counts).
 
     Both factors are upcast to float32 at least (bf16 activations included): the scaled backprops
     carry the clip factors, which a bf16 matmul would round (up as often as down).
     """
     dtype = torch.promote_types(torch.promote_types(inputs.dtype, scaled_backprops.dtype), torch.float32)
-    a = inputs.reshape(-1, inputs.shape[-1]).to(dtype)
-    b = scaled_backprops.reshape(-1, scaled_backprops.shape[-1]).to(dtype)
-    return b.t() @ a
+    return token_sums(flatten_middle_dims(scaled_backprops).to(dtype), flatten_middle_dims(inputs).to(dtype))
 
 
 def linear_norms(weight, bias, inputs, backprops) -> Dict[nn.Parameter, torch.Tensor]:
@@ -165,8 +165,8 @@ def linear_sums(weight, bias, inputs, scaled_backprops, in_by_out=False) -> Dict
     if _trainable(weight):
         w = linear_weight_sum(inputs, scaled_backprops)
         sums[weight] = (w.t() if in_by_out else w).float()
-    if _trainable(bias):
-        sums[bias] = at_least_float32(scaled_backprops).reshape(-1, scaled_backprops.shape[-1]).sum(0).float()
+    if _trainable(bias):  # each sample's tokens first, as the weight's
+        sums[bias] = at_least_float32(flatten_middle_dims(scaled_backprops)).sum(1).sum(0).float()
     return sums
 
 

@@ -42,6 +42,10 @@ STACK_LIMIT = 1 << 18
 #: operands are taken a block of samples at a time (``shared_inputs``), not copied whole.
 WIDE_BLOCK = 1 << 21
 
+#: Per-sample results a clipped sum holds at once (``token_sums``, 16 MiB in float32): fewer than one
+#: sample's worth accumulates one sample at a time in place.
+SUM_BLOCK = 1 << 22
+
 
 def flatten_middle_dims(tensor: torch.Tensor) -> torch.Tensor:
     """View ``(B, *middle, F)`` as ``(B, prod(middle), F)``; works for ``B == 0`` and no middle dims."""
@@ -200,6 +204,42 @@ def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nor
         computed, magnitudes(a, b) if magnitude is None else magnitude, norm_terms=norm_terms, norm_dtype=norm_dtype,
         sum_terms=max(b.shape[1], sum_tokens or 0) + CLIP_ROUNDINGS, sum_dtype=sum_dtype,
     )
+
+
+def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``sum_i left_i^T right_i`` for ``left`` ``(*S, B, T, m)`` and ``right`` ``(*S, B, T, n)`` (``S``: at most one
+    stack dim): ``(*S, m, n)``, each sample's tokens summed on their own before the samples are added.
+
+    A clipped sum is certified for the roundings of its own sample's tokens (``certified``: ``gamma_m M`` with
+    ``m`` about ``T``). One matmul over all ``B T`` rows would let a term of one sample pass through the additions
+    of any other's (a BLAS kernel sums in blocks of its own choosing): a record whose tokens cancel (``K u`` and
+    ``-K u``) then carries the rounding of everything added beside its ``K u``, ``B T u cK`` instead of ``T u cK``.
+    Here each sample's sum is one matmul of its ``T`` tokens (with the running total: ``T + 1`` terms), and what
+    is added across samples are finished per-sample sums, each at most ``C`` (relative rounding, as in every mode).
+    One token a sample (``T == 1``) cannot cancel: one matmul over the batch. Samples are taken ``SUM_BLOCK``
+    numbers of results at a time."""
+    tokens = left.shape[-2]
+    if tokens <= 1:
+        return left.flatten(-3, -2).transpose(-1, -2) @ right.flatten(-3, -2)
+    batch = left.shape[-3]
+    per = max(1, SUM_BLOCK // max(1, math.prod(left.shape[:-3]) * left.shape[-1] * right.shape[-1]))
+    total = None
+    for start in range(0, batch, per):
+        lhs, rhs = left[..., start:start + per, :, :].transpose(-1, -2), right[..., start:start + per, :, :]
+        if per == 1:  # accumulate in place: no per-sample result held
+            lhs, rhs = lhs.squeeze(-3), rhs.squeeze(-3)
+            if total is None:
+                total = lhs @ rhs
+            elif total.dim() == 2:
+                total.addmm_(lhs, rhs)
+            else:
+                total.baddbmm_(lhs, rhs)
+        else:
+            part = (lhs @ rhs).sum(-3)
+            total = part if total is None else total.add_(part)
+    if total is None:  # no sample
+        total = left.new_zeros(*left.shape[:-3], left.shape[-1], right.shape[-1])
+    return total
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor:

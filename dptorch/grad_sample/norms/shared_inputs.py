@@ -26,6 +26,7 @@ from dptorch.grad_sample.norms.linear_forms import (
     flatten_middle_dims,
     linear_norms_upper,
     squared_norms,
+    token_sums,
 )
 
 
@@ -212,17 +213,18 @@ def shared_affine_clipped_sums(uses, factors) -> list:
                 # A bf16 operand times the float32 factor is upcast and scaled in one pass (the
                 # product is formed in float32: the same numbers as upcasting first).
                 factor = _stacked_factors(factors, stack, k, 0, dtype).view(len(stack), -1, 1, 1)
+                # (n, B, T, *) factors: each sample's tokens summed on their own first (``token_sums``)
                 if d <= widths[keys[k]]:
-                    b_rows = _as(b.reshape(len(stack), -1, p), dtype)
+                    b_rows = _as(b, dtype)
                     scaled = scaled_inputs.get((keys[k], dtype))
                     if scaled is None:
-                        scaled = torch.mul(a, factor).reshape(len(stack), -1, d)
+                        scaled = torch.mul(a, factor)
                         scaled_inputs[(keys[k], dtype)] = scaled
-                    summed = torch.bmm(scaled.transpose(1, 2), b_rows) if use.in_by_out else torch.bmm(b_rows.transpose(1, 2), scaled)
+                    summed = token_sums(scaled, b_rows) if use.in_by_out else token_sums(b_rows, scaled)
                 else:
-                    scaled_b = torch.mul(b, factor).reshape(len(stack), -1, p)
-                    rows = _as(a.reshape(len(stack), -1, d), dtype)
-                    summed = torch.bmm(rows.transpose(1, 2), scaled_b) if use.in_by_out else torch.bmm(scaled_b.transpose(1, 2), rows)
+                    scaled_b = torch.mul(b, factor)
+                    rows = _as(a, dtype)
+                    summed = token_sums(rows, scaled_b) if use.in_by_out else token_sums(scaled_b, rows)
                 summed = _as(summed, torch.float32)
             if use.bias is not None and bias_factor is not None:
                 per_sample = b.sum(2, dtype=dtype)  # (n, B, p)

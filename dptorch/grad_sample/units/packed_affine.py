@@ -14,9 +14,9 @@ into a few buckets (``PackedLayout.buckets_of``: at most ``MAX_BUCKETS``, the cu
 dynamic programming over the distinct lengths); each bucket is a ``(U_k, L_k, ...)`` layout of its units
 only (one gather for all buckets of a tensor), where ``shared_inputs.shared_affine_norms_and_grads``
 forms the norms (certified for the clipped sum of the longest unit, as the ``(U, L)`` layout was). The
-clipped sum of a weight whose norms were not instantiated is one matmul over those units' real tokens,
-each token's output gradient (or input) scaled by its unit's clip factor (``shared_affine_clipped_sums``
-with one token per "sample"): the cost of a plain weight gradient. Instantiated gradients are kept, and
+clipped sum of a weight whose norms were not instantiated is formed on the same bucket layouts, each
+unit's output gradient (or input) scaled by its clip factor and each unit's tokens summed on their own
+before the units are added (``shared_affine_clipped_sums``: the rounding the certified norm counts). Instantiated gradients are kept, and
 summed with the factors, as on rows.
 
 Privacy: a pad token (id -1) is in no span, no bucket and among no summed tokens, and adds only to the
@@ -376,34 +376,42 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tuple], tokens: Sequence[Optional[torch.Tensor]],
                                layout: PackedLayout, dropped: Optional[torch.Tensor] = None) -> list:
-    """``sum_u f_u G_u`` over the given tokens (flat positions; None: every real token) of each packed use,
-    as one matmul over them: ``factors[k]`` are ``(weight_factor, bias_factor)`` per unit (float32 ``(U,)``,
-    times the call's scale, or None), placed on each token of the unit; ``dropped`` units' tokens are zero."""
-    token_uses, token_factors = [], []
-    selected: Dict[tuple, torch.Tensor] = {}  # one gathered copy per (input, tokens): uses sharing them stay a group
-    per_token: Dict[tuple, torch.Tensor] = {}
+    """``sum_u f_u G_u`` over the given tokens (flat positions of whole units; None: every real token) of each
+    packed use: ``factors[k]`` are ``(weight_factor, bias_factor)`` per unit (float32 ``(U,)``, times the call's
+    scale, or None); ``dropped`` units' tokens are zero. The tokens are laid out in their units' buckets
+    (``(U_k, L_k, ...)``, each unit a row), so each unit's tokens are summed on their own before the units are
+    added (``shared_affine_clipped_sums``, ``linear_forms.token_sums``: the rounding its norm is certified for)."""
+    per_bucket_uses, per_bucket_factors, owner = [], [], []
+    gathered: Dict[tuple, List[torch.Tensor]] = {}  # one gathered copy per (input, tokens): uses sharing them stay a group
 
-    def pick(x: torch.Tensor, where: torch.Tensor, key) -> torch.Tensor:
-        if key not in selected:
-            rows = x.reshape(-1, *x.shape[2:])[where.to(x.device)]
+    def buckets_holding(where: Optional[torch.Tensor]) -> List[Bucket]:
+        if where is None:
+            return layout.buckets
+        units = torch.unique(layout.token_unit[where.to(layout.token_unit.device)])
+        return layout.buckets_of(tuple(units.tolist()))
+
+    def pick(x: torch.Tensor, buckets: List[Bucket], key) -> List[torch.Tensor]:
+        if key not in gathered:
+            parts = layout.gather(x, buckets)
             if dropped is not None:
-                gone = dropped.to(x.device)[layout.token_unit.to(x.device)[where.to(x.device)]]
-                rows = torch.where(gone.view(-1, *([1] * (rows.dim() - 1))), rows.new_zeros(()), rows)
-            selected[key] = rows
-        return selected[key]
+                gone = [dropped.to(x.device)[b.units.to(x.device)] for b in buckets]
+                parts = [torch.where(g.view(-1, *([1] * (t.dim() - 1))), t.new_zeros(()), t) for g, t in zip(gone, parts)]
+            gathered[key] = parts
+        return gathered[key]
 
-    def on_tokens(factor: Optional[torch.Tensor], where: torch.Tensor) -> Optional[torch.Tensor]:
-        if factor is None:
-            return None
-        key = (id(factor), id(where))
-        if key not in per_token:
-            per_token[key] = factor[layout.token_unit.to(factor.device)[where.to(factor.device)]]
-        return per_token[key]
-
-    for use, (weight_factor, bias_factor), where in zip(uses, factors, tokens):
-        where = layout.all_tokens() if where is None else where
-        inputs = pick(use.inputs, where, (memory_key(use.inputs), id(where)))
-        backprops = pick(use.backprops, where, (memory_key(use.backprops), id(where)))
-        token_uses.append(AffineUse(inputs, backprops, use.weight, use.bias, use.in_by_out))
-        token_factors.append((on_tokens(weight_factor, where), on_tokens(bias_factor, where)))
-    return shared_affine_clipped_sums(token_uses, token_factors)
+    for k, (use, (weight_factor, bias_factor), where) in enumerate(zip(uses, factors, tokens)):
+        buckets = buckets_holding(where)
+        key = id(where)
+        inputs = pick(use.inputs, buckets, (memory_key(use.inputs), key))
+        backprops = pick(use.backprops, buckets, (memory_key(use.backprops), key))
+        for bucket, x, b in zip(buckets, inputs, backprops):
+            units = bucket.units
+            per_bucket_uses.append(AffineUse(x, b, use.weight, use.bias, use.in_by_out))
+            per_bucket_factors.append(tuple(None if f is None else f[units.to(f.device)] for f in (weight_factor, bias_factor)))
+            owner.append(k)
+    results = [{p: torch.zeros(p.shape, device=p.device) for p, f in zip((use.weight, use.bias), pair) if p is not None and f is not None}
+               for use, pair in zip(uses, factors)]  # a sum over no token: zeros
+    for k, summed in zip(owner, shared_affine_clipped_sums(per_bucket_uses, per_bucket_factors)):
+        for param, value in summed.items():
+            results[k][param] += value
+    return results
