@@ -11,8 +11,9 @@ finished per-sample sums meet.
 
 ``AdversarialOrder`` plays such a kernel: float32 products, ``index_add`` and sums are accumulated one term
 at a time, the two largest terms first and last, the rest shuffled between (any order is a legal one). Under it, the crafted record must move the
-noiseless update by at most C, in every bk path that sums tokens: Linear weight and bias, Conv1D, an
-embedding, an expert bank, packed token units.
+noiseless update by at most C, in every bk path that sums tokens: Linear weight and bias, Conv1D, two
+layers reading one input, an embedding; and the clipped sum of packed token units and of an expert bank
+must stay within its rounding of the exact one.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.pytorch_utils import Conv1D
 
 from dptorch.grad_sample import GradSampleHooks
-from dptorch.grad_sample.norms import shared_inputs
+from dptorch.grad_sample.layers.experts import ExpertFactors, experts_kept_clipped_sum
+from dptorch.grad_sample.norms import linear_forms, shared_inputs
 from dptorch.grad_sample.norms.certified import gamma
 from dptorch.grad_sample.norms.linear_forms import token_sums
+from dptorch.grad_sample.norms.shared_inputs import AffineUse
+from dptorch.grad_sample.units.packed_affine import PackedLayout, packed_affine_clipped_sums
+from dptorch.grad_sample.units.token_units import TokenUnits
 from dptorch.optim import DPOptimizer
 
 aten = torch.ops.aten
@@ -129,13 +134,14 @@ def moved(model_fn, inputs, grads, record_inputs, record_grads, position: int, a
     return float(sum((with_record[k] - without[k]).pow(2).sum() for k in without).sqrt())
 
 
-@pytest.fixture(autouse=True)
-def ghost_everywhere():
-    """Ghost norms for every weight of more than one token (bk's choice where instantiating costs memory)."""
-    default = shared_inputs.INSTANTIATED_MEMORY
-    shared_inputs.INSTANTIATED_MEMORY = 0
-    yield
-    shared_inputs.INSTANTIATED_MEMORY = default
+@pytest.fixture(autouse=True, params=["ghost", "float32"])
+def norms_from_factors(request, monkeypatch):
+    """Every weight of more than one token gets its norm from its factors and its clipped sum from a matmul
+    (bk's choice where keeping its gradient costs memory): ghost norms, or a float32 instantiation for the
+    norm only (``linear_forms.instantiated_norms_upper``)."""
+    monkeypatch.setattr(shared_inputs, "INSTANTIATED_MEMORY", 0)
+    cost = 0.0 if request.param == "ghost" else float("inf")
+    monkeypatch.setattr(linear_forms, "GRAM_COST", {"float64": cost, "split": cost})
 
 
 def unit(g: torch.Generator, n: int) -> torch.Tensor:
@@ -219,3 +225,49 @@ def test_the_adversary_finds_the_leak_of_one_matmul_over_the_batch():
     exact = torch.einsum("btp,btd->pd", scaled.double(), a.double())
     assert float((one_matmul.double() - exact).norm()) > 1.5 * C
     assert float((per_sample.double() - exact).norm()) <= 1e-3 * C
+
+
+def crafted_rows(units: int, tokens: int, d: int, g: torch.Generator):
+    """``(units, tokens, d)`` inputs and output gradients, unit 0 the crafted record, and each unit's clip factor:
+    1 for the others, the record's the size its certified norm gives (``gamma_{T+4}`` of its magnitude ``2K``)."""
+    a, b = torch.randn(units, tokens, d, generator=g), torch.randn(units, tokens, d, generator=g)
+    b[0], a[0] = others_and_record(0, tokens, d, g)[1], 0.0
+    a[0, 0] = a[0, -1] = unit(g, d)
+    factors = torch.ones(units)
+    factors[0] = C / (gamma(tokens + 4, torch.float32) * 2 * K)
+    return a, b, factors
+
+
+def exact_sum(a: torch.Tensor, b: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("u,utp,utd->pd", factors.double(), b.double(), a.double())
+
+
+def test_packed_units_sum_each_units_tokens_first():
+    """Packed rows of two units of 10 tokens each (``packed_affine``): the record's unit moves the clipped sum by
+    its own rounding only."""
+    g = torch.Generator().manual_seed(3)
+    rows, tokens, d = BATCH // 10, 10, 8
+    a, b, factors = crafted_rows(2 * rows, tokens, d, g)
+    ids = torch.arange(2 * rows).repeat_interleave(tokens).view(rows, 2 * tokens)
+    layout = PackedLayout(TokenUnits(ids))
+    weight = nn.Parameter(torch.zeros(d, d))
+    use = AffineUse(a.reshape(rows, 2 * tokens, d), b.reshape(rows, 2 * tokens, d), weight, None)
+    with AdversarialOrder():
+        (summed,) = packed_affine_clipped_sums([use], [(factors, None)], [None], layout)
+    assert float((summed[weight].double() - exact_sum(a, b, factors)).norm()) <= 0.05 * C
+
+
+def test_expert_bank_sums_each_samples_pairs_first():
+    """An expert's pairs (``experts._summed``): the record's two pairs cancel in ``du``."""
+    g = torch.Generator().manual_seed(4)
+    batch, pairs, d = BATCH, 2, 8
+    x, du, factors = crafted_rows(batch, pairs, d, g)
+    bank = nn.Module()
+    bank.gate_up_proj = nn.Parameter(torch.zeros(1, d, d))
+    bank.down_proj = nn.Parameter(torch.zeros(1, d, d), requires_grad=False)
+    rows = torch.arange(batch).repeat_interleave(pairs)
+    ranks = torch.arange(pairs).repeat(batch)
+    held = ExpertFactors(0, x.reshape(-1, d), du.reshape(-1, d), du.reshape(-1, d), x.reshape(-1, d), rows, ranks, batch, pairs)
+    with AdversarialOrder():
+        summed = experts_kept_clipped_sum(bank, {"factors": [held], "dtype": torch.float32}, factors)
+    assert float((summed[bank.gate_up_proj][0].double() - exact_sum(x, du, factors)).norm()) <= 0.05 * C

@@ -18,7 +18,9 @@ entry), with the magnitude ``M = sum_t ||a_t|| ||b_t||`` (Cauchy-Schwarz). Hence
     ||sum|| <= c (||G|| + gamma_m M)                           (the clipped sum's rounding)
 
 and ``certified_norms_sq`` returns the square of ``sqrt(max(computed, 0) + gamma_n M^2) + gamma_m M``:
-a clip factor formed from it keeps what is summed for the sample within ``C``. Norms are formed in
+a clip factor formed from it keeps what is summed for the sample within ``C``, provided the sample's terms
+are summed among themselves (``m`` counts its own tokens): every clipped sum adds each sample's tokens on
+their own before samples meet (``linear_forms.token_sums``). Norms are formed in
 float64 (``wide_dtype``), so on ordinary data the bound moves a norm by about ``(T + 4) u sqrt(T)``
 (float32 ``u``; the clipped sum's worst case): 9e-5 relative at T = 128, 7e-4 at T = 512.
 """
@@ -50,10 +52,10 @@ def magnitudes(left: Optional[torch.Tensor], right: torch.Tensor) -> torch.Tenso
     """``M_i = sum_t ||left_it|| ||right_it||`` for ``(B, T, *)`` factors, rounded up; ``left=None``
     stands for ones (a bias: ``sum_t ||right_it||``). Wide dtype, shape ``(B,)``."""
     dtype = wide_dtype(right.device)
-    per_token = torch.linalg.vector_norm(right.flatten(2).to(dtype), dim=2)
+    per_token = torch.linalg.vector_norm(right.flatten(2), dim=2, dtype=dtype)
     terms = right.shape[-1] + right.shape[1] + 1
     if left is not None:
-        per_token = per_token * torch.linalg.vector_norm(left.flatten(2).to(dtype), dim=2)
+        per_token = per_token * torch.linalg.vector_norm(left.flatten(2), dim=2, dtype=dtype)
         terms += left.shape[-1] + 1
     return per_token.sum(1) * (1 + gamma(terms + 2, dtype))  # non-negative terms: a relative bound
 
