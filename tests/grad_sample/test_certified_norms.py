@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from dptorch import PrivacyEngine
 from dptorch.grad_sample import GradSampleHooks, UnsupportedModuleError
 from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma, magnitudes
-from dptorch.grad_sample.norms import linear_forms, shared_inputs
+from dptorch.grad_sample.norms import shared_inputs
 from dptorch.grad_sample.norms.exact_products import use_route
 from dptorch.grad_sample.modes.names import GRAD_SAMPLE_MODES
 from dptorch.optim import DPOptimizer
@@ -42,23 +42,23 @@ MEASUREMENT = 1e-9  # relative float64 rounding of a contribution's measured nor
 FEW = settings(max_examples=4, deadline=None)
 
 
-@pytest.fixture(autouse=True, params=["float64", "split", "float32", "instantiated"])
-def route(request, monkeypatch):
+@pytest.fixture(autouse=True, params=["float64", "split", "instantiated"])
+def route(request):
     """Every check runs with ghost norms on both routes of certified products (``exact_products``):
-    float64 products, and error-free split float32 ones (what accelerators take); with each weight's gradient
-    instantiated in float32 for its norm only (``linear_forms.instantiated_norms_upper``, where that is cheaper
-    than the Grams); and with every weight's gradient instantiated and kept (bk's choice where its memory allows)."""
-    # Norms from the factors for every weight of T > 1 tokens (by the Grams, or by a float32 instantiation),
-    # or instantiated gradients kept for all.
-    monkeypatch.setattr(shared_inputs, "INSTANTIATED_MEMORY", float("inf") if request.param == "instantiated" else 0)
-    cost = float("inf") if request.param == "float32" else 0.0
-    monkeypatch.setattr(linear_forms, "GRAM_COST", {"float64": cost, "split": cost})
-    with use_route(request.param if request.param in ("float64", "split") else None):
-        yield request.param
+    float64 products, and error-free split float32 ones (what accelerators take); and with every weight's
+    gradient instantiated and kept (bk's choice where its memory allows)."""
+    default = shared_inputs.INSTANTIATED_MEMORY
+    # Ghost norms for every weight of T > 1 tokens, or instantiated gradients for all.
+    shared_inputs.INSTANTIATED_MEMORY = float("inf") if request.param == "instantiated" else 0
+    try:
+        with use_route(None if request.param == "instantiated" else request.param):
+            yield request.param
+    finally:
+        shared_inputs.INSTANTIATED_MEMORY = default
 
 
 def ghost_norms() -> bool:
-    """Whether this run forms norms from the factors, certified (``route``): not the kept gradients'."""
+    """Whether this run forces ghost norms (``route``)."""
     return shared_inputs.INSTANTIATED_MEMORY == 0
 
 

@@ -28,7 +28,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.layers.experts import ExpertFactors, experts_kept_clipped_sum
-from dptorch.grad_sample.norms import linear_forms, shared_inputs
+from dptorch.grad_sample.norms import shared_inputs
 from dptorch.grad_sample.norms.certified import gamma
 from dptorch.grad_sample.norms.linear_forms import token_sums
 from dptorch.grad_sample.norms.shared_inputs import AffineUse
@@ -134,14 +134,10 @@ def moved(model_fn, inputs, grads, record_inputs, record_grads, position: int, a
     return float(sum((with_record[k] - without[k]).pow(2).sum() for k in without).sqrt())
 
 
-@pytest.fixture(autouse=True, params=["ghost", "float32"])
-def norms_from_factors(request, monkeypatch):
-    """Every weight of more than one token gets its norm from its factors and its clipped sum from a matmul
-    (bk's choice where keeping its gradient costs memory): ghost norms, or a float32 instantiation for the
-    norm only (``linear_forms.instantiated_norms_upper``)."""
+@pytest.fixture(autouse=True)
+def ghost_everywhere(monkeypatch):
+    """Ghost norms for every weight of more than one token (bk's choice where instantiating costs memory)."""
     monkeypatch.setattr(shared_inputs, "INSTANTIATED_MEMORY", 0)
-    cost = 0.0 if request.param == "ghost" else float("inf")
-    monkeypatch.setattr(linear_forms, "GRAM_COST", {"float64": cost, "split": cost})
 
 
 def unit(g: torch.Generator, n: int) -> torch.Tensor:

@@ -4,7 +4,6 @@ import pytest
 import torch
 from torch import nn
 
-from dptorch.grad_sample.norms import linear_forms
 from dptorch.grad_sample.norms.shared_inputs import AffineUse, group_by_input, shared_affine_clipped_sums, shared_affine_norms_sq
 from tests.grad_sample.test_fast_clipping import assert_modes_agree
 from tests.helpers import projection_loss
@@ -241,7 +240,6 @@ def test_certified_norms_copy_to_float64_a_block_of_samples_at_a_time(monkeypatc
     head, other = nn.Linear(12, 40), nn.Linear(12, 30, bias=False)
     uses = [AffineUse(x, torch.randn(6, t, 40), head.weight, head.bias), AffineUse(x, torch.randn(6, t, 30), other.weight, None)]
     monkeypatch.setattr(shared_inputs, "INSTANTIATED_MEMORY", 0)  # ghost norms, whatever the shape
-    monkeypatch.setattr(linear_forms, "GRAM_COST", {"float64": 0.0, "split": 0.0})
     monkeypatch.setattr(shared_inputs, "WIDE_BLOCK", 1 << 30)
     with _LargestFloat64() as whole:
         want = shared_affine_norms_sq(uses)

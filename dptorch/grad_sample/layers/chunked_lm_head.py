@@ -39,16 +39,12 @@ from dptorch.grad_sample.norms.certified import certified_norms_sq, gamma
 from dptorch.grad_sample.norms.exact_products import (
     ProductSum,
     certified_gram,
+    certified_product,
     frobenius_upper,
     operands,
+    square_norm_upper,
 )
-from dptorch.grad_sample.norms.linear_forms import (
-    CLIP_ROUNDINGS,
-    ghost_is_cheaper,
-    instantiated_squares,
-    instantiation_upper,
-    token_sums,
-)
+from dptorch.grad_sample.norms.linear_forms import CLIP_ROUNDINGS, token_sums
 
 Tensors = Tuple[torch.Tensor, ...]
 IGNORE_INDEX = -100
@@ -240,40 +236,37 @@ def chunked_head_grad_sampler(module: ChunkedLMHead, activations: Tensors, backp
 
 
 def chunked_head_norms_sq(module: ChunkedLMHead, activations: Tensors, backprops: torch.Tensor) -> Dict[nn.Parameter, torch.Tensor]:
-    """Certified squared norms of each row's weight gradient, block by block: ghost (the certified Gram of the
-    scaled token gradients summed over the blocks, ``exact_products``) where that is cheaper
-    (``linear_forms.ghost_is_cheaper``), else each block's gradient instantiated in float32, certified with
-    its rounding (``linear_forms.instantiation_upper``; the blocks are disjoint rows of the weight)."""
+    """Certified squared norms of each row's weight gradient, block by block, as certified products
+    (``exact_products``): ghost (the Gram of the scaled token gradients summed over the blocks) for
+    ``T < d``, else each block's instantiated gradient (the blocks are disjoint rows of the weight)."""
     if len(activations) == 1:
         return linear_norms(module.weight, None, activations[0], backprops)
     if not _trainable(module):
         return {}
     rows, tokens = activations[1].shape
     h, targets, scales, lse, blocks = _blocks_of(module, activations, backprops)
-    width, vocab = h.shape[-1], module.weight.shape[0]
-    ghost = ghost_is_cheaper(tokens, width, [vocab], h.device)  # the Gram sum costs T^2 per word, instantiation T d
-    hidden = h.view(rows, tokens, width)
-    if ghost:
-        (hidden,) = operands(hidden)
+    (hidden,) = operands(h.view(rows, tokens, h.shape[-1]))
+    width, vocab = hidden.shape[2], module.weight.shape[0]
+    ghost = tokens < width  # the Gram sum costs T^2 per word, instantiation T d
     grad_gram = ProductSum()
-    squares = torch.zeros(rows, dtype=torch.float64, device=h.device)
+    upper = torch.zeros(rows, dtype=torch.float64, device=h.device)
     grad_sq = torch.zeros(rows, tokens, dtype=torch.float64, device=h.device)
     for start, stop in blocks:
         # scaled in the clipped sum's dtype: one more rounding of each term, counted in sum_terms below
         g = _token_grads(h, module.weight, lse, targets, start, stop).mul_(scales.to(h.dtype).unsqueeze(1))
-        g = g.view(rows, tokens, stop - start)
+        (g,) = operands(g.view(rows, tokens, stop - start))
         grad_sq += torch.linalg.vector_norm(g, dim=2, dtype=torch.float64).square()
         if ghost:
-            grad_gram.add(certified_gram(operands(g)[0]))
-        else:  # the blocks are disjoint rows of the weight: their squared norms add
-            squares += instantiated_squares(g, hidden)  # float32 at least (``_flat``)
+            grad_gram.add(certified_gram(g))
+        else:
+            upper += square_norm_upper(certified_product(g.transpose(1, 2), hidden))
+    if ghost:
+        upper = frobenius_upper(certified_gram(hidden), grad_gram.result())
+    else:
+        upper = upper * (1 + gamma(len(blocks) + 1, torch.float64))
     terms = width + tokens + vocab + 4
     magnitude = (grad_sq.sqrt() * torch.linalg.vector_norm(hidden, dim=2, dtype=torch.float64)).sum(1)
     magnitude = magnitude * (1 + gamma(terms, torch.float64))
-    if ghost:
-        upper = frobenius_upper(certified_gram(hidden), grad_gram.result())
-    else:  # each block's error is within gamma times its share of M; the blocks' errors add in square
-        upper = instantiation_upper(squares * (1 + gamma(len(blocks) + 1, torch.float64)), magnitude, tokens, h.dtype)
     return {module.weight: certified_norms_sq(upper, magnitude, sum_terms=tokens + CLIP_ROUNDINGS + 1, sum_dtype=h.dtype)}
 
 

@@ -20,7 +20,6 @@ from dptorch.grad_sample.norms.linear_forms import (
     at_least_float32,
     certify_linear,
     flatten_middle_dims,
-    ghost_is_cheaper,
     instantiated_norms_upper,
     linear_norms_upper,
     squared_norms,
@@ -126,20 +125,17 @@ def _trainable(param: Optional[nn.Parameter]) -> bool:
 
 
 def linear_weight_norms_sq(inputs: torch.Tensor, backprops: torch.Tensor) -> torch.Tensor:
-    """Certified squared norms of ``sum_t b_t a_t^T`` per sample (ghost norms from certified products,
-    ``exact_products``, or the gradient instantiated in float32 a block of samples at a time, whichever is
-    cheaper: ``ghost_is_cheaper``), for a clipped sum formed over the tokens (``linear_weight_sum``)."""
+    """Certified squared norms of ``sum_t b_t a_t^T`` per sample (ghost or instantiated, whichever
+    is cheaper, as certified products: ``exact_products``), for a clipped sum formed over the tokens
+    (``linear_weight_sum``)."""
     a, b = flatten_middle_dims(inputs), flatten_middle_dims(backprops)
     tokens, d, p = a.shape[1], a.shape[2], b.shape[2]
-    if ghost_is_cheaper(tokens, d, [p], b.device):
-        wide_a, wide_b = operands(a, b)  # cast once for the products and the magnitudes
-        magnitude = magnitudes(wide_a, wide_b)
+    wide_a, wide_b = operands(a, b)  # cast once for the products and the magnitudes
+    if tokens * (d + p) < d * p or tokens == 1:
         upper = linear_norms_upper(wide_a, wide_b)
     else:
-        a, b = at_least_float32(a), at_least_float32(b)
-        magnitude = magnitudes(a, b)
-        upper = instantiated_norms_upper(a, b, magnitude)
-    return certify_linear(upper, a, b, magnitude=magnitude)
+        upper = instantiated_norms_upper(wide_a, wide_b)
+    return certify_linear(upper, a, b, magnitude=magnitudes(wide_a, wide_b))
 
 
 def linear_weight_sum(inputs: torch.Tensor, scaled_backprops: torch.Tensor) -> torch.Tensor:

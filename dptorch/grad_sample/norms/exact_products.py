@@ -197,7 +197,7 @@ def _split_rows(t: torch.Tensor, bits: int) -> _Split:
     return _Split(scaled, high, low, scale, norms)
 
 
-def matmul_input_roundoff() -> float:
+def _matmul_input_roundoff() -> float:
     """The unit roundoff a float32 matmul's inputs may be rounded to: 0 at ``"highest"`` precision,
     TF32's (``"high"``, also the CUDA TF32 switch) or bf16's (``"medium"``) otherwise."""
     precision = torch.get_float32_matmul_precision()
@@ -211,7 +211,7 @@ def matmul_input_roundoff() -> float:
 def _split_product_nt(x: torch.Tensor, z: Optional[torch.Tensor]) -> CertifiedProduct:
     """``x @ z^T`` (``z=None``: ``x @ x^T``, one split) for ``x`` ``(B, m, n)``, ``z`` ``(B, q, n)``."""
     batch, m, n = x.shape
-    u_in = matmul_input_roundoff()
+    u_in = _matmul_input_roundoff()
     bits = high_bits(min(n, CHUNK), u_in)
     sx = _split_rows(x, bits)
     sz = sx if z is None else _split_rows(z, bits)

@@ -25,9 +25,8 @@ from dptorch.grad_sample.norms.exact_products import (
     certified_product,
     frobenius_bounds,
     frobenius_upper,
-    matmul_input_roundoff,
     operands,
-    products_route,
+    square_norm_upper,
 )
 
 #: Roundings a term of a clipped sum undergoes besides its own tokens' summation: the factor times
@@ -42,12 +41,6 @@ STACK_LIMIT = 1 << 18
 #: Float64 copies made for certified norms hold at most this many elements (16 MiB) at a time: larger
 #: operands are taken a block of samples at a time (``shared_inputs``), not copied whole.
 WIDE_BLOCK = 1 << 21
-
-#: What a certified Gram product costs against a float32 product of as many multiply-adds, by route of the
-#: certified products (``ghost_is_cheaper``). ``float64`` (CPU): the casts and float64 products measured 1.7-3.4x
-#: float32's (``benchmarks/certified_products.py``; 2.5 here). ``split`` (accelerators): three float32 products
-#: and their elementwise passes, 3 at least (not measured on an accelerator).
-GRAM_COST = {"float64": 2.5, "split": 3.0}
 
 #: Per-sample results a clipped sum holds at once (``token_sums``, 16 MiB in float32): fewer than one
 #: sample's worth accumulates one sample at a time in place.
@@ -191,43 +184,9 @@ def linear_norms_upper(a: torch.Tensor, b: torch.Tensor, a_gram: Optional[Certif
     return frobenius_upper(certified_gram(a) if a_gram is None else a_gram, certified_gram(b))
 
 
-def instantiated_norms_upper(a: torch.Tensor, b: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
-    """An upper bound on ``||G_i||^2``, ``G_i = b_i^T a_i``, from its instantiation in the factors' dtype (float32
-    or wider), a block of samples at a time (``SUM_BLOCK`` numbers: none is kept). The instantiated ``P_i`` is off
-    by at most ``gamma_{T+1} sum_t |b_t| |a_t|^T`` entry by entry (Higham, any order of summation; plus
-    ``3 u_in`` where the matmul rounds its inputs), whose norm is at most ``gamma M`` (``magnitude``, ``M =
-    sum_t ||a_t|| ||b_t||``): ``||G_i|| <= ||P_i|| + gamma M``. The norm of ``P_i`` is summed in float64 from
-    its exactly squared entries (a relative bound). Float64 ``(B,)``."""
-    batch, tokens, d = a.shape
-    p = b.shape[2]
-    per = max(1, SUM_BLOCK // max(1, d * p))
-    squares = [instantiated_squares(b[start:start + per], a[start:start + per]) for start in range(0, batch, per)]
-    squares = (torch.cat(squares) if len(squares) != 1 else squares[0]) if squares else magnitude.new_zeros(0)
-    return instantiation_upper(squares, magnitude, tokens, torch.promote_types(a.dtype, b.dtype))
-
-
-def instantiated_squares(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """``||b_i^T a_i||^2`` per sample of the product as formed in the factors' dtype, summed in float64 from its
-    exactly squared entries, rounded up (a sum of non-negative terms: a relative bound)."""
-    squares = torch.linalg.vector_norm(torch.bmm(b.transpose(1, 2), a).flatten(1), dim=1, dtype=torch.float64).square()
-    return squares * (1 + gamma(a.shape[2] * b.shape[2] + 2, torch.float64))
-
-
-def instantiation_upper(squares: torch.Tensor, magnitude: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(sqrt(squares) + gamma M)^2``: the bound on ``||G||^2`` from the squared norms of its instantiation in
-    ``dtype`` over ``tokens`` tokens (``instantiated_norms_upper``). Float64."""
-    f64 = torch.float64
-    error = gamma(tokens + 1, dtype) + (3 * matmul_input_roundoff() if dtype == torch.float32 else 0.0)
-    return (squares.to(f64).sqrt() + error * magnitude.to(f64)).square() * (1 + gamma(4, f64))
-
-
-def ghost_is_cheaper(tokens: int, d: int, widths, device: torch.device) -> bool:
-    """Whether certified ghost norms (``T^2 (d + sum_k p_k)`` multiply-adds a sample, each product costing
-    ``GRAM_COST`` times a float32 one) cost less than instantiating the weights' gradients in float32 for
-    their norms (``T d sum_k p_k``, ``instantiated_norms_upper``). One token: the ghost norm is a product of
-    two norms. Either way the clipped sum is the same matmul and nothing more is kept."""
-    width = sum(widths)
-    return tokens <= 1 or GRAM_COST[products_route(device)] * tokens * (d + width) < d * width
+def instantiated_norms_upper(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An upper bound on ``||b^T a||^2`` per sample from the certified instantiated product."""
+    return square_norm_upper(certified_product(b.transpose(1, 2), a))
 
 
 def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, norm_terms: int = 0,

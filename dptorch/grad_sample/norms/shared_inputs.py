@@ -24,8 +24,6 @@ from dptorch.grad_sample.norms.linear_forms import (
     at_least_float32_dtype,
     certify_linear,
     flatten_middle_dims,
-    ghost_is_cheaper,
-    instantiated_norms_upper,
     linear_norms_upper,
     squared_norms,
     token_sums,
@@ -159,22 +157,13 @@ def _group_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
 
 def _certified_weight_norms(a: torch.Tensor, parts, sum_tokens: Optional[int]) -> list:
     """Certified squared norms of ``sum_t b_t a_t^T`` for each ``(b, dtype of its clipped sum)`` in
-    ``parts``: each gradient instantiated in float32 (``instantiated_norms_upper``) where that costs less than
-    the Grams (``ghost_is_cheaper``), else by the input Gram (``linear_norms_upper``: certified products,
-    ``exact_products``), formed a block of samples at a time: no block's wide copies exceed ``WIDE_BLOCK`` elements (a
+    ``parts``, by the input Gram (``linear_norms_upper``: certified products, ``exact_products``),
+    formed a block of samples at a time: no block's wide copies exceed ``WIDE_BLOCK`` elements (a
     ``(B, T, vocab)`` output gradient is never copied whole). The Gram sums and magnitudes are per
     sample, the certification then runs once on all."""
     if not parts:
         return []
     tokens = a.shape[1]
-    if not ghost_is_cheaper(tokens, a.shape[2], [b.shape[2] for b, _ in parts], a.device):
-        out = []
-        for b, dtype in parts:  # each gradient instantiated in float32 (or wider), a block of samples at a time
-            a_cast = _as(a, dtype)
-            magnitude = magnitudes(a_cast, b)
-            upper = instantiated_norms_upper(a_cast, b, magnitude)
-            out.append(certify_linear(upper, a, b, sum_dtype=dtype, sum_tokens=sum_tokens, magnitude=magnitude))
-        return out
     rows = max(1, WIDE_BLOCK // max(1, tokens * max(a.shape[2], *(b.shape[2] for b, _ in parts))))
     blocks = []
     for start in range(0, max(a.shape[0], 1), rows):
