@@ -44,8 +44,8 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.norms.certified import gamma, wide_dtype
-from dptorch.grad_sample.layers.linear import linear_weight_norms_sq, linear_weight_sum
-from dptorch.grad_sample.norms.linear_forms import at_least_float32_dtype, flatten_middle_dims
+from dptorch.grad_sample.layers.linear import common_dtype, linear_weight_norms_sq
+from dptorch.grad_sample.norms.linear_forms import at_least_float32_dtype, flatten_middle_dims, run_sums
 from dptorch.grad_sample.layers.registry import register_duck_grad_sampler, register_norm_sampler
 
 Tensors = Tuple[torch.Tensor, ...]
@@ -204,7 +204,7 @@ def experts_norms_sq(module: nn.Module, activations: Tensors, backprops: torch.T
 def _summed(module: nn.Module, factors: Iterable[ExpertFactors], dtype: torch.dtype,
             scale: Optional[torch.Tensor] = None, dropped: Optional[torch.Tensor] = None) -> Dict[nn.Parameter, torch.Tensor]:
     """Per expert, ``sum_p (c_p du_p) x_p^T`` and ``sum_p (c_p wg_p) a_p^T`` over all its pairs, each sample's
-    pairs first (``linear_weight_sum``), in ``dtype`` (the factors'), with ``c_p`` the factor ``scale`` of the pair's
+    pairs first (``linear_forms.run_sums``), in ``dtype`` (the factors'), with ``c_p`` the factor ``scale`` of the pair's
     sample (None: 1); the pairs of the samples in ``dropped`` add exactly 0 (``torch.where``: their rows
     may be inf or NaN)."""
     gate_up, down = _wanted(module)
@@ -217,11 +217,12 @@ def _summed(module: nn.Module, factors: Iterable[ExpertFactors], dtype: torch.dt
         if dropped is not None:
             gone = dropped.to(du.device)[f.rows].unsqueeze(-1)
             x, du, wg, a = (torch.where(gone, t.new_zeros(()), t) for t in (x, du, wg, a))
-        # laid out per sample (``padded``): each sample's pairs are summed on their own first (``token_sums``)
+        # the pairs are in sample order: each sample's run of pairs is summed on its own first (``run_sums``)
+        lengths = torch.bincount(f.rows, minlength=f.batch).tolist()
         if gate_up is not None:
-            sums[gate_up][f.expert] = linear_weight_sum(f.padded(x), f.padded(du))
+            sums[gate_up][f.expert] = run_sums(*common_dtype(du, x), lengths)
         if down is not None:
-            sums[down][f.expert] = linear_weight_sum(f.padded(a), f.padded(wg))
+            sums[down][f.expert] = run_sums(*common_dtype(wg, a), lengths)
     return sums
 
 

@@ -243,6 +243,18 @@ def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def run_sums(left: torch.Tensor, right: torch.Tensor, lengths) -> torch.Tensor:
+    """``sum_r left_r^T right_r`` over consecutive runs of rows of ``left`` ``(N, m)`` and ``right`` ``(N, n)``, of
+    ``lengths`` rows each (a sample's rows, as ``token_sums``' tokens): ``(m, n)``, each run summed on its own."""
+    total = left.new_zeros(left.shape[1], right.shape[1])
+    start = 0
+    for length in lengths:
+        if length:
+            total.addmm_(left[start:start + length].t(), right[start:start + length])
+        start += length
+    return total
+
+
 def squared_norms(x: torch.Tensor) -> torch.Tensor:
     """``||x_i||^2`` for each row ``i`` of a batch, in one fused reduction."""
     return torch.linalg.vector_norm(x.flatten(1), dim=1).square()
