@@ -266,3 +266,15 @@ def test_a_tied_embedding_adds_its_rows_to_the_heads_per_unit_gradient(monkeypat
     torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-4, atol=1e-6)
     weight = model.transformer.wte.weight
     torch.testing.assert_close(sums[weight].double(), ref_sums[weight], rtol=1e-4, atol=1e-6)
+
+
+def test_the_buckets_a_token_list_was_made_of_are_found_again():
+    """The clipped sum lays a use's tokens out in the buckets they came from (no unit lookup); a list the layout
+    did not make gets the buckets of the units it holds, which cover the same tokens."""
+    layout = PackedLayout(TokenUnits(MIXED))
+    some = layout.buckets_of((0, 1, 3, 5, 6, 7))
+    listed = layout.tokens(some)
+    assert layout.buckets_listed(listed) == some
+    again = layout.buckets_listed(listed.clone())
+    assert sorted(torch.cat([b.units for b in again]).tolist()) == [0, 1, 3, 5, 6, 7]
+    assert torch.equal(layout.tokens(again).sort().values, listed.sort().values)

@@ -79,6 +79,7 @@ class PackedLayout:
         self._buckets: Dict[Optional[tuple], List[Bucket]] = {}
         self._gathers: Dict[tuple, tuple] = {}
         self._tokens: Dict[tuple, torch.Tensor] = {}
+        self._listed: Dict[int, List[Bucket]] = {}
         self._bias_rows: Optional[torch.Tensor] = None
 
     @property
@@ -134,7 +135,17 @@ class PackedLayout:
         if held is None:
             sources = [b.source for b in buckets] or [self.token_unit.new_zeros((0,))]
             held = self._tokens[key] = torch.cat(sources) if len(sources) > 1 else sources[0]
+            self._listed[id(held)] = list(buckets)  # held by _tokens: the id names no other tensor
         return held
+
+    def buckets_listed(self, tokens: torch.Tensor) -> List[Bucket]:
+        """The buckets whose tokens ``tokens`` lists (flat positions of whole units): those it was made of
+        (``tokens``), else the buckets of the units it holds."""
+        listed = self._listed.get(id(tokens))
+        if listed is not None and self._tokens.get(tuple(id(b) for b in listed)) is tokens:
+            return listed
+        units = torch.unique(self.token_unit[tokens.to(self.token_unit.device)])
+        return self.buckets_of(tuple(units.tolist()))
 
     def all_tokens(self) -> torch.Tensor:
         """Flat positions of every real token (unit by unit)."""
@@ -384,12 +395,6 @@ def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tupl
     per_bucket_uses, per_bucket_factors, owner = [], [], []
     gathered: Dict[tuple, List[torch.Tensor]] = {}  # one gathered copy per (input, tokens): uses sharing them stay a group
 
-    def buckets_holding(where: Optional[torch.Tensor]) -> List[Bucket]:
-        if where is None:
-            return layout.buckets
-        units = torch.unique(layout.token_unit[where.to(layout.token_unit.device)])
-        return layout.buckets_of(tuple(units.tolist()))
-
     def pick(x: torch.Tensor, buckets: List[Bucket], key) -> List[torch.Tensor]:
         if key not in gathered:
             parts = layout.gather(x, buckets)
@@ -400,7 +405,7 @@ def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tupl
         return gathered[key]
 
     for k, (use, (weight_factor, bias_factor), where) in enumerate(zip(uses, factors, tokens)):
-        buckets = buckets_holding(where)
+        buckets = layout.buckets if where is None else layout.buckets_listed(where)
         key = id(where)
         inputs = pick(use.inputs, buckets, (memory_key(use.inputs), key))
         backprops = pick(use.backprops, buckets, (memory_key(use.backprops), key))
