@@ -203,6 +203,61 @@ def test_embedding_record_moves_the_update_by_at_most_C():
     assert distance <= C * (1 + 1e-5), distance
 
 
+class TwoCalls(nn.Module):
+    """One linear layer called twice on one input: its weight's two uses can cancel each other."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.layer(x), self.layer(x)], dim=-1)
+
+
+class Tied(nn.Module):
+    """An embedding and a head sharing one weight; the input packs each token's id (column 0) and the head's
+    input (the rest), the output the embedding's and the head's outputs side by side."""
+
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.emb(x[..., 0].long()), self.head(x[..., 1:])], dim=-1)
+
+
+def test_a_weights_two_uses_that_cancel_move_the_update_by_at_most_C():
+    """Each use's clipped sum holds the record's big half while the other samples' are added to it."""
+    g = torch.Generator().manual_seed(5)
+    batch, tokens, d = BATCH, 2, 8
+    inputs = torch.randn(batch, tokens, d, generator=g)
+    grads = torch.randn(batch, tokens, 2 * d, generator=g)
+    w, u = unit(g, d), unit(g, d)
+    record_inputs, record_grads = torch.zeros(tokens, d), torch.zeros(tokens, 2 * d)
+    record_inputs[0] = u
+    record_grads[0, :d], record_grads[0, d:] = K * w, -K * w
+    distance = moved(lambda: TwoCalls(d), inputs, grads, record_inputs, record_grads, batch // 2)
+    assert distance <= C * (1 + 1e-5), distance
+
+
+def test_a_tied_embedding_and_head_that_cancel_move_the_update_by_at_most_C():
+    g = torch.Generator().manual_seed(6)
+    batch, tokens, d, vocab = BATCH, 2, 8, 3
+    inputs = torch.cat([torch.randint(0, vocab, (batch, tokens, 1), generator=g).float(),
+                        torch.randn(batch, tokens, d, generator=g)], dim=-1)
+    grads = torch.randn(batch, tokens, d + vocab, generator=g)
+    w = unit(g, d)
+    record_inputs, record_grads = torch.zeros(tokens, 1 + d), torch.zeros(tokens, d + vocab)
+    record_inputs[:, 0] = 1.0  # the row both uses reach
+    record_inputs[0, 1:] = w
+    record_grads[0, :d] = K * w  # the embedding adds K w to row 1
+    record_grads[0, d + 1] = -K  # the head adds -K w to it
+    distance = moved(lambda: Tied(vocab, d), inputs, grads, record_inputs, record_grads, batch // 2)
+    assert distance <= C * (1 + 1e-5), distance
+
+
 def test_the_adversary_finds_the_leak_of_one_matmul_over_the_batch():
     """The check can fail: the old clipped sum (one matmul over all ``B T`` rows) under the same order moves
     the update by many times C."""

@@ -327,7 +327,7 @@ def shared_norm(uses) -> torch.Tensor:
         # One slice per form object: a form entering several uses stays one object (its pairs' weights).
         block = {id(form): dataclasses.replace(form, left=form.left[start:start + rows], right=form.right[start:start + rows])
                  for form in forms}
-        blocks.append(shared_form_norms([(scale, block[id(form)]) for scale, form in uses]))
+        blocks.append(shared_form_norms([(scale, block[id(form)]) for scale, form in uses], samples=batch))
     return torch.cat(blocks)
 
 

@@ -135,14 +135,16 @@ def form_inner_products(x: LinearForm, y: LinearForm, dtype: torch.dtype = torch
     return frobenius_per_sample(left, right)
 
 
-def shared_form_norms(uses) -> torch.Tensor:
+def shared_form_norms(uses, samples: Optional[int] = None) -> torch.Tensor:
     """Certified per-sample norm of ``sum_k s_k G_k`` from each use's scale ``s_k`` and ``LinearForm``.
 
     ``||sum_k s_k G_k||^2 = sum_{k,l} s_k s_l <G_k, G_l>``: the cross terms can cancel, so each is
     certified (``exact_products``: the value of ``<G_k, G_l>`` with a bound on its error, which for a
     cross term enters with its sign's worst case) and the clipped sum's rounding is certified with the
-    magnitude ``sum_k |s_k| M_k`` (``certified``); the clipped sum adds the uses' sums (one more rounding
-    per use). Float32, shape ``(B,)``.
+    magnitude ``sum_k |s_k| M_k`` (``certified``). Each use's clipped sum holds the sample's share of that use,
+    which the other uses may cancel, while the other ``samples`` samples' sums are added to it (``token_sums``:
+    ``samples``, default the forms' batch, is the batch the clipped sum adds); then the uses' sums are added (one
+    more rounding per use). Float32, shape ``(B,)``.
     """
     sum_dtype = at_least_float32_dtype(uses[0][1].right.dtype)  # the dtype of the clipped sum: the factors' own
     for _, form in uses:
@@ -164,7 +166,9 @@ def shared_form_norms(uses) -> torch.Tensor:
     total = (total + gamma(2 * pairs + 2, f64) * spread).clamp(min=0) * (1 + gamma(2, f64))
     tokens = max(form.tokens for form in forms)
     magnitude = sum(abs(scale) * form.magnitudes() for scale, form in uses)
-    squared = certified_norms_sq(total, magnitude, sum_terms=tokens + CLIP_ROUNDINGS + len(uses), sum_dtype=sum_dtype)
+    samples = max(form.right.shape[0] for form in forms) if samples is None else samples
+    squared = certified_norms_sq(total, magnitude, sum_terms=tokens + samples + CLIP_ROUNDINGS + len(uses),
+                                 sum_dtype=sum_dtype)
     return squared.sqrt().float()
 
 
@@ -215,29 +219,25 @@ def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     ``m`` about ``T``). One matmul over all ``B T`` rows would let a term of one sample pass through the additions
     of any other's (a BLAS kernel sums in blocks of its own choosing): a record whose tokens cancel (``K u`` and
     ``-K u``) then carries the rounding of everything added beside its ``K u``, ``B T u cK`` instead of ``T u cK``.
-    Here each sample's sum is one matmul of its ``T`` tokens (with the running total: ``T + 1`` terms), and what
-    is added across samples are finished per-sample sums, each at most ``C`` (relative rounding, as in every mode).
-    One token a sample (``T == 1``) cannot cancel: one matmul over the batch. Samples are taken ``SUM_BLOCK``
+    Here each sample's sum is a matmul of its ``T`` tokens alone (into fresh memory, never accumulated inside a
+    kernel with other samples' sums), and the finished per-sample sums are then added, each passing at most
+    ``B`` more additions: a sample's sum is at most ``C`` for one use of a weight (a relative rounding, as in
+    every mode), and a weight's several uses count those ``B`` (``shared_form_norms``). One token a sample
+    (``T == 1``) cannot cancel within the sample: one matmul over the batch. Samples are taken ``SUM_BLOCK``
     numbers of results at a time."""
     tokens = left.shape[-2]
     if tokens <= 1:
         return left.flatten(-3, -2).transpose(-1, -2) @ right.flatten(-3, -2)
     batch = left.shape[-3]
     per = max(1, SUM_BLOCK // max(1, math.prod(left.shape[:-3]) * left.shape[-1] * right.shape[-1]))
-    total = None
+    total = part = None
     for start in range(0, batch, per):
         lhs, rhs = left[..., start:start + per, :, :].transpose(-1, -2), right[..., start:start + per, :, :]
-        if per == 1:  # accumulate in place: no per-sample result held
-            lhs, rhs = lhs.squeeze(-3), rhs.squeeze(-3)
-            if total is None:
-                total = lhs @ rhs
-            elif total.dim() == 2:
-                total.addmm_(lhs, rhs)
-            else:
-                total.baddbmm_(lhs, rhs)
+        if per == 1:  # one sample into a reused buffer, then added
+            part = torch.matmul(lhs.squeeze(-3), rhs.squeeze(-3), out=part)
         else:
             part = (lhs @ rhs).sum(-3)
-            total = part if total is None else total.add_(part)
+        total = part.clone() if total is None else total.add_(part)
     if total is None:  # no sample
         total = left.new_zeros(*left.shape[:-3], left.shape[-1], right.shape[-1])
     return total
@@ -247,10 +247,11 @@ def run_sums(left: torch.Tensor, right: torch.Tensor, lengths) -> torch.Tensor:
     """``sum_r left_r^T right_r`` over consecutive runs of rows of ``left`` ``(N, m)`` and ``right`` ``(N, n)``, of
     ``lengths`` rows each (a sample's rows, as ``token_sums``' tokens): ``(m, n)``, each run summed on its own."""
     total = left.new_zeros(left.shape[1], right.shape[1])
-    start = 0
-    for length in lengths:
+    part, start = None, 0
+    for length in lengths:  # each run into a reused buffer, then added (``token_sums``)
         if length:
-            total.addmm_(left[start:start + length].t(), right[start:start + length])
+            part = torch.mm(left[start:start + length].t(), right[start:start + length], out=part)
+            total.add_(part)
         start += length
     return total
 
