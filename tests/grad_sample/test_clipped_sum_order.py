@@ -28,7 +28,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.layers.experts import ExpertFactors, experts_kept_clipped_sum
-from dptorch.grad_sample.norms import shared_inputs
+from dptorch.grad_sample.norms import linear_forms, shared_inputs
 from dptorch.grad_sample.norms.certified import gamma
 from dptorch.grad_sample.norms.linear_forms import token_sums
 from dptorch.grad_sample.norms.shared_inputs import AffineUse
@@ -134,10 +134,13 @@ def moved(model_fn, inputs, grads, record_inputs, record_grads, position: int, a
     return float(sum((with_record[k] - without[k]).pow(2).sum() for k in without).sqrt())
 
 
-@pytest.fixture(autouse=True)
-def ghost_everywhere(monkeypatch):
-    """Ghost norms for every weight of more than one token (bk's choice where instantiating costs memory)."""
+@pytest.fixture(autouse=True, params=["blocks", "one_by_one"])
+def ghost_everywhere(monkeypatch, request):
+    """Ghost norms for every weight of more than one token (bk's choice where instantiating costs memory);
+    the clipped sums' samples in blocks (these small layers' default) or one at a time (a large layer's)."""
     monkeypatch.setattr(shared_inputs, "INSTANTIATED_MEMORY", 0)
+    if request.param == "one_by_one":
+        monkeypatch.setattr(linear_forms, "SUM_BLOCK", 1)
 
 
 def unit(g: torch.Generator, n: int) -> torch.Tensor:

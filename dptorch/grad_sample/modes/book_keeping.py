@@ -184,6 +184,7 @@ class BookKeeping:
                 return scaled_factors[key]
 
             kept_params, kept_pairs = [], []  # instantiated by the norms: one pass over each
+            uses_of = Counter(id(p) for call in self.calls for p in call.params.values())  # a tied weight's calls
             for call in self.calls:
                 kept = call.per_sample or {}
                 for param in kept:
@@ -206,7 +207,7 @@ class BookKeeping:
                     continue
                 if kept and not wanted:
                     continue
-                use = _affine_use(call, wanted)
+                use = _affine_use(call, wanted, uses_of)
                 if use is not None:  # Linear / Conv1D: the shared input scaled once per factor
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
                     affine_uses.append(use if dropped is None else _without_units(use, dropped, zeroed_inputs))
@@ -274,8 +275,9 @@ def _without_units(use: AffineUse, dropped: torch.Tensor, zeroed_inputs: Dict[ob
     return dataclasses.replace(use, inputs=zeroed_inputs[key], backprops=zero_rows(use.backprops, dropped))
 
 
-def _affine_use(call: LayerCall, wanted) -> Optional[AffineUse]:
-    """The call as an ``AffineUse`` of its wanted params, if its layer is a built-in Linear / Conv1D."""
+def _affine_use(call: LayerCall, wanted, uses_of: Optional[Counter] = None) -> Optional[AffineUse]:
+    """The call as an ``AffineUse`` of its wanted params, if its layer is a built-in Linear / Conv1D; with
+    ``uses_of`` (calls per parameter id this round), marked ``sole_use`` where its weight has no other call."""
     if not wanted:
         return None
     in_by_out = affine_layout(call.norm_sampler)
@@ -290,6 +292,7 @@ def _affine_use(call: LayerCall, wanted) -> Optional[AffineUse]:
         weight if any(p is weight for p in wanted) else None,
         bias if bias is not None and any(p is bias for p in wanted) else None,
         in_by_out,
+        sole_use=uses_of is not None and weight is not None and uses_of[id(weight)] == 1,
     )
 
 

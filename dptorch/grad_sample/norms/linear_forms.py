@@ -211,7 +211,7 @@ def certify_linear(computed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, nor
     )
 
 
-def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+def token_sums(left: torch.Tensor, right: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``sum_i left_i^T right_i`` for ``left`` ``(*S, B, T, m)`` and ``right`` ``(*S, B, T, n)`` (``S``: at most one
     stack dim): ``(*S, m, n)``, each sample's tokens summed on their own before the samples are added.
 
@@ -219,12 +219,14 @@ def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     ``m`` about ``T``). One matmul over all ``B T`` rows would let a term of one sample pass through the additions
     of any other's (a BLAS kernel sums in blocks of its own choosing): a record whose tokens cancel (``K u`` and
     ``-K u``) then carries the rounding of everything added beside its ``K u``, ``B T u cK`` instead of ``T u cK``.
-    Here each sample's sum is a matmul of its ``T`` tokens alone (into fresh memory, never accumulated inside a
-    kernel with other samples' sums), and the finished per-sample sums are then added, each passing at most
-    ``B`` more additions: a sample's sum is at most ``C`` for one use of a weight (a relative rounding, as in
-    every mode), and a weight's several uses count those ``B`` (``shared_form_norms``). One token a sample
-    (``T == 1``) cannot cancel within the sample: one matmul over the batch. Samples are taken ``SUM_BLOCK``
-    numbers of results at a time."""
+    Here each sample's sum is a matmul of its ``T`` tokens alone, and the finished per-sample sums are then
+    added, each passing at most ``B`` more additions: for a weight's only use a finished sum is at most ``C``
+    (a relative rounding, as in every mode), and a weight's several uses count those ``B``
+    (``shared_form_norms``), which holds only if a unit's share is formed alone, in fresh memory, before it is
+    added. ``in_place`` (a weight's only use): each sample's matmul accumulates into the running total (the
+    total is one more term of the sample's sum, ``T + 1`` terms: as fast as one matmul over the batch, where
+    fresh memory costs an extra pass). One token a sample (``T == 1``) cannot cancel within the sample: one
+    matmul over the batch. Samples are taken ``SUM_BLOCK`` numbers of results at a time."""
     tokens = left.shape[-2]
     if tokens <= 1:
         return left.flatten(-3, -2).transpose(-1, -2) @ right.flatten(-3, -2)
@@ -233,10 +235,14 @@ def token_sums(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     total = part = None
     for start in range(0, batch, per):
         lhs, rhs = left[..., start:start + per, :, :].transpose(-1, -2), right[..., start:start + per, :, :]
-        if per == 1:  # one sample into a reused buffer, then added
-            part = torch.matmul(lhs.squeeze(-3), rhs.squeeze(-3), out=part)
-        else:
+        if per > 1:
             part = (lhs @ rhs).sum(-3)
+        elif in_place and total is not None:
+            lhs, rhs = lhs.squeeze(-3), rhs.squeeze(-3)
+            total.addmm_(lhs, rhs) if total.dim() == 2 else total.baddbmm_(lhs, rhs)
+            continue
+        else:  # one sample into a reused buffer, then added
+            part = torch.matmul(lhs.squeeze(-3), rhs.squeeze(-3), out=part)
         total = part.clone() if total is None else total.add_(part)
     if total is None:  # no sample
         total = left.new_zeros(*left.shape[:-3], left.shape[-1], right.shape[-1])

@@ -48,6 +48,7 @@ class AffineUse:
     weight: Optional[nn.Parameter]
     bias: Optional[nn.Parameter]
     in_by_out: bool = False
+    sole_use: bool = False  # the weight's only use this round: its clipped sum may accumulate in place (``token_sums``)
 
 
 def group_by_input(uses):
@@ -214,17 +215,18 @@ def shared_affine_clipped_sums(uses, factors) -> list:
                 # product is formed in float32: the same numbers as upcasting first).
                 factor = _stacked_factors(factors, stack, k, 0, dtype).view(len(stack), -1, 1, 1)
                 # (n, B, T, *) factors: each sample's tokens summed on their own first (``token_sums``)
+                in_place = all(uses[group[k]].sole_use for group in stack)
                 if d <= widths[keys[k]]:
                     b_rows = _as(b, dtype)
                     scaled = scaled_inputs.get((keys[k], dtype))
                     if scaled is None:
                         scaled = torch.mul(a, factor)
                         scaled_inputs[(keys[k], dtype)] = scaled
-                    summed = token_sums(scaled, b_rows) if use.in_by_out else token_sums(b_rows, scaled)
+                    summed = token_sums(scaled, b_rows, in_place) if use.in_by_out else token_sums(b_rows, scaled, in_place)
                 else:
                     scaled_b = torch.mul(b, factor)
                     rows = _as(a, dtype)
-                    summed = token_sums(rows, scaled_b) if use.in_by_out else token_sums(scaled_b, rows)
+                    summed = token_sums(rows, scaled_b, in_place) if use.in_by_out else token_sums(scaled_b, rows, in_place)
                 summed = _as(summed, torch.float32)
             if use.bias is not None and bias_factor is not None:
                 per_sample = b.sum(2, dtype=dtype)  # (n, B, p)
