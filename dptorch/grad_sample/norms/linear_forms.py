@@ -43,8 +43,8 @@ STACK_LIMIT = 1 << 18
 WIDE_BLOCK = 1 << 21
 
 #: Per-sample results a clipped sum holds at once (``token_sums``, 256 KiB in float32, within a core's cache): a
-#: layer with more numbers accumulates one sample at a time in place, which measured as fast as one matmul over
-#: the batch (B 16, T 128, widths 256 to 5000; larger blocks, 1-16 MiB, took up to 1.45x as long).
+#: layer with more numbers takes one sample at a time, which in place measured as fast as one matmul over the
+#: batch (B 16, T 128, widths 256 to 5000; larger blocks, 1-16 MiB, took up to 1.45x as long).
 SUM_BLOCK = 1 << 16
 
 
