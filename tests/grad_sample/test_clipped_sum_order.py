@@ -10,9 +10,10 @@ sample's tokens on their own first (``linear_forms.token_sums``, ``embedding.Sam
 finished per-sample sums meet.
 
 ``AdversarialOrder`` plays such a kernel: float32 products, ``index_add`` and sums are accumulated one term
-at a time, the two largest terms first and last, the rest shuffled between (any order is a legal one). Under it, the crafted record must move the
-noiseless update by at most C, in every bk path that sums tokens: Linear weight and bias, Conv1D, two
-layers reading one input, an embedding; and the clipped sum of packed token units and of an expert bank
+at a time, the two largest terms first and last, the rest shuffled between (any order is a legal one).
+Under it, the crafted record must move the noiseless update by at most C, in every bk path that sums
+tokens: Linear weight and bias, Conv1D, two layers reading one input, an embedding, a layer called twice,
+a tied embedding and head; and the clipped sum of packed token units and of an expert bank
 must stay within its rounding of the exact one.
 """
 

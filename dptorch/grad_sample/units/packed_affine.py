@@ -16,8 +16,8 @@ only (one gather for all buckets of a tensor), where ``shared_inputs.shared_affi
 forms the norms (certified for the clipped sum of the longest unit, as the ``(U, L)`` layout was). The
 clipped sum of a weight whose norms were not instantiated is formed on the same bucket layouts, each
 unit's output gradient (or input) scaled by its clip factor and each unit's tokens summed on their own
-before the units are added (``shared_affine_clipped_sums``: the rounding the certified norm counts). Instantiated gradients are kept, and
-summed with the factors, as on rows.
+before the units are added (``shared_affine_clipped_sums``: the rounding the certified norm counts).
+Instantiated gradients are kept, and summed with the factors, as on rows.
 
 Privacy: a pad token (id -1) is in no span, no bucket and among no summed tokens, and adds only to the
 dropped row of a bias sum, so it contributes nothing, whatever its values; a span or a bucket row holds
@@ -414,8 +414,9 @@ def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tupl
             per_bucket_uses.append(AffineUse(x, b, use.weight, use.bias, use.in_by_out))
             per_bucket_factors.append(tuple(None if f is None else f[units.to(f.device)] for f in (weight_factor, bias_factor)))
             owner.append(k)
-    results = [{p: torch.zeros(p.shape, device=p.device) for p, f in zip((use.weight, use.bias), pair) if p is not None and f is not None}
-               for use, pair in zip(uses, factors)]  # a sum over no token: zeros
+    results = [{p: torch.zeros(p.shape, device=p.device)  # a sum over no token: zeros
+                for p, f in zip((use.weight, use.bias), pair) if p is not None and f is not None}
+               for use, pair in zip(uses, factors)]
     for k, summed in zip(owner, shared_affine_clipped_sums(per_bucket_uses, per_bucket_factors)):
         for param, value in summed.items():
             results[k][param] += value
