@@ -184,7 +184,6 @@ class BookKeeping:
                 return scaled_factors[key]
 
             kept_params, kept_pairs = [], []  # instantiated by the norms: one pass over each
-            uses_of = Counter(id(p) for call in self.calls for p in call.params.values())  # a tied weight's calls
             for call in self.calls:
                 kept = call.per_sample or {}
                 for param in kept:
@@ -207,7 +206,7 @@ class BookKeeping:
                     continue
                 if kept and not wanted:
                     continue
-                use = _affine_use(call, wanted, uses_of)
+                use = _affine_use(call, wanted, self._shared)
                 if use is not None:  # Linear / Conv1D: the shared input scaled once per factor
                     # The factor stays float32 (a bf16 factor may round up past C / ||g_i||).
                     affine_uses.append(use if dropped is None else _without_units(use, dropped, zeroed_inputs))
@@ -275,9 +274,10 @@ def _without_units(use: AffineUse, dropped: torch.Tensor, zeroed_inputs: Dict[ob
     return dataclasses.replace(use, inputs=zeroed_inputs[key], backprops=zero_rows(use.backprops, dropped))
 
 
-def _affine_use(call: LayerCall, wanted, uses_of: Optional[Counter] = None) -> Optional[AffineUse]:
+def _affine_use(call: LayerCall, wanted, shared: Optional[set] = None) -> Optional[AffineUse]:
     """The call as an ``AffineUse`` of its wanted params, if its layer is a built-in Linear / Conv1D; with
-    ``uses_of`` (calls per parameter id this round), marked ``sole_use`` where its weight has no other call."""
+    ``shared`` (the round's parameters of several uses, normed by ``shared_norm``), marked ``sole_use`` where its
+    weight is not one of them."""
     if not wanted:
         return None
     in_by_out = affine_layout(call.norm_sampler)
@@ -292,7 +292,7 @@ def _affine_use(call: LayerCall, wanted, uses_of: Optional[Counter] = None) -> O
         weight if any(p is weight for p in wanted) else None,
         bias if bias is not None and any(p is bias for p in wanted) else None,
         in_by_out,
-        sole_use=uses_of is not None and weight is not None and uses_of[id(weight)] == 1,
+        sole_use=shared is not None and weight is not None and weight not in shared,
     )
 
 

@@ -394,6 +394,15 @@ def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tupl
     added (``shared_affine_clipped_sums``, ``linear_forms.token_sums``: the rounding its norm is certified for)."""
     per_bucket_uses, per_bucket_factors, owner = [], [], []
     gathered: Dict[tuple, List[torch.Tensor]] = {}  # one gathered copy per (input, tokens): uses sharing them stay a group
+    per_unit: Dict[tuple, torch.Tensor] = {}  # one tensor per (factor, bucket): uses sharing a factor scale their input once
+
+    def on_units(factor: Optional[torch.Tensor], bucket: Bucket) -> Optional[torch.Tensor]:
+        if factor is None:
+            return None
+        key = (id(factor), id(bucket))
+        if key not in per_unit:
+            per_unit[key] = factor[bucket.units.to(factor.device)]
+        return per_unit[key]
 
     def pick(x: torch.Tensor, buckets: List[Bucket], key) -> List[torch.Tensor]:
         if key not in gathered:
@@ -410,9 +419,8 @@ def packed_affine_clipped_sums(uses: Sequence[AffineUse], factors: Sequence[tupl
         inputs = pick(use.inputs, buckets, (memory_key(use.inputs), key))
         backprops = pick(use.backprops, buckets, (memory_key(use.backprops), key))
         for bucket, x, b in zip(buckets, inputs, backprops):
-            units = bucket.units
             per_bucket_uses.append(AffineUse(x, b, use.weight, use.bias, use.in_by_out))
-            per_bucket_factors.append(tuple(None if f is None else f[units.to(f.device)] for f in (weight_factor, bias_factor)))
+            per_bucket_factors.append((on_units(weight_factor, bucket), on_units(bias_factor, bucket)))
             owner.append(k)
     results = [{p: torch.zeros(p.shape, device=p.device)  # a sum over no token: zeros
                 for p, f in zip((use.weight, use.bias), pair) if p is not None and f is not None}
