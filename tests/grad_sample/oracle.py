@@ -32,10 +32,12 @@ def oracle(model, inputs, dims, loss_fn, n):
     return {p: torch.stack(r) for p, r in rows.items()}
 
 
-def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True, draw=None):
+def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True, draw=None, compile_model=None):
     """Per-sample gradients (hooks, functorch), or per-sample norms and clipped sums (bk, ghost),
     equal the oracle's. ``draw``: ``(tensors, make)``, the batch-first tensors a DP loader hands out
-    and how the loop makes ``inputs`` from them (the draw's watch follows it)."""
+    and how the loop makes ``inputs`` from them (the draw's watch follows it). ``compile_model``: model ->
+    callable, applied after the controller attached (``torch.compile`` after ``make_private(..., wrap_model=False)``);
+    the private step calls what it returns."""
     want = oracle(model, inputs, dims, loss_fn, n)
     names = {p: name for name, p in model.named_parameters()}
     hooks = GradSampleHooks(model, grad_sample_mode=mode, batch_first=batch_first, loss_reduction="sum")
@@ -43,7 +45,7 @@ def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True, draw=N
         if draw is not None:
             drawn.hand_out(list(draw[0]))
             inputs = draw[1](*draw[0])
-        output = call(model, inputs)
+        output = call(model if compile_model is None else compile_model(model), inputs)
         loss = DPLoss(loss_fn, hooks)(output) if mode == "ghost" else loss_fn(output).sum()
         loss.backward()
         scale = max(float(g.abs().max()) for g in want.values())

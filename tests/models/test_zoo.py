@@ -26,15 +26,15 @@ SIZES = {"T != n": (3, 5), "T == n": (4, 4)}
 REFUSED = {("mixtral", "functorch"): r"mixes or merges its samples \(_grouped_mm, an operation the batch tracker"}
 
 
-def run(name, model, mode, n, t):
+def run(name, model, mode, n, t, compile_model=None):
     family = ZOO[name]
     inputs = family.inputs(n, t, torch.Generator().manual_seed(n * 31 + t))
     dims = {key: 0 for key in inputs}
     if (name, mode) in REFUSED:
         with pytest.raises(PerSampleGradientError, match=REFUSED[name, mode]):
-            assert_exact(model, inputs, dims, family.loss, mode, n)
+            assert_exact(model, inputs, dims, family.loss, mode, n, compile_model=compile_model)
         return
-    assert_exact(model, inputs, dims, family.loss, mode, n)
+    assert_exact(model, inputs, dims, family.loss, mode, n, compile_model=compile_model)
 
 
 @pytest.mark.parametrize("size", list(SIZES))
@@ -46,6 +46,26 @@ def test_family_is_exact(name, mode, size):
     if ZOO[name].tied is not None:
         assert ZOO[name].tied(model), f"{name} was meant to tie its output embedding to its input embedding"
     run(name, model, mode, *SIZES[size])
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@pytest.mark.parametrize("name", list(ZOO))
+def test_family_compiled_after_the_controller_is_exact_and_compiles_nothing_while_followed(name, mode, size):
+    """``torch.compile(model)`` after the controller attached (``make_private(..., wrap_model=False)``'s order):
+    the private forward runs eagerly under the tracker (``tracking/compiled.py``), so it is exact, and Dynamo hands
+    its backend no graph of it."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    run(name, ZOO[name].build(), mode, *SIZES[size], compile_model=lambda model: torch.compile(model, backend=backend))
+    assert graphs == []
+    assert torch._C._dynamo.eval_frame.get_eval_frame_callback() is None  # Dynamo's callback is back where it was
 
 
 LORA = [name for name in ZOO if ZOO[name].lora_targets]
