@@ -51,8 +51,11 @@ def refusals(mode: str) -> tuple:
     return EW_REFUSED if mode == "ew" else REFUSED
 
 
-def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad_norm: float) -> Step:
-    """One step of a copy of ``model`` through ``make_private`` (noise 0, SGD lr 1) on ``batch``."""
+def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad_norm: float,
+                 compile_model: Optional[Callable[[nn.Module], Callable]] = None) -> Step:
+    """One step of a copy of ``model`` through ``make_private`` (noise 0, SGD lr 1) on ``batch``; with
+    ``compile_model`` (model -> callable), ``make_private(..., wrap_model=False)`` and the loss given what
+    ``compile_model`` makes of the model (``torch.compile`` after attaching, as a user compiles)."""
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     loader = DPDataLoader(TensorDataset(*batch), sample_rate=1.0, steps=1)
@@ -62,7 +65,10 @@ def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max
             warnings.simplefilter("ignore")  # noise_multiplier=0: "not private", on purpose
             private, optimizer, loader = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
-                noise_multiplier=0.0, max_grad_norm=max_grad_norm, loss_reduction="sum", grad_sample_mode=mode)
+                noise_multiplier=0.0, max_grad_norm=max_grad_norm, loss_reduction="sum", grad_sample_mode=mode,
+                wrap_model=compile_model is None)
+            if compile_model is not None:
+                private = compile_model(model)
             for drawn in loader:
                 assert all(torch.equal(d, b) for d, b in zip(drawn, batch)), "the loader must hand out the batch"
                 loss_fn(private, *drawn).backward()
@@ -135,16 +141,17 @@ def distance(a: dict, b: dict) -> float:
 
 
 def verdict(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad_norm: float, *,
-            replacement: Optional[tuple] = None) -> dict:
+            replacement: Optional[tuple] = None, compile_model: Optional[Callable[[nn.Module], Callable]] = None) -> dict:
     """The verdict on one step: ``outcome`` (refused, exact, inexact, error), ``message`` (a
     refusal's), the moves over their bounds, and ``problems`` (empty: the oracle holds).
 
     The neighbours: ``batch`` without sample 0, and with sample 0 replaced by sample 0 of
-    ``replacement`` (when given)."""
+    ``replacement`` (when given). ``compile_model``: every private step calls the model compiled so
+    (``private_step``)."""
     plain = copy.deepcopy(model)
     loss_fn(plain, *batch).backward()  # the computation itself runs in plain torch
     result = {"mode": mode, "problems": []}
-    base = private_step(model, batch, loss_fn, mode, max_grad_norm)
+    base = private_step(model, batch, loss_fn, mode, max_grad_norm, compile_model)
     if base.refused is not None:
         return {**result, "outcome": "refused", "message": base.refused[:300]}
     if base.error is not None:
@@ -159,7 +166,7 @@ def verdict(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad
     worst = 0.0
     for name, (data, want) in cases.items():
         if name not in runs:
-            runs[name] = private_step(model, data, loss_fn, mode, max_grad_norm)
+            runs[name] = private_step(model, data, loss_fn, mode, max_grad_norm, compile_model)
         step = runs[name]
         if step.error is not None:
             result["problems"].append(f"{name}: crashed: {step.error[:300]}")

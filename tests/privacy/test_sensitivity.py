@@ -213,11 +213,12 @@ FUZZ_EXAMPLES = int(os.environ.get("DPTORCH_FUZZ_EXAMPLES", "40"))
 RECORD = os.environ.get("DPTORCH_FUZZ_RECORD")
 
 
-def judge(c: comp.Composition, mode: str) -> dict:
-    """The oracle's verdict on composition ``c`` in ``mode``, with the composition named."""
+def judge(c: comp.Composition, mode: str, compile_model=None) -> dict:
+    """The oracle's verdict on composition ``c`` in ``mode``, with the composition named (``compile_model``:
+    the model compiled after the controller attached, ``step_oracle.private_step``)."""
     start = time.perf_counter()
     found = oracle.verdict(comp.build(c), comp.data(c), lambda m, *b: comp.loss_of(m, c, *b), mode, c.clip,
-                           replacement=comp.data(c, seed_offset=1))
+                           replacement=comp.data(c, seed_offset=1), compile_model=compile_model)
     return {"composition": str(c), "mixing": c.mixing, **found, "seconds": time.perf_counter() - start}
 
 
@@ -298,6 +299,29 @@ def _with_examples(test):
 @_with_examples
 def test_fuzzed_composition_is_refused_or_exact(mode, case):
     assert_oracle(judge(case, mode))
+
+
+def _compiled_without_graphs(model: nn.Module):
+    """``torch.compile(model)`` with a backend that fails the test if Dynamo hands it a graph: under the controller
+    a private forward runs eagerly (``tracking/compiled.py``), nothing of it is compiled."""
+    def backend(graph, example_inputs):
+        raise AssertionError(f"Dynamo compiled a graph of a private step:\n{graph.code}")
+    return torch.compile(model, backend=backend)
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+          phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck), print_blob=False)
+@given(case=compositions())
+@_with_examples
+def test_fuzzed_composition_compiled_is_refused_or_exact_as_in_eager(mode, case):
+    """The fuzzer with the model compiled after ``make_private(..., wrap_model=False)``: the oracle holds, and the
+    verdict is the eager one (a refusal where eager refuses, exact where eager is)."""
+    torch._dynamo.reset()
+    compiled = judge(case, mode, _compiled_without_graphs)
+    assert_oracle(compiled)
+    if not RECORD:
+        assert compiled["outcome"] == judge(case, mode)["outcome"], compiled.get("message", "")
 
 
 @pytest.mark.parametrize("mode", MODES)
