@@ -137,7 +137,9 @@ class PrivacyEngine:
         ``module`` is a :class:`GradSampleModule` holding the model, or with ``wrap_model=False`` the
         :class:`GradSampleHooks` controller attached to the untouched model (Opacus 1.6's
         ``hooks, optimizer, data_loader = engine.make_private(..., wrap_model=False)``; train the
-        model itself, ``hooks.cleanup()`` at the end).
+        model itself, ``hooks.cleanup()`` at the end). A model compiled with ``torch.compile`` is taken with
+        ``wrap_model=False`` only: the controller attaches to the model it compiled, the loop keeps calling the
+        compiled one, and its private forwards run eagerly (docs/errors.md).
 
         ``noise_mechanism="bandmf"`` with ``bands=b`` adds banded matrix-factorisation noise
         (correlated across steps, docs/correlated-noise.md) instead of independent noise: the data
@@ -183,6 +185,7 @@ class PrivacyEngine:
         ) if clipping in CLIPPING_MODES else {}
         deepspeed_engine, module, optimizer = _deepspeed_parts(module, optimizer)
         wrap_model = wrap_model and deepspeed_engine is None
+        module = _uncompiled_root(module, wrap_model)
         dp_loader = self._check_and_prepare(module, optimizer, data_loader, poisson_sampling, clipping, max_grad_norm,
                                             bands=_check_mechanism(noise_mechanism, bands))
         options.update(_mechanism_fields(noise_mechanism, bands, planned_steps or dp_loader.batch_sampler.steps))
@@ -223,6 +226,7 @@ class PrivacyEngine:
         deepspeed_engine, module, optimizer = _deepspeed_parts(module, optimizer)
         if deepspeed_engine is not None:
             kwargs["wrap_model"] = False
+        module = _uncompiled_root(module, kwargs.get("wrap_model", True))
         clipping = kwargs.pop("clipping", "flat")
         poisson_sampling = kwargs.pop("poisson_sampling", True)
         option_names = ("gamma", "target_unclipped_quantile", "clipbound_learning_rate", "max_clipbound",
@@ -325,7 +329,6 @@ class PrivacyEngine:
                 "from an earlier make_private): a second engine would clip and noise every step twice and both would "
                 "count its privacy. Keep using the first engine's model and optimizer, or call detach() on it first"
             )
-        _refuse_compiled(module)
         _check_optimizer_params_in_model(module, optimizer)
         if not module.training:
             raise ValueError("the model is in eval mode; call model.train() before make_private (eval mode captures no per-sample gradients)")
@@ -759,17 +762,23 @@ def _unwrap(module: nn.Module) -> nn.Module:
     return module._module if isinstance(module, GradSampleModule) else module
 
 
-def _refuse_compiled(module: nn.Module) -> None:
-    """Refuse a ``torch.compile``d model (or one holding a compiled submodule), with the reason."""
+def _uncompiled_root(module: nn.Module, wrap_model: bool) -> nn.Module:
+    """The module the controller attaches to: ``module``, or for a model compiled with ``torch.compile`` the model it
+    compiled (``_orig_mod``; the caller keeps calling the compiled one, as after compiling a model made private).
+    Refused with ``wrap_model=True`` (a wrapper around a compiled model would run its own root hook before Dynamo's
+    call, so the private forward would meet the tracker under Dynamo)."""
     compiled = [f"submodule {name!r}" if name else "the model" for name, m in module.named_modules() if _is_compiled(m)]
-    if compiled:
+    if not compiled:
+        return module
+    if wrap_model:
         raise ValueError(
-            f"{_name_list(compiled)} {'is' if len(compiled) == 1 else 'are'} compiled with torch.compile: a private "
-            "forward runs eagerly (the batch tracker follows it operation by operation, and Dynamo compiled around it "
-            "into wrong values in torch 2.13), so compiling before make_private gains nothing. Pass the uncompiled "
-            "model (compiled_model._orig_mod) to make_private; compile the whole model after it, with "
-            "wrap_model=False, for compiled evaluation (its private forwards run eagerly)"
+            f"{_name_list(compiled)} {'is' if len(compiled) == 1 else 'are'} compiled with torch.compile, and "
+            "make_private would wrap it (wrap_model=True). Pass wrap_model=False and keep calling your compiled model: "
+            "the controller attaches to the model it compiled, its private forwards run eagerly under the batch "
+            "tracker (Dynamo compiled around the tracker into wrong values in torch 2.13), and evaluation outside "
+            "the loop runs compiled. Or pass the uncompiled model (compiled_model._orig_mod)"
         )
+    return module._orig_mod if _is_compiled(module) else module
 
 
 def _is_compiled(module: nn.Module) -> bool:

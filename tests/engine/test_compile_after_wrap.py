@@ -39,21 +39,23 @@ class Run(NamedTuple):
     call: Callable  # what the loop called: the model, or the model compiled
 
 
-def private_run(mode, compile_model, steps=5, batch_size=8, evaluate=True) -> Run:
+def private_run(mode, compile_model, steps=5, batch_size=8, evaluate=True, before=False) -> Run:
     """``steps`` private steps (noise 0, loss sum) on seeded Poisson draws, the model called compiled
-    (``compile_model``: model -> callable) or as it is, with an evaluation call inside the loop."""
+    (``compile_model``: model -> callable) or as it is, with an evaluation call inside the loop; ``before``: compiled
+    before ``make_private``, which is given the compiled model."""
     torch._dynamo.reset()
     model = mlp()
+    compiled_first = compile_model(model) if before else None
     rows = TensorDataset(torch.randn(40, 6, generator=torch.Generator().manual_seed(3)),
                          torch.randint(0, 2, (40,), generator=torch.Generator().manual_seed(4)))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         engine = PrivacyEngine()
         hooks, optimizer, loader = engine.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            module=model if compiled_first is None else compiled_first, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
             data_loader=DataLoader(rows, batch_size=batch_size, generator=torch.Generator().manual_seed(5)),
             noise_multiplier=0.0, max_grad_norm=0.5, grad_sample_mode=mode, wrap_model=False, loss_reduction="sum")
-        call = compile_model(model)
+        call = compile_model(model) if compiled_first is None else compiled_first
         for step, (x, y) in enumerate(loader):
             if step == steps:
                 break
@@ -84,6 +86,37 @@ def test_a_model_compiled_after_make_private_trains_as_the_eager_model(mode, mon
     x = torch.randn(5, 6)
     with torch.no_grad():
         torch.testing.assert_close(compiled.call(x), compiled.model(x))  # after the loop and cleanup(), as the model
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_model_compiled_before_make_private_trains_as_the_eager_model(mode):
+    """``make_private(module=torch.compile(model), ..., wrap_model=False)``: the controller attaches to the model
+    torch.compile wrapped, the loop calls the compiled model, and the run is the eager one; detached, neither the
+    compiled module nor the model keeps a hook."""
+    eager = private_run(mode, lambda model: model)
+    compiled = private_run(mode, lambda model: torch.compile(model, backend="inductor"), before=True)
+    for a, b in zip(eager.params, compiled.params):
+        assert torch.equal(a, b)
+    assert compiled.steps == eager.steps == 5
+    assert isinstance(compiled.call, torch._dynamo.eval_frame.OptimizedModule) and compiled.call._orig_mod is compiled.model
+    for module in (compiled.call, *compiled.model.modules()):
+        assert not (module._forward_pre_hooks or module._forward_hooks or module._backward_hooks)
+    compiled.model.eval()
+    x = torch.randn(5, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.call(x), compiled.model(x))
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_model_holding_a_layer_compiled_before_make_private_trains_as_the_eager_one(mode):
+    def compile_last(model):
+        model[2] = torch.compile(model[2], backend="eager")
+        return model
+
+    eager = private_run(mode, lambda model: model, batch_size=2, steps=8, evaluate=False)
+    compiled = private_run(mode, compile_last, batch_size=2, steps=8, evaluate=False, before=True)
+    for a, b in zip(eager.params, compiled.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_a_compiled_gpt2_trains_as_the_eager_one_where_dynamo_mixes_up_values_under_a_mode():

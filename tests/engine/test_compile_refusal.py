@@ -1,4 +1,5 @@
-"""A torch.compile'd model (or submodule) is refused by make_private, with the reason and the fix."""
+"""A torch.compile'd model (or submodule) given to make_private to wrap (``wrap_model=True``) is refused, with the
+reason and the fixes; ``wrap_model=False`` takes it (``test_compile_after_wrap.py``)."""
 
 import pytest
 import torch
@@ -13,24 +14,36 @@ def loader():
     return DataLoader(TensorDataset(torch.randn(32, 6), torch.randint(0, 2, (32,))), batch_size=8)
 
 
-def make_private(model, with_epsilon=False):
+def make_private(model, with_epsilon=False, wrap_model=True):
     engine = PrivacyEngine()
     common = dict(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader(), max_grad_norm=1.0,
-                  loss_reduction="sum")
+                  loss_reduction="sum", wrap_model=wrap_model)
     if with_epsilon:
         return engine.make_private_with_epsilon(**common, target_epsilon=3.0, target_delta=1e-3, epochs=1)
     return engine.make_private(**common, noise_multiplier=1.0)
 
 
 @pytest.mark.parametrize("with_epsilon", [False, True])
-def test_a_compiled_model_is_refused_with_the_fix(with_epsilon):
+def test_a_compiled_model_to_wrap_is_refused_with_the_fixes(with_epsilon):
     compiled = torch.compile(nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2)))
-    with pytest.raises(ValueError, match=r"the model is compiled with torch.compile: a private forward runs eagerly.*_orig_mod"):
+    with pytest.raises(ValueError, match=r"^the model is compiled with torch.compile, and make_private would wrap it "
+                                         r"\(wrap_model=True\)\. Pass wrap_model=False.*_orig_mod"):
         make_private(compiled, with_epsilon)
-    model, optimizer, dp_loader = make_private(compiled._orig_mod, with_epsilon)  # the fix it names
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in compiled.modules())  # nothing attached
+    wrapper, optimizer, dp_loader = make_private(compiled._orig_mod, with_epsilon)  # the fixes it names: the model
+    take_a_step(wrapper, optimizer, dp_loader)
+    optimizer.detach()
+    wrapper.hooks.cleanup()
+    _, optimizer, dp_loader = make_private(compiled, with_epsilon, wrap_model=False)  # or the compiled model, unwrapped
+    take_a_step(compiled, optimizer, dp_loader)
+
+
+def take_a_step(call, optimizer, dp_loader):
     x, y = next(iter(dp_loader))
-    nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    nn.functional.cross_entropy(call(x), y, reduction="sum").backward()
     optimizer.step()
+    assert all(not torch.equal(a, p) for a, p in zip(before, (p for g in optimizer.param_groups for p in g["params"])))
 
 
 def test_a_compiled_submodule_is_named():
