@@ -16,6 +16,7 @@ import transformers
 from dptorch.clipping.factors import clip_factors
 from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.errors import PerSampleGradientError
+from tests.engine.test_compile_after_wrap import Mixing
 
 
 def capture(step, *inputs):
@@ -74,19 +75,9 @@ def test_a_captured_bk_step_replays_the_eager_clipped_sums_and_reads_the_paramet
         hooks.cleanup()
 
 
-class BatchMean(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 2)
-
-    def forward(self, x):
-        h = self.a(x).tanh()
-        return self.b(h - h.mean(0))
-
-
 @pytest.mark.parametrize("mode", ["bk", "hooks"])
 def test_a_step_whose_samples_meet_is_refused_at_the_capture(mode):
-    model = BatchMean()
+    model = Mixing()  # a mean over the batch between two layers
     hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
     try:
         with pytest.raises(PerSampleGradientError, match="mixes or merges its samples"):
