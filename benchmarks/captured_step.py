@@ -13,9 +13,10 @@ the noise is the library's draw and the SGD update one ``torch._foreach_add_``, 
 (forward, backward, SGD step). One thread; medians of ``--steps`` steps after three warm-up steps.
 
 A prototype, not the library's path: no DP loader (the tracker takes dim 0 of the inputs as the
-batch), one static shape per graph, and the embeddings frozen (their per-sample row norms group
-token ids by value, ``int(ids.max())``, which a fake-tensor trace cannot do). docs/architecture.md
-("The compiled private step") says what the library still needs before it can offer this.
+batch), one static shape per graph, and position ids given per row (GPT-2's own ``(1, T)`` positions
+meet the batch as a shared tensor, whose per-sample gradients are checked against their total by
+value, which a fake-tensor trace cannot do). docs/architecture.md ("capture the whole step") says
+what the library still needs before it can offer this.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ try:
 except ImportError:  # run as a script: benchmarks/ is on the path
     from models import build
 
-SHAPES = {  # name: (layers, width, vocab), GPT-2 untied
+SHAPES = {  # name: (layers, width, vocab), GPT-2 with its head tied to the token embedding
     "dispatch-gpt2": (12, 64, 5000),
     "narrow-gpt2": (4, 256, 5000),
 }
@@ -77,19 +78,17 @@ def main() -> None:
     torch.set_num_threads(1)
     layers, width, vocab = SHAPES[args.shape]
     torch.manual_seed(0)
-    model = build("gpt2", layers, width, vocab, False).train()
-    for name, p in model.named_parameters():
-        if ".wte." in name or ".wpe." in name:
-            p.requires_grad_(False)
+    model = build("gpt2", layers, width, vocab, True).train()
     params = [p for p in model.parameters() if p.requires_grad]
     ids = torch.randint(0, vocab, (args.batch, args.seq))
+    positions = torch.arange(args.seq).expand(args.batch, args.seq).contiguous()  # per row (see the docstring)
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     lr, clip, sigma = 1e-3, 1.0, 1.0
     result = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "threads": 1}
 
     def plain_step(call, optimizer):
         optimizer.zero_grad(set_to_none=True)
-        criterion(call(input_ids=ids).logits.transpose(1, 2), ids).backward()
+        criterion(call(input_ids=ids, position_ids=positions).logits.transpose(1, 2), ids).backward()
         optimizer.step()
 
     sgd = torch.optim.SGD(params, lr=lr)
@@ -106,7 +105,7 @@ def main() -> None:
 
     def clipped_sums(batch_ids):
         """Forward, backward, per-sample norms, clip factors and clipped sums: what the trace captures."""
-        criterion(model(input_ids=batch_ids).logits.transpose(1, 2), batch_ids).backward()
+        criterion(model(input_ids=batch_ids, position_ids=positions).logits.transpose(1, 2), batch_ids).backward()
         norms = hooks.per_sample_norms()
         factors = clip_factors(torch.stack([norms[p].double() for p in params]).pow(2).sum(0).sqrt(), clip)
         sums = hooks.clipped_sums({p: factors.float() for p in params})

@@ -251,7 +251,7 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     ids = activations[0].reshape(batch, math.prod(activations[0].shape[1:]))
     values = at_least_float32(scaled_backprops.reshape(ids.numel(), scaled_backprops.shape[-1]))
     if ids.shape[1] > 1:  # each sample's tokens of a row summed on their own first (``linear_forms.token_sums``)
-        rows = SampleRows(ids)
+        rows = SampleRows(ids, weight.shape[0])
         ids, values = rows.row, rows.sum(values)
     summed = values.new_zeros(param_shape(weight)).index_add_(0, ids.reshape(-1), values)
     if module.padding_idx is not None:
@@ -260,15 +260,22 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
 
 
 class SampleRows:
-    """The (sample, row) pairs of ``(B, T)`` ids: ``row`` and ``sample`` of each pair, and ``sum``, which adds
-    each token's values ``(B T, *F)`` into its pair (a pair's tokens only: one sample's)."""
+    """The (sample, row) pairs of ``(B, T)`` ids (``rows``: the table's rows, above every id), in ``B min(T, rows)``
+    slots (as many as pairs can be): ``row`` and ``sample`` of each slot, and ``sum``, which adds each token's values
+    ``(B T, *F)`` into its pair's slot (a pair's tokens only: one sample's). Slots past the last pair hold no token
+    (row 0 of sample 0, adding exactly 0), so no shape depends on the ids' values: a trace of the step can hold it
+    (``benchmarks/captured_step.py``)."""
 
-    def __init__(self, ids: torch.Tensor) -> None:
+    def __init__(self, ids: torch.Tensor, rows: int) -> None:
         batch, tokens = ids.shape
-        width = int(ids.max()) + 1 if ids.numel() else 1
-        sample = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
-        pairs, self._pair_of_token = torch.unique(sample * width + ids.reshape(-1), return_inverse=True)
-        self.row, self.sample = pairs % width, torch.div(pairs, width, rounding_mode="floor")
+        keys = (torch.arange(batch, device=ids.device).unsqueeze(1) * rows + ids).reshape(-1)
+        ordered, order = keys.sort()
+        first = torch.ones_like(ordered, dtype=torch.bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        slot = first.cumsum(0) - 1
+        self._pair_of_token = torch.empty_like(slot).scatter_(0, order, slot)
+        pairs = keys.new_zeros(batch * min(tokens, rows)).scatter_(0, slot, ordered)  # a pair's tokens write one key
+        self.row, self.sample = pairs % rows, torch.div(pairs, rows, rounding_mode="floor")
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(len(self.row), *values.shape[1:]).index_add_(0, self._pair_of_token, values)
@@ -278,11 +285,13 @@ def _not_scaled_by_frequency(module: nn.Module) -> bool:
     return not module.scale_grad_by_freq
 
 
-def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, padding_idx: Optional[int],
+                               rows: int) -> torch.Tensor:
     """Certified per-sample squared norms from the rows each sample touches: ``sum_v ||sum_{t: x_t = v} b_t||^2``.
 
-    Only the (sample, row) pairs that occur are formed, so the cost is about ``B T d`` whatever
-    the vocabulary size, against ``B V d`` for the instantiated gradient. A row's output gradients
+    Only the (sample, row) pairs that occur are formed (``SampleRows``, in ``B min(T, rows)`` slots; ``rows``: the
+    table's rows), so the cost is about ``B T d`` whatever the vocabulary size, against ``B V d`` for the instantiated
+    gradient. A row's output gradients
     can cancel over its repeated ids: the rows are summed in float64 and the result is certified
     (``certified``) with the magnitude ``sqrt(sum_v (sum_{t: x_t = v} ||b_t||)^2)``, for a clipped
     sum that adds each row's scaled output gradients (``_embedding_clipped_sum``).
@@ -294,11 +303,11 @@ def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, p
     b = backprops.reshape(batch * tokens, width).to(wide)
     if padding_idx is not None:
         b = b * (ids.reshape(-1) != padding_idx).unsqueeze(1)
-    rows = SampleRows(ids)
-    summed = rows.sum(b)
-    row_magnitude = rows.sum(torch.linalg.vector_norm(b, dim=1))
-    computed = b.new_zeros(batch).index_add_(0, rows.sample, summed.pow(2).sum(1))
-    magnitude = b.new_zeros(batch).index_add_(0, rows.sample, row_magnitude.square()).sqrt()
+    pairs = SampleRows(ids, rows)
+    summed = pairs.sum(b)
+    row_magnitude = pairs.sum(torch.linalg.vector_norm(b, dim=1))
+    computed = b.new_zeros(batch).index_add_(0, pairs.sample, summed.pow(2).sum(1))
+    magnitude = b.new_zeros(batch).index_add_(0, pairs.sample, row_magnitude.square()).sqrt()
     return certified_norms_sq(
         computed, magnitude * (1 + gamma(2 * tokens + width + 4, wide)),  # its sums of non-negative terms
         norm_terms=2 * tokens + width + 2, norm_dtype=wide,
@@ -315,4 +324,4 @@ def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: t
     weight = module.weight
     if not weight.requires_grad:
         return {}
-    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx)}
+    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx, weight.shape[0])}

@@ -18,7 +18,7 @@ def compute_embedding_norm_sample(
     output gradients ``backprops`` ``(B, ..., dim)`` (batch first); ``padding_idx`` rows get no gradient."""
     if not layer.weight.requires_grad:
         return {}
-    norms_sq = embedding_norms_sq_by_rows(activations[0], backprops, layer.padding_idx)
+    norms_sq = embedding_norms_sq_by_rows(activations[0], backprops, layer.padding_idx, layer.weight.shape[0])
     return {layer.weight: norms_sq.sqrt().to(backprops.dtype)}
 
 

@@ -1,0 +1,37 @@
+"""``embedding.SampleRows``: each (sample, row) pair of a batch of ids gets one slot, the tokens of the pair (one
+sample's) are summed into it, and the slots' number is fixed by the shapes alone (``B min(T, rows)``), so that a
+trace of the step holds it; empty slots add exactly 0."""
+
+import pytest
+import torch
+
+from dptorch.grad_sample.layers.embedding import SampleRows
+
+
+@pytest.mark.parametrize("rows", [3, 50])
+def test_each_pair_sums_its_own_tokens_in_slots_of_a_fixed_number(rows):
+    generator = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, rows, (4, 6), generator=generator)
+    ids[1] = ids[1, 0]  # one sample's tokens all on one row
+    values = torch.randn(ids.numel(), 5, generator=generator, dtype=torch.float64)
+    pairs = SampleRows(ids, rows)
+    assert pairs.row.shape == pairs.sample.shape == (4 * min(6, rows),)
+    summed = pairs.sum(values)
+    want = {}
+    for index, (sample, row) in enumerate((s, int(r)) for s in range(4) for r in ids[s]):
+        want[sample, row] = want.get((sample, row), 0) + values[index]
+    found = {}
+    for slot in range(len(pairs.row)):
+        key = (int(pairs.sample[slot]), int(pairs.row[slot]))
+        if key in want and key not in found:
+            found[key] = summed[slot]
+        else:  # an empty slot past the pairs
+            assert torch.equal(summed[slot], torch.zeros(5, dtype=torch.float64))
+    assert found.keys() == want.keys()
+    for key, total in want.items():
+        torch.testing.assert_close(found[key], total, rtol=0, atol=1e-12)
+
+
+def test_an_empty_batch_has_no_slot():
+    pairs = SampleRows(torch.zeros(0, 4, dtype=torch.long), 10)
+    assert pairs.row.numel() == 0 and pairs.sum(torch.zeros(0, 3)).shape == (0, 3)
