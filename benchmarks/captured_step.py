@@ -1,6 +1,7 @@
 """A private step captured whole: the measured route to a compiled private step (issue "The compiled private step").
 
     python benchmarks/captured_step.py [--shape dispatch-gpt2] [--batch 1] [--seq 4] [--steps 20]
+    python benchmarks/captured_step.py --device cuda --dtype bfloat16 --shape gpt2-small --batch 16 --seq 1024
 
 The bk step (forward, loss, backward with the controller's capture, certified per-sample norms, clip
 factors, clipped sums) is traced once by ``make_fx`` in fake-tensor mode *while the
@@ -10,7 +11,8 @@ the parameters by reference; it is compiled with ``torch.compile`` (no tracker o
 Dynamo's fault under a function mode cannot arise) and replayed on later batches of the same shape;
 the noise is the library's draw and the SGD update one ``torch._foreach_add_``, outside the graph. Timed against the library's eager bk step
 (``GradSampleHooks`` + ``DPOptimizer``), the eager plain step and ``torch.compile`` of the plain model
-(forward, backward, SGD step). One thread; medians of ``--steps`` steps after three warm-up steps.
+(forward, backward, SGD step). On the CPU one thread; on CUDA every timing synchronizes the device.
+Medians of ``--steps`` steps after three warm-up steps.
 
 A prototype, not the library's path: no DP loader (the tracker takes dim 0 of the inputs as the
 batch), one static shape per graph, and position ids given per row (GPT-2's own ``(1, T)`` positions
@@ -39,24 +41,39 @@ except ImportError:  # run as a script: benchmarks/ is on the path
 SHAPES = {  # name: (layers, width, vocab), GPT-2 with its head tied to the token embedding
     "dispatch-gpt2": (12, 64, 5000),
     "narrow-gpt2": (4, 256, 5000),
+    "gpt2-small": (12, 768, 50257),  # for --device cuda
 }
 
 
-def median_ms(run, steps: int) -> float:
+def median_ms(run, steps: int, sync) -> float:
     for _ in range(3):
         run()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed(run, sync) for _ in range(steps)) * 1e3
 
 
-def timed(run) -> float:
+def timed(run, sync) -> float:
+    sync()
     start = time.perf_counter()
     run()
+    sync()
     return time.perf_counter() - start
+
+
+class Peak:
+    """On CUDA, the most memory allocated from its making to ``read`` (``<name>_peak_mib``); nothing on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+
+        self.cuda = cuda
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def read(self, result: dict, name: str) -> None:
+        import torch
+
+        if self.cuda:
+            result[f"{name}_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
 
 
 def main() -> None:
@@ -73,18 +90,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    torch.set_num_threads(1)
+    cuda = torch.device(args.device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if not cuda:
+        torch.set_num_threads(1)
     layers, width, vocab = SHAPES[args.shape]
     torch.manual_seed(0)
-    model = build("gpt2", layers, width, vocab, True).train()
+    model = build("gpt2", layers, width, vocab, True).to(device=args.device, dtype=getattr(torch, args.dtype)).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    ids = torch.randint(0, vocab, (args.batch, args.seq))
-    positions = torch.arange(args.seq).expand(args.batch, args.seq).contiguous()  # per row (see the docstring)
+    ids = torch.randint(0, vocab, (args.batch, args.seq), device=args.device)
+    positions = torch.arange(args.seq, device=args.device).expand(args.batch, args.seq).contiguous()  # per row (docstring)
     criterion = torch.nn.CrossEntropyLoss(reduction="sum")
     lr, clip, sigma = 1e-3, 1.0, 1.0
-    result = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "threads": 1}
+    result = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype,
+              "threads": None if cuda else 1}
 
     def plain_step(call, optimizer):
         optimizer.zero_grad(set_to_none=True)
@@ -92,15 +115,17 @@ def main() -> None:
         optimizer.step()
 
     sgd = torch.optim.SGD(params, lr=lr)
-    result["eager_plain_ms"] = median_ms(lambda: plain_step(model, sgd), args.steps)
+    result["eager_plain_ms"] = median_ms(lambda: plain_step(model, sgd), args.steps, sync)
     compiled_model = torch.compile(model)
-    result["compiled_plain_compile_s"] = timed(lambda: plain_step(compiled_model, sgd))
-    result["compiled_plain_ms"] = median_ms(lambda: plain_step(compiled_model, sgd), args.steps)
+    result["compiled_plain_compile_s"] = timed(lambda: plain_step(compiled_model, sgd), sync)
+    peak = Peak(cuda)
+    result["compiled_plain_ms"] = median_ms(lambda: plain_step(compiled_model, sgd), args.steps, sync)
+    peak.read(result, "compiled_plain")
 
     hooks = GradSampleHooks(model, grad_sample_mode="bk", loss_reduction="sum", keep_param_grads=False)
     private = DPOptimizer(torch.optim.SGD(params, lr=lr), hooks=hooks, noise_multiplier=sigma, max_grad_norm=clip,
                           expected_batch_size=args.batch, loss_reduction="sum")
-    result["eager_bk_ms"] = median_ms(lambda: plain_step(model, private), args.steps)
+    result["eager_bk_ms"] = median_ms(lambda: plain_step(model, private), args.steps, sync)
     private.detach()
 
     def clipped_sums(batch_ids):
@@ -126,13 +151,15 @@ def main() -> None:
             torch._foreach_add_(params, sums, alpha=-lr / args.batch)  # measured 8x slower than torch's)
 
     with torch.no_grad():
-        result["captured_sums_compile_s"] = timed(lambda: compiled_sums(ids))
+        result["captured_sums_compile_s"] = timed(lambda: compiled_sums(ids), sync)
         replayed = compiled_sums(ids)
         result["captured_vs_eager_max_diff"] = max(float((a - b).abs().max()) for a, b in zip(replayed, eager_sums))
         result["captured_vs_eager_max_entry"] = max(float(b.abs().max()) for b in eager_sums)
-        result["captured_sums_ms"] = median_ms(lambda: compiled_sums(ids), args.steps)
-    result["captured_bk_compile_s"] = timed(captured_step)
-    result["captured_bk_ms"] = median_ms(captured_step, args.steps)
+        result["captured_sums_ms"] = median_ms(lambda: compiled_sums(ids), args.steps, sync)
+    result["captured_bk_compile_s"] = timed(captured_step, sync)
+    peak = Peak(cuda)
+    result["captured_bk_ms"] = median_ms(captured_step, args.steps, sync)
+    peak.read(result, "captured_bk")
     hooks.cleanup()
     result["captured_bk_over_compiled_plain"] = result["captured_bk_ms"] / result["compiled_plain_ms"]
     result["eager_bk_over_captured_bk"] = result["eager_bk_ms"] / result["captured_bk_ms"]
