@@ -260,7 +260,8 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
 
 
 class SampleRows:
-    """The (sample, row) pairs of ``(B, T)`` ids (``rows``: the table's rows, above every id), in ``B min(T, rows)``
+    """The (sample, row) pairs of ``(B, T)`` ids (``rows``: the table's rows, above every id, since the layer's forward
+    refused any other: the keys ``sample rows + id`` of two samples never meet), in ``B min(T, rows)``
     slots (as many as pairs can be): ``row`` and ``sample`` of each slot, and ``sum``, which adds each token's values
     ``(B T, *F)`` into its pair's slot (a pair's tokens only: one sample's). Slots past the last pair hold no token
     (row 0 of sample 0, adding exactly 0), so no shape depends on the ids' values: a trace of the step can hold it
