@@ -35,3 +35,13 @@ def test_each_pair_sums_its_own_tokens_in_slots_of_a_fixed_number(rows):
 def test_an_empty_batch_has_no_slot():
     pairs = SampleRows(torch.zeros(0, 4, dtype=torch.long), 10)
     assert pairs.row.numel() == 0 and pairs.sum(torch.zeros(0, 3)).shape == (0, 3)
+
+
+def test_ids_beyond_the_rows_given_never_share_a_slot_across_samples():
+    """A table smaller than the ids (a shard's rows, say): each sample's ids are grouped on their own, so no slot
+    mixes two samples; more pairs than the slots raise rather than fold pairs together."""
+    ids = torch.tensor([[7, 0, 7, 1], [0, 7, 1, 7]])
+    pairs = SampleRows(ids, 3)  # ids up to 7; 3 pairs per sample fit the 2 * 3 slots
+    assert sorted(zip(pairs.sample.tolist(), pairs.row.tolist())) == [(0, 0), (0, 1), (0, 7), (1, 0), (1, 1), (1, 7)]
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        SampleRows(torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]]), 3)  # 8 pairs, 6 slots

@@ -251,7 +251,7 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
     ids = activations[0].reshape(batch, math.prod(activations[0].shape[1:]))
     values = at_least_float32(scaled_backprops.reshape(ids.numel(), scaled_backprops.shape[-1]))
     if ids.shape[1] > 1:  # each sample's tokens of a row summed on their own first (``linear_forms.token_sums``)
-        rows = SampleRows(ids, weight.shape[0])
+        rows = SampleRows(ids, param_shape(weight)[0])
         ids, values = rows.row, rows.sum(values)
     summed = values.new_zeros(param_shape(weight)).index_add_(0, ids.reshape(-1), values)
     if module.padding_idx is not None:
@@ -260,23 +260,25 @@ def _embedding_clipped_sum(module: nn.Module, activations: Tensors, scaled_backp
 
 
 class SampleRows:
-    """The (sample, row) pairs of ``(B, T)`` ids (``rows``: the table's rows, above every id, since the layer's forward
-    refused any other: the keys ``sample rows + id`` of two samples never meet), in ``B min(T, rows)``
-    slots (as many as pairs can be): ``row`` and ``sample`` of each slot, and ``sum``, which adds each token's values
-    ``(B T, *F)`` into its pair's slot (a pair's tokens only: one sample's). Slots past the last pair hold no token
-    (row 0 of sample 0, adding exactly 0), so no shape depends on the ids' values: a trace of the step can hold it
-    (``benchmarks/captured_step.py``)."""
+    """The (sample, row) pairs of ``(B, T)`` ids in ``B min(T, rows)`` slots (``rows``: the table's rows, as many
+    pairs as a sample can have): ``row`` and ``sample`` of each slot, and ``sum``, which adds each token's values
+    ``(B T, *F)`` into its pair's slot. Each sample's ids are sorted on their own and every sample's first token opens
+    a slot, so a slot holds one sample's tokens whatever the ids (too many pairs for ``rows`` raise). Slots past the
+    last pair hold no token (row 0 of sample 0, adding exactly 0), so no shape depends on the ids' values: a trace of
+    the step can hold it (``benchmarks/captured_step.py``)."""
 
     def __init__(self, ids: torch.Tensor, rows: int) -> None:
         batch, tokens = ids.shape
-        keys = (torch.arange(batch, device=ids.device).unsqueeze(1) * rows + ids).reshape(-1)
-        ordered, order = keys.sort()
+        ordered, order = ids.sort(dim=1)
         first = torch.ones_like(ordered, dtype=torch.bool)
-        first[1:] = ordered[1:] != ordered[:-1]
-        slot = first.cumsum(0) - 1
-        self._pair_of_token = torch.empty_like(slot).scatter_(0, order, slot)
-        pairs = keys.new_zeros(batch * min(tokens, rows)).scatter_(0, slot, ordered)  # a pair's tokens write one key
-        self.row, self.sample = pairs % rows, torch.div(pairs, rows, rounding_mode="floor")
+        first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        slot = first.reshape(-1).cumsum(0) - 1
+        token = (order + torch.arange(batch, device=ids.device).unsqueeze(1) * tokens).reshape(-1)
+        self._pair_of_token = torch.empty_like(slot).scatter_(0, token, slot)
+        slots = batch * min(tokens, rows)
+        samples = torch.arange(batch, device=ids.device).repeat_interleave(tokens)
+        self.row = ids.new_zeros(slots).scatter_(0, slot, ordered.reshape(-1))  # a pair's tokens write one row
+        self.sample = samples.new_zeros(slots).scatter_(0, slot, samples)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(len(self.row), *values.shape[1:]).index_add_(0, self._pair_of_token, values)
@@ -325,4 +327,4 @@ def embedding_norm_sampler(module: nn.Module, activations: Tensors, backprops: t
     weight = module.weight
     if not weight.requires_grad:
         return {}
-    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx, weight.shape[0])}
+    return {weight: embedding_norms_sq_by_rows(activations[0], backprops, module.padding_idx, param_shape(weight)[0])}

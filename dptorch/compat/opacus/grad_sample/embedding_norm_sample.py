@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dptorch.grad_sample.layers.embedding import embedding_norms_sq_by_rows
+from dptorch.grad_sample.layers.linear import param_shape
 
 
 def compute_embedding_norm_sample(
@@ -18,7 +19,7 @@ def compute_embedding_norm_sample(
     output gradients ``backprops`` ``(B, ..., dim)`` (batch first); ``padding_idx`` rows get no gradient."""
     if not layer.weight.requires_grad:
         return {}
-    norms_sq = embedding_norms_sq_by_rows(activations[0], backprops, layer.padding_idx, layer.weight.shape[0])
+    norms_sq = embedding_norms_sq_by_rows(activations[0], backprops, layer.padding_idx, param_shape(layer.weight)[0])
     return {layer.weight: norms_sq.sqrt().to(backprops.dtype)}
 
 
