@@ -40,10 +40,11 @@ def test_a_compiled_model_to_wrap_is_refused_with_the_fixes(with_epsilon):
 
 def take_a_step(call, optimizer, dp_loader):
     x, y = next(iter(dp_loader))
-    before = [p.detach().clone() for group in optimizer.param_groups for p in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [p.detach().clone() for p in params]
     nn.functional.cross_entropy(call(x), y, reduction="sum").backward()
     optimizer.step()
-    assert all(not torch.equal(a, p) for a, p in zip(before, (p for g in optimizer.param_groups for p in g["params"])))
+    assert all(not torch.equal(a, p) for a, p in zip(before, params))
 
 
 def test_a_compiled_submodule_is_named():

@@ -294,10 +294,9 @@ def embedding_norms_sq_by_rows(indices: torch.Tensor, backprops: torch.Tensor, p
 
     Only the (sample, row) pairs that occur are formed (``SampleRows``, in ``B min(T, rows)`` slots; ``rows``: the
     table's rows), so the cost is about ``B T d`` whatever the vocabulary size, against ``B V d`` for the instantiated
-    gradient. A row's output gradients
-    can cancel over its repeated ids: the rows are summed in float64 and the result is certified
-    (``certified``) with the magnitude ``sqrt(sum_v (sum_{t: x_t = v} ||b_t||)^2)``, for a clipped
-    sum that adds each row's scaled output gradients (``_embedding_clipped_sum``).
+    gradient. A row's output gradients can cancel over its repeated ids: the rows are summed in float64 and the
+    result is certified (``certified``) with the magnitude ``sqrt(sum_v (sum_{t: x_t = v} ||b_t||)^2)``, for a
+    clipped sum that adds each row's scaled output gradients (``_embedding_clipped_sum``).
     """
     batch = indices.shape[0]
     ids = indices.reshape(batch, math.prod(indices.shape[1:]))
