@@ -9,8 +9,9 @@ only: nothing of the data is kept alive.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, Iterator, List, Sequence
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -57,3 +58,18 @@ def let_go(number: int) -> None:
 def latest() -> List[torch.Tensor]:
     """The latest batch's tensors that are still alive."""
     return [t for t in (ref() for ref in _LATEST) if t is not None]
+
+
+@contextlib.contextmanager
+def standing_in(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside, ``tensors`` are the latest batch and the watchers follow them as a hand-out's: a captured step's
+    trace, whose fake tensors stand for the batch the loader handed out. The batch before is the latest again
+    after (its watchers are not restarted: the caller stops what followed the stand-ins)."""
+    saved = list(_LATEST)
+    _LATEST[:] = [weakref.ref(t) for t in tensors]
+    try:
+        for callback in _WATCHERS:
+            callback(list(tensors))
+        yield
+    finally:
+        _LATEST[:] = saved

@@ -371,11 +371,30 @@ class DPOptimizer(torch.optim.Optimizer):
         factors = unscale_factors(factors, scale)  # applied to the scaled rows: the clipped sum in true units
         self._observe_clipping(total, within, dropped, padding)
         whole = self.gradient_writer.keep(self, hooks, factors, dropped)  # FSDP2: its shards reduce-scattered now
-        for param, clipped in hooks.clipped_sums(whole, dropped).items():
+        self._keep_sums(hooks.clipped_sums(whole, dropped))
+
+    def _keep_sums(self, sums: Dict[nn.Parameter, torch.Tensor]) -> None:
+        """Add one backward round's clipped sums to those held for the next step."""
+        for param, clipped in sums.items():
             held = self._summed.get(param)
             self._summed[param] = clipped if held is None else held + clipped
         self._accumulated += 1
         self._rounds_since_call += 1
+
+    def keep_captured_round(self, rows: int, sums: Dict[nn.Parameter, torch.Tensor], total: torch.Tensor,
+                            within: Optional[torch.Tensor], dropped: torch.Tensor, padding: Optional[torch.Tensor],
+                            nonfinite: int, clipped: int) -> None:
+        """Keep a round a captured step (``dptorch.optim.captured_step``) clipped in its graph, as
+        ``_clip_and_accumulate`` keeps an eager one: the plan told of its ``rows``, ``nonfinite`` units dropped
+        (``dropped`` also holds the ``padding`` rows), ``clipped`` of the real units scaled down, the clipping
+        statistics observed, the sums held for the step."""
+        self.plan.on_backward(rows)
+        self._count_nonfinite(nonfinite)
+        if self.clipping in ("flat", "adaptive"):
+            real = rows - (0 if padding is None else int(padding.sum()))
+            self.last_clipped_fraction = clipped / real if real else 0.0
+        self._observe_clipping(total, within, dropped if nonfinite or padding is not None else None, padding)
+        self._keep_sums(sums)
 
     def unit_factors(self, norms: torch.Tensor) -> torch.Tensor:
         """The factor that scales a whole unit of gradient norm ``norms`` under flat, adaptive (the current bound)
@@ -394,8 +413,13 @@ class DPOptimizer(torch.optim.Optimizer):
         """
         dropped = nonfinite_units(total)
         count = int(dropped.sum()) if dropped.numel() else 0
+        self._count_nonfinite(count)
+        return dropped if count else None
+
+    def _count_nonfinite(self, count: int) -> None:
+        """``count`` units of this round were dropped for a non-finite gradient: counted, and warned of once."""
         if not count:
-            return None
+            return
         self._nonfinite_count += count
         if not self._warned_nonfinite:
             self._warned_nonfinite = True
@@ -407,8 +431,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 + (". Under fp16 loss scaling it is most likely an overflow of the scaled gradient: a lower "
                    "DPGradScaler init_scale keeps such units (docs/privacy.md, fp16 loss scaling)"
                    if self.loss_scaler is not None else "")
-            ), stacklevel=2)
-        return dropped
+            ), stacklevel=3)
 
     def _observe_clipping(self, total: torch.Tensor, within: Optional[torch.Tensor], dropped: Optional[torch.Tensor] = None,
                           padding: Optional[torch.Tensor] = None) -> None:

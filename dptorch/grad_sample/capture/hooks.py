@@ -24,7 +24,8 @@ options, and whether capture is on).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -283,6 +284,22 @@ class GradSampleHooks:
         listeners = self._rounds.listeners
         listeners.append(listener)
         return lambda: listeners.remove(listener) if listener in listeners else None
+
+    @contextlib.contextmanager
+    def listeners_aside(self) -> Iterator[None]:
+        """Backward rounds inside reach no listener: their results stay held for the caller to read (a captured
+        step's trace, ``dptorch.optim.captured_step``, forms the clipped sums itself)."""
+        listeners = self._rounds.listeners
+        held, listeners[:] = list(listeners), []
+        try:
+            yield
+        finally:
+            listeners[:] = held
+
+    @property
+    def privacy_units_set(self) -> bool:
+        """Whether ``set_privacy_units`` grouped rows, or named token units for the next forward."""
+        return self._rounds.unit_ids is not None or self._session.token_units is not None
 
     def set_privacy_units(self, unit_ids: Optional[torch.Tensor]) -> None:
         """Group batch rows, or tokens, into privacy units.

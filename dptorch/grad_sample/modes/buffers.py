@@ -30,6 +30,11 @@ def _references(block: torch.Tensor) -> tuple:
 _UNSHARED = _references(torch.empty(1)) if _CAN_COUNT else None  # a block only the pool holds
 
 
+def _tracing() -> bool:
+    """Whether a graph is being traced (``make_fx``: its proxy mode is active): no memory to lend."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
 class BufferPool:
     """Lends uninitialised tensors (``empty``) and takes the unshared ones back (``reclaim``)."""
 
@@ -40,7 +45,7 @@ class BufferPool:
     def empty(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor, in the smallest free block that holds it."""
         device = torch.device(device)
-        if device.type != "cpu" or _UNSHARED is None:
+        if device.type != "cpu" or _UNSHARED is None or _tracing():  # a captured step's trace: fake tensors
             return torch.empty(shape, dtype=dtype, device=device)
         numel = math.prod(shape)
         fits = [i for i, block in enumerate(self._free) if block.dtype == dtype and block.numel() >= numel]

@@ -26,6 +26,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tap import own_pass
+from dptorch.grad_sample.value_checks import require
 
 class OriginCall:
     """A captured layer call whose inputs carry no batch dimension.
@@ -130,20 +131,26 @@ def origin_grads(origin: OriginCall, total: Tensor, rows_ok: bool) -> Tuple[Tens
 
 
 def _check_total(origin: OriginCall, got: Tensor, total: Tensor) -> None:
-    if not total.is_floating_point() or not bool(torch.isfinite(total).all()):
+    """Refuse the origin's per-sample gradients unless they add up to ``total`` (within 1e-3 of its largest entry,
+    2e-2 below float32); a non-finite total is not checked. A value check (``value_checks``): read after the replay
+    in a captured step."""
+    if not total.is_floating_point() or not total.numel():
         return
-    scale = float(total.abs().max()) if total.numel() else 0.0
+    scale = total.abs().max().double()
     tol = (1e-3 if total.dtype in (torch.float32, torch.float64) else 2e-2) * scale + 1e-7
-    if not total.numel() or float((got.to(total.dtype) - total).abs().max()) <= tol:
-        return
+    within = (got.to(total.dtype) - total).abs().max().double() <= tol
+    require(~torch.isfinite(total).all() | within, lambda: _unseen_path_error(origin))
+
+
+def _unseen_path_error(origin: OriginCall) -> PerSampleGradientError:
     if origin.read:
-        raise PerSampleGradientError(
+        return PerSampleGradientError(
             f"{origin.name}: the parameter is read outside its module's call and fed, without a batch, to layers, "
             "and part of its gradient reached it by a path where the samples could not be told apart (it also met "
             "the batch directly, or through an operation the batch tracker does not follow). Call its module "
             "instead of reading its weight, or freeze it."
         )
-    raise PerSampleGradientError(
+    return PerSampleGradientError(
         f"{origin.name} is called on inputs that carry no batch dimension (its output is shared by the samples), "
         "and part of its output's gradient reached it by a path where the samples could not be told apart (the "
         "output, or a tensor derived from it, met the batch outside the model's forward, in reentrant activation "

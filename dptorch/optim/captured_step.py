@@ -1,0 +1,310 @@
+"""The captured private step: one batch shape's forward, backward and clipping traced once, then replayed.
+
+``step = capture_step(optimizer, loss_fn)`` returns a callable; ``loss = step(*batch)`` does what a
+forward, ``loss.backward()`` and the DP optimizer's clipping do in an eager step (the round's clipped
+sums are held for ``optimizer.step()``, which adds the noise, accounts the step and updates, as
+always). The first call for a batch shape traces that work with ``make_fx`` on fake tensors *while
+the controller's batch tracker follows it*: every torch call of the trace meets the same rules as in
+an eager step, so a step whose samples meet is refused before any graph exists. The graph (ATen
+operations; the parameters read by reference) is compiled with ``torch.compile`` (``compile=True``)
+and replayed for every later batch of that shape.
+
+What the trace proved holds for a replay only while the step runs what was traced. Each call
+compares, before the replay, what the trace saw and could have depended on (the guards): the
+batch's structure, shapes, dtypes and devices; every module's plain attributes (``training``, a
+dropout's ``p``, an ``eps``: numbers, strings, flags, and those of an attribute named ``config``),
+its hooks, its class's ``forward``, its parameters and buffers (the objects, shapes, dtypes and
+``requires_grad``); global module hooks; the controller's and the optimizer's settings; autocast.
+Anything else changed is a new trace, proven afresh. Checks that read values (an origin call's
+gradients against their total: ``grad_sample/value_checks.py``) are outputs of the graph, read after
+every replay before the round is kept.
+
+The batch must be a DP loader's latest batch as handed out (the tensors themselves, which the step
+moves to the parameters' device): only then are its rows known to be the draw's, in order (a padded
+draw's mask), with nothing mixed into them before the forward. Fixed-shape batches
+(``TruncatedPoissonDataLoader``, fixed-size selection) trace once; Poisson batches trace once per
+size seen.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dptorch.clipping.factors import automatic_factors, clip_factors, flat_norms, nonfinite_units
+from dptorch.data import drawn
+from dptorch.grad_sample import value_checks
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.grad_sample.tracking import watch as draw_watch
+from dptorch.optim.gradient_writer import WholeParameters
+from dptorch.optim.optimizer import DPOptimizer
+
+_PLAIN = (bool, int, float, str, type(None))
+_MODES = ("bk", "ghost", "hooks")
+#: Traced shapes beyond which the step warns (Poisson batch sizes: each one a trace and a compile).
+MANY_SHAPES = 8
+
+
+def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True) -> "CapturedStep":
+    """A captured private step of ``loss_fn(*batch)`` (the loss of a batch, by the controller's ``loss_reduction``)
+    for the DP ``optimizer`` (from ``make_private``); see the module's docstring."""
+    return CapturedStep(optimizer, loss_fn, compile=compile)
+
+
+class CapturedStep:
+    """Forward, backward and clipping of a batch as one traced (and compiled) graph per batch shape."""
+
+    def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True) -> None:
+        if not isinstance(optimizer, DPOptimizer):
+            raise TypeError(f"capture_step needs the DP optimizer make_private returned, got {type(optimizer).__name__}")
+        _check_supported(optimizer)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.compile = compile
+        self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]] = {}
+        #: How many times a step was traced (each one a proof, and with ``compile`` a compilation).
+        self.traces = 0
+
+    def __call__(self, *batch: Any) -> torch.Tensor:
+        optimizer = self.optimizer
+        hooks = optimizer.hooks
+        _check_supported(optimizer)
+        leaves, spec = tree_flatten(batch)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        rows = _check_batch(tensors, optimizer.plan.draws is not None)
+        if not hooks.hooks_enabled or hooks.privacy_units_set or optimizer._phantom:
+            raise PerSampleGradientError(
+                "captured step: capture is paused (disable_hooks()), privacy units are set (set_privacy_units) or the "
+                "optimizer is in phantom(); a captured step clips every row as its own unit with capture on: use the "
+                "eager step for these"
+            )
+        padding = optimizer.plan.padding_mask(rows, False, True)  # the latest draw's, whole and in order (checked)
+        if rows == 0:  # an empty Poisson draw: no forward; the step adds the noise alone
+            optimizer.plan.on_backward(0)
+            return torch.zeros(())
+        device = optimizer.params[0].device
+        tensors = [t.to(device, non_blocking=True) for t in tensors]
+        masked = padding is not None
+        mask = (padding if masked else torch.zeros(rows, dtype=torch.bool)).to(device)
+        bound = torch.tensor(float(optimizer.max_grad_norm) if optimizer.clipping != "automatic" else 0.0,
+                             dtype=torch.float64, device=device)
+        outputs, params, errors = self._replay(leaves, spec, tensors, mask, bound, masked)
+        loss, total, within, dropped, counts, sums = outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5:]
+        read = counts.tolist()  # the one host read: the value checks, then the non-finite and clipped counts
+        value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
+        nonfinite, clipped = int(read[-2]), int(read[-1])
+        if nonfinite and not masked:  # the unmasked graph cannot zero a non-finite unit's rows: the masked one can
+            outputs, params, errors = self._replay(leaves, spec, tensors, mask, bound, True)
+            loss, total, within, dropped, counts, sums = outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5:]
+            read = counts.tolist()
+            value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
+            nonfinite, clipped = int(read[-2]), int(read[-1])
+        optimizer.keep_captured_round(rows, dict(zip(params, sums)), total,
+                                      within if optimizer.clipping != "automatic" else None, dropped, padding,
+                                      nonfinite, clipped)
+        return loss
+
+    def _replay(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
+                masked: bool) -> Tuple[Any, List[nn.Parameter], List[Callable[[], Exception]]]:
+        key = (_guards(self.optimizer, leaves, spec, tensors), masked)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._trace(leaves, spec, tensors, mask, bound, masked)
+            if len(self._graphs) == MANY_SHAPES + 1:
+                warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
+                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader)", stacklevel=3)
+        graph, params, errors = entry
+        with draw_watch.aside(), torch.no_grad():
+            return graph(*tensors, mask, bound), params, errors
+
+    def _trace(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
+               masked: bool) -> Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]:
+        optimizer, loss_fn = self.optimizer, self.loss_fn
+        hooks = optimizer.hooks
+        trainable = optimizer.params
+        found: List[nn.Parameter] = []
+        errors: List[Callable[[], Exception]] = []
+
+        def step(*inputs: torch.Tensor) -> List[torch.Tensor]:
+            *batch, padding, limit = inputs
+            stand_ins = iter(batch)
+            args = tree_unflatten([next(stand_ins) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
+            with value_checks.deferred() as checks:
+                with drawn.standing_in(batch):
+                    loss = loss_fn(*args)
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                        raise TypeError("capture_step: loss_fn(*batch) must return the batch's loss, a scalar tensor")
+                    loss.backward()
+                if hooks.uncaptured:
+                    raise PerSampleGradientError(
+                        f"captured step: the backward pass gave gradients to {', '.join(hooks.uncaptured)} but captured "
+                        "no per-sample gradients: the model ran in eval mode (call model.train() before training) or "
+                        "under a forward the hooks did not see")
+                held = set(trainable)
+                norms = {p: n for p, n in hooks.per_sample_norms().items() if p in held}
+                total = torch.where(padding, 0.0, flat_norms(norms))
+                nonfinite = nonfinite_units(total)
+                dropped = nonfinite | padding
+                if optimizer.clipping == "automatic":
+                    factor = automatic_factors(total, optimizer.plan.gamma)
+                else:
+                    factor = clip_factors(total, limit)
+                factor = torch.where(dropped, factor.new_zeros(()), factor)
+                within = total <= limit
+                sums = hooks.clipped_sums({p: factor for p in norms}, dropped if masked else None)
+                hooks.clear()
+            found.extend(norms)
+            errors.extend(error for _, error in checks)
+            counts = torch.stack([ok.double() for ok, _ in checks]
+                                 + [nonfinite.sum().double(), ((factor < 1) & ~dropped).sum().double()])
+            return [loss.detach(), total, within, dropped, counts] + [sums[p] for p in norms]
+
+        saved = _model_state(hooks.module, trainable)
+        self.traces += 1
+        try:
+            with hooks.listeners_aside():
+                graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*tensors, mask, bound)
+        except Exception as error:
+            hooks.clear()
+            _restore(saved)
+            raise _explained(error) from error
+        finally:
+            draw_watch.stop()  # it followed the stand-ins
+        changed = _restore(saved)
+        if changed:
+            raise PerSampleGradientError(
+                f"captured step: the traced step changed {', '.join(changed)} (put back): a graph replays a step's "
+                "operations, not the Python that stores tensors on the model, so a forward that keeps state on its "
+                "modules (a cache, a running statistic) cannot be captured; use the eager step")
+        return (torch.compile(graph) if self.compile else graph), found, errors
+
+
+def _check_supported(optimizer: DPOptimizer) -> None:
+    """Refuse the settings a captured round does not reproduce exactly, naming them."""
+    hooks = optimizer.hooks
+    reasons = []
+    if hooks.grad_sample_mode not in _MODES:
+        reasons.append(f"grad_sample_mode={hooks.grad_sample_mode!r} (captured: {', '.join(_MODES)})")
+    if not hooks.batch_first:
+        reasons.append("batch_first=False")
+    if optimizer.clipping == "per_layer":
+        reasons.append("clipping='per_layer'")
+    if optimizer._world_size > 1 or optimizer._tensor_parallel or not isinstance(optimizer.gradient_writer, WholeParameters):
+        reasons.append("several processes or sharded parameters")
+    if optimizer.loss_scaler is not None:
+        reasons.append("fp16 loss scaling")
+    if reasons:
+        raise PerSampleGradientError(f"capture_step does not support {'; '.join(reasons)}: use the eager step")
+
+
+def _check_batch(tensors: List[torch.Tensor], tracked: bool) -> int:
+    """The batch's rows; refused unless every tensor has them along dim 0 and, where a DP loader hands out
+    batches (or the plan tracks draws), is one of the latest batch's tensors as handed out."""
+    if not tensors or any(t.dim() == 0 for t in tensors) or len({t.shape[0] for t in tensors}) > 1:
+        raise PerSampleGradientError(
+            f"captured step: the batch's tensors must have its rows along dim 0 (got shapes "
+            f"{[tuple(t.shape) for t in tensors]})")
+    latest = {id(t) for t in drawn.latest()}
+    if (latest or tracked) and any(id(t) not in latest for t in tensors):
+        raise PerSampleGradientError(
+            "captured step: give it the DP data loader's latest batch as handed out (the tensors themselves; the step "
+            "moves them to the parameters' device): a tensor derived from the batch before the step (moved, sliced, "
+            "normalised over the batch) cannot be told apart from the batch by a graph, and a batch the loader did "
+            "not hand out last is not the draw the accountant records")
+    return int(tensors[0].shape[0])
+
+
+def _guards(optimizer: DPOptimizer, leaves: list, spec: Any, tensors: List[torch.Tensor]) -> tuple:
+    """What a trace may have depended on, besides tensor values: equal guards, same graph (module docstring)."""
+    hooks = optimizer.hooks
+    batch = (spec, tuple(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)),
+             tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
+    settings = (hooks.grad_sample_mode, hooks.loss_reduction, optimizer.clipping, optimizer.plan.gamma,
+                tuple(id(p) for p in optimizer.params), torch.is_autocast_enabled(), torch.get_default_dtype(),
+                _global_hooks())
+    return batch, settings, _model_signature(hooks.module)
+
+
+def _model_signature(model: nn.Module) -> tuple:
+    signature = []
+    configs = {}
+    for module in model.modules():
+        attributes = []
+        for name, value in module.__dict__.items():
+            if isinstance(value, _PLAIN):
+                attributes.append((name, value))
+            elif name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
+                attributes.append((name, tuple(value)))
+            elif name in ("_parameters", "_buffers"):
+                attributes.append((name, tuple((key, id(t), None if t is None else (t.shape, t.dtype, t.device,
+                                                                                     t.requires_grad))
+                                               for key, t in value.items())))
+            elif name == "config" and not isinstance(value, nn.Module):
+                configs[id(value)] = value
+            elif callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
+                attributes.append((name, id(value)))
+        signature.append((id(module), type(module).forward, tuple(attributes)))
+    for config in configs.values():
+        signature.append(tuple((k, v) for k, v in vars(config).items() if isinstance(v, _PLAIN)))
+    return tuple(signature)
+
+
+def _global_hooks() -> tuple:
+    from torch.nn.modules import module as torch_module  # noqa: PLC0415 - torch's private registries, read each call
+
+    names = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+             "_global_backward_hooks")
+    return tuple(tuple(getattr(torch_module, name, {})) for name in names)
+
+
+def _model_state(model: nn.Module, params: List[nn.Parameter]) -> List[Tuple[Any, str, Any]]:
+    """Every tensor a trace could leave behind on the model: the modules' tensor attributes and buffers, the
+    parameters' gradients."""
+    state: List[Tuple[Any, str, Any]] = []
+    for module in model.modules():
+        state.extend((module, name, value) for name, value in module.__dict__.items() if isinstance(value, torch.Tensor))
+        state.extend((module._buffers, name, value) for name, value in module._buffers.items())
+    state.extend((p, "grad", p.grad) for p in params)
+    return state
+
+
+def _restore(state: List[Tuple[Any, str, Any]]) -> List[str]:
+    """Put back what a trace changed; the names of what it had changed (a parameter's ``grad`` silently:
+    the trace's own, a fake tensor)."""
+    changed = []
+    for owner, name, value in state:
+        if isinstance(owner, dict):
+            if owner.get(name) is not value:
+                changed.append(f"buffer {name}")
+                owner[name] = value
+        elif name == "grad":
+            owner.grad = value
+        elif owner.__dict__.get(name) is not value:
+            changed.append(f"{type(owner).__name__}.{name}")
+            owner.__dict__[name] = value
+    return changed
+
+
+def _explained(error: Exception) -> Exception:
+    """A trace's failure, as the user's error: data-dependent Python named with where it happened."""
+    if isinstance(error, PerSampleGradientError) or not _data_dependent(error):
+        return error
+    where = re.search(r"Caused by: \(([^)]*)\)", str(error))
+    return PerSampleGradientError(
+        "captured step: the step reads a tensor's value into Python"
+        + (f" ({where.group(1)})" if where else "")
+        + ", which a graph traced on fake tensors cannot hold (its shape or branch would depend on the data); "
+        "train this model with the eager step (forward, backward, optimizer.step())")
+
+
+def _data_dependent(error: Exception) -> bool:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: PLC0415
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: PLC0415
+
+    return isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException))
