@@ -1,0 +1,312 @@
+"""capture_step: a captured private step gives the eager step's clipped sums bit for bit (padding rows, a tied
+GPT-2 with its own positions, a non-finite unit), accounts every draw as the eager step does, traces once per
+batch shape, traces again when something it could depend on changed, and refuses what it cannot prove: samples
+that meet (in the model or in the loss before it), a failed value check, a batch not handed out last,
+data-dependent Python, a forward that keeps state."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from dptorch import PrivacyEngine
+from dptorch.data import DPDataLoader, TruncatedPoissonDataLoader
+from dptorch.grad_sample.errors import PerSampleGradientError
+from dptorch.optim.captured_step import capture_step
+from tests.engine.test_compile_after_wrap import Mixing
+from tests.engine.test_static_shape_batches import B, Q, dataset, network, private
+
+
+def truncated(seed=3, steps=4):
+    return TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, seed=seed, steps=steps)
+
+
+def cross_entropy(model):
+    return lambda x, y: nn.functional.cross_entropy(model(x), y, reduction="sum")
+
+
+def run(loader, captured, model=None, loss_of=cross_entropy, **options):
+    """Train over ``loader`` (eager or captured), return each step's gradients, the step and the engine."""
+    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1, accountant="pld")
+    settings.update(options)
+    engine = PrivacyEngine(accountant=settings.pop("accountant"))
+    engine, model, optimizer, dp_loader = private(loader, engine, model, **settings)
+    loss_fn = loss_of(model)
+    step = capture_step(optimizer, loss_fn, compile=False) if captured else None
+    grads = []
+    for batch in dp_loader:
+        optimizer.zero_grad()
+        if captured:
+            step(*batch)
+        else:
+            loss_fn(*batch).backward()
+        optimizer.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads, step, engine, optimizer
+
+
+def assert_same(eager, captured):
+    assert len(eager) == len(captured)
+    for a, b in zip(eager, captured):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_padded_batches_give_the_eager_gradients_bit_for_bit_from_one_trace(mode, clipping):
+    eager, _, engine, _ = run(truncated(), False, grad_sample_mode=mode, clipping=clipping)
+    engine.detach()
+    captured, step, engine, _ = run(truncated(), True, grad_sample_mode=mode, clipping=clipping)
+    engine.detach()
+    assert_same(eager, captured)
+    assert step.traces == 1 and len(captured) == 4
+
+
+def tiny_gpt2():
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_positions=16, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)).train()
+
+
+def test_a_tied_gpt2_with_its_own_positions_gives_the_eager_gradients():
+    """GPT-2's ``(1, T)`` positions meet the batch as a shared tensor: its per-sample gradients are checked
+    against their total by value, an output of the graph here."""
+    ids = torch.randint(0, 40, (40, 6), generator=torch.Generator().manual_seed(0))
+
+    def lm_loss(model):
+        return lambda x: nn.functional.cross_entropy(model(input_ids=x).logits.transpose(1, 2), x, reduction="sum")
+
+    def loader():
+        return TruncatedPoissonDataLoader(TensorDataset(ids), sample_rate=0.1, max_batch_size=6, seed=1, steps=3)
+
+    eager, _, engine, _ = run(loader(), False, tiny_gpt2(), lm_loss)
+    engine.detach()
+    captured, step, engine, _ = run(loader(), True, tiny_gpt2(), lm_loss)
+    engine.detach()
+    assert_same(eager, captured)
+    assert step.traces == 1
+
+
+def test_poisson_batches_trace_once_per_size_and_are_accounted_as_the_eager_ones():
+    def loader():
+        return DPDataLoader(dataset(), sample_rate=0.15, seed=5, steps=8)
+
+    eager, _, eager_engine, _ = run(loader(), False, noise_multiplier=1.0, accountant="rdp")
+    captured, step, engine, _ = run(loader(), True, noise_multiplier=1.0, accountant="rdp")
+    assert len(captured) == len(eager) == 8
+    assert engine.get_epsilon(1e-5) == eager_engine.get_epsilon(1e-5) > 0
+    assert engine.accountant.history == eager_engine.accountant.history
+    draws = [len(y) for _, y in DPDataLoader(dataset(), sample_rate=0.15, seed=5, steps=8)]
+    assert step.traces == len({n for n in draws if n}) < len(draws)
+    eager_engine.detach()
+    engine.detach()
+
+
+def test_an_empty_draw_adds_the_noise_alone():
+    loader = DPDataLoader(dataset(), sample_rate=0.02, seed=next(
+        s for s in range(1000) if not len(next(iter(DPDataLoader(dataset(), sample_rate=0.02, seed=s, steps=1)))[1])),
+        steps=1)
+    engine, model, optimizer, dp_loader = private(loader, PrivacyEngine(), noise_multiplier=1.0)
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    x, y = next(iter(dp_loader))
+    assert len(y) == 0 and float(step(x, y)) == 0.0
+    optimizer.step()
+    assert step.traces == 0 and all(p.grad.abs().sum() > 0 for p in model.parameters())
+    assert len(engine.accountant) == 1
+    engine.detach()
+
+
+def test_a_non_finite_unit_is_dropped_as_in_the_eager_step():
+    x, y = dataset().tensors
+    x = x.clone()
+    x[3, 0] = float("inf")
+
+    def loader():
+        return DPDataLoader(TensorDataset(x, y), sample_rate=0.5, seed=next(
+            s for s in range(1000) if 3 in DPDataLoader(TensorDataset(x, y), sample_rate=0.5, seed=s,
+                                                       steps=1).batch_sampler.draw()[1]), steps=1)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager, _, engine, eager_optimizer = run(loader(), False, clipping_stats="raw")
+        engine.detach()
+        captured, step, engine, optimizer = run(loader(), True, clipping_stats="raw")
+        engine.detach()
+    assert_same(eager, captured)
+    assert optimizer.last_clipping_stats["nonfinite_units"] == eager_optimizer.last_clipping_stats["nonfinite_units"] == 1
+    assert step.traces == 2  # the unmasked graph found it, the masked one dropped it
+
+
+def test_a_step_whose_samples_meet_is_refused_before_any_graph():
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), Mixing())
+    step = capture_step(optimizer, lambda x, y: model(nn.functional.pad(x, (0, 1))).pow(2).sum(), compile=False)
+    with pytest.raises(PerSampleGradientError, match="mixes or merges its samples"):
+        step(*next(iter(dp_loader)))
+    assert step.traces == 1 and not optimizer._summed
+    engine.detach()
+
+
+def test_the_loss_mixing_the_batch_before_the_model_is_refused():
+    """What the loss function derives from the batch before the forward is followed as a loader's batch is."""
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, lambda x, y: nn.functional.cross_entropy(model(x - x.mean(0)), y, reduction="sum"),
+                        compile=False)
+    with pytest.raises(PerSampleGradientError, match="mixes or merges its samples"):
+        step(*next(iter(dp_loader)))
+    engine.detach()
+
+
+def test_a_failed_value_check_refuses_the_round_and_keeps_nothing():
+    class Regularised(nn.Module):
+        """A shared layer output reaching the loss without meeting the batch: no per-sample split of it."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(5, 5), nn.Linear(5, 2)
+
+        def forward(self, x):
+            table = self.emb(torch.arange(5))
+            return self.lin(x + table[0]), table
+
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), Regularised())
+
+    def loss_fn(x, y):
+        out, table = model(x)
+        return nn.functional.cross_entropy(out, y, reduction="sum") + table.pow(2).sum()
+
+    step = capture_step(optimizer, loss_fn, compile=False)
+    with pytest.raises(PerSampleGradientError, match="emb is called on inputs that carry no batch dimension"):
+        step(*next(iter(dp_loader)))
+    assert step.traces == 1 and optimizer.accumulated_iterations == 0 and not optimizer._summed
+    engine.detach()
+
+
+def test_a_batch_other_than_the_latest_as_handed_out_is_refused():
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    batches = iter(dp_loader)
+    x, y = next(batches)
+    for moved in ((x.clone(), y), (x * 1, y), (x, y.clone())):
+        with pytest.raises(PerSampleGradientError, match="latest batch as handed out"):
+            step(*moved)
+    next(batches)
+    with pytest.raises(PerSampleGradientError, match="latest batch as handed out"):
+        step(x, y)  # an earlier draw's
+    assert step.traces == 0
+    engine.detach()
+
+
+@pytest.mark.parametrize("change", ["hook", "attribute", "parameter"])
+def test_a_change_the_graph_could_depend_on_is_traced_again(change):
+    def changed(model):
+        if change == "hook":
+            model[0].register_forward_hook(lambda module, args, out: out * 2)
+        elif change == "attribute":
+            model[1].negative_slope = 0.5
+        else:
+            model[2].weight = nn.Parameter(model[2].weight.detach() * 3)
+
+    def network_changed_after_a_step():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 4), nn.LeakyReLU(0.01), nn.Linear(4, 2))
+
+    results = []
+    for captured in (False, True):
+        model = network_changed_after_a_step()
+        engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), model,
+                                                      noise_multiplier=0.0, max_grad_norm=0.1)
+        step = capture_step(optimizer, cross_entropy(model), compile=False)
+        grads = []
+        for i, (x, y) in enumerate(dp_loader):
+            if i == 2:
+                changed(model)
+                optimizer.original_optimizer.param_groups[0]["params"] = list(model.parameters())
+            optimizer.zero_grad()
+            step(x, y) if captured else cross_entropy(model)(x, y).backward()
+            optimizer.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        results.append(grads)
+        engine.detach()
+    assert_same(*results)
+    assert step.traces == 2
+
+
+def test_eval_mode_after_a_trace_is_refused():
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    batches = iter(dp_loader)
+    step(*next(batches))
+    optimizer.step()
+    model.eval()
+    with pytest.raises(PerSampleGradientError, match="eval mode"):
+        step(*next(batches))
+    engine.detach()
+
+
+def test_data_dependent_python_is_refused_naming_it():
+    class Branching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), Branching())
+    with pytest.raises(PerSampleGradientError, match="reads a tensor's value into Python"):
+        capture_step(optimizer, cross_entropy(model), compile=False)(*next(iter(dp_loader)))
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_a_forward_that_keeps_state_on_its_module_is_refused_and_put_back():
+    class Caching(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 2)
+            self.last = torch.zeros(())
+
+        def forward(self, x):
+            self.last = x.detach().sum()
+            return self.lin(x)
+
+    model = Caching()
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), model)
+    before = model.last
+    with pytest.raises(PerSampleGradientError, match=r"changed Caching\.last"):
+        capture_step(optimizer, cross_entropy(model), compile=False)(*next(iter(dp_loader)))
+    assert model.last is before
+    engine.detach()
+
+
+@pytest.mark.parametrize("options", [dict(grad_sample_mode="ew"), dict(clipping="per_layer", max_grad_norm=[0.1] * 4)])
+def test_settings_a_captured_round_does_not_reproduce_are_refused(options):
+    engine, model, optimizer, _ = private(truncated(), PrivacyEngine(accountant="pld"), **options)
+    with pytest.raises(PerSampleGradientError, match="capture_step does not support"):
+        capture_step(optimizer, cross_entropy(model))
+    engine.detach()
+
+
+def test_a_compiled_captured_step_trains_as_the_eager_one():
+    """torch.compile of the graph: the parameters read by reference after each in-place update."""
+    eager, _, engine, _ = run(truncated(steps=3), False)
+    engine.detach()
+    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1)
+    engine, model, optimizer, dp_loader = private(truncated(steps=3), PrivacyEngine(accountant="pld"), **settings)
+    step = capture_step(optimizer, cross_entropy(model))
+    compiled = []
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        step(x, y)
+        optimizer.step()
+        compiled.append([p.grad.clone() for p in model.parameters()])
+    engine.detach()
+    assert step.traces == 1 and len(compiled) == 3
+    for a, b in zip(eager, compiled):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
