@@ -11,13 +11,12 @@ and replayed for every later batch of that shape.
 
 What the trace proved holds for a replay only while the step runs what was traced. Each call
 compares, before the replay, what the trace saw and could have depended on (the guards): the
-batch's structure, shapes, dtypes and devices; every module's plain attributes (``training``, a
-dropout's ``p``, an ``eps``: numbers, strings, flags, and those of an attribute named ``config``),
-its hooks, its class's ``forward``, its parameters and buffers (the objects, shapes, dtypes and
-``requires_grad``); global module hooks; the controller's and the optimizer's settings; autocast.
-Anything else changed is a new trace, proven afresh. Checks that read values (an origin call's
-gradients against their total: ``grad_sample/value_checks.py``) are outputs of the graph, read after
-every replay before the round is kept.
+batch's structure, shapes, dtypes and devices, the controller's and the optimizer's settings,
+autocast, and the model's state (``step_guards.py``: every module's plain attributes such as
+``training``, its hooks, parameters, buffers and children, its class's ``forward``). Anything
+changed is a new trace, proven afresh. Checks that read values (an origin call's gradients against
+their total: ``grad_sample/value_checks.py``) are outputs of the graph, read after every replay
+before the round is kept.
 
 The batch must be a DP loader's latest batch as handed out (the tensors themselves, which the step
 moves to the parameters' device): only then are its rows known to be the draw's, in order (a padded
@@ -44,8 +43,8 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.grad_sample.tracking import watch as draw_watch
 from dptorch.optim.gradient_writer import WholeParameters
 from dptorch.optim.optimizer import DPOptimizer
+from dptorch.optim.step_guards import ModelGuard
 
-_PLAIN = (bool, int, float, str, type(None))
 _MODES = ("bk", "ghost", "hooks")
 #: Traced shapes beyond which the step warns (Poisson batch sizes: each one a trace and a compile).
 MANY_SHAPES = 8
@@ -67,7 +66,7 @@ class CapturedStep:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.compile = compile
-        self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]] = {}
+        self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]], ModelGuard]] = {}
         #: How many times a step was traced (each one a proof, and with ``compile`` a compilation).
         self.traces = 0
 
@@ -112,14 +111,15 @@ class CapturedStep:
 
     def _replay(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
                 masked: bool) -> Tuple[Any, List[nn.Parameter], List[Callable[[], Exception]]]:
-        key = (_guards(self.optimizer, leaves, spec, tensors), masked)
+        key = (_settings(self.optimizer, leaves, spec, tensors), masked)
         entry = self._graphs.get(key)
-        if entry is None:
-            entry = self._graphs[key] = self._trace(leaves, spec, tensors, mask, bound, masked)
+        if entry is None or not entry[3].holds():  # a new shape or setting, or the model changed: proven afresh
+            guard = ModelGuard(self.optimizer.hooks.module)
+            entry = self._graphs[key] = (*self._trace(leaves, spec, tensors, mask, bound, masked), guard)
             if len(self._graphs) == MANY_SHAPES + 1:
                 warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
                               "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader)", stacklevel=3)
-        graph, params, errors = entry
+        graph, params, errors, _ = entry
         with draw_watch.aside(), torch.no_grad():
             return graph(*tensors, mask, bound), params, errors
 
@@ -220,47 +220,14 @@ def _check_batch(tensors: List[torch.Tensor], tracked: bool) -> int:
     return int(tensors[0].shape[0])
 
 
-def _guards(optimizer: DPOptimizer, leaves: list, spec: Any, tensors: List[torch.Tensor]) -> tuple:
-    """What a trace may have depended on, besides tensor values: equal guards, same graph (module docstring)."""
+def _settings(optimizer: DPOptimizer, leaves: list, spec: Any, tensors: List[torch.Tensor]) -> tuple:
+    """What a trace depends on besides the model (``step_guards.ModelGuard``): the batch's structure, its
+    non-tensor entries, its tensors' shapes, dtypes and devices; the controller's and optimizer's settings."""
     hooks = optimizer.hooks
-    batch = (spec, tuple(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)),
-             tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors))
-    settings = (hooks.grad_sample_mode, hooks.loss_reduction, optimizer.clipping, optimizer.plan.gamma,
-                tuple(id(p) for p in optimizer.params), torch.is_autocast_enabled(), torch.get_default_dtype(),
-                _global_hooks())
-    return batch, settings, _model_signature(hooks.module)
-
-
-def _model_signature(model: nn.Module) -> tuple:
-    signature = []
-    configs = {}
-    for module in model.modules():
-        attributes = []
-        for name, value in module.__dict__.items():
-            if isinstance(value, _PLAIN):
-                attributes.append((name, value))
-            elif name.endswith("hooks") or name.endswith("hooks_with_kwargs") or name.endswith("always_called"):
-                attributes.append((name, tuple(value)))
-            elif name in ("_parameters", "_buffers"):
-                attributes.append((name, tuple((key, id(t), None if t is None else (t.shape, t.dtype, t.device,
-                                                                                     t.requires_grad))
-                                               for key, t in value.items())))
-            elif name == "config" and not isinstance(value, nn.Module):
-                configs[id(value)] = value
-            elif callable(value) and not isinstance(value, (nn.Module, torch.Tensor)):
-                attributes.append((name, id(value)))
-        signature.append((id(module), type(module).forward, tuple(attributes)))
-    for config in configs.values():
-        signature.append(tuple((k, v) for k, v in vars(config).items() if isinstance(v, _PLAIN)))
-    return tuple(signature)
-
-
-def _global_hooks() -> tuple:
-    from torch.nn.modules import module as torch_module  # noqa: PLC0415 - torch's private registries, read each call
-
-    names = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
-             "_global_backward_hooks")
-    return tuple(tuple(getattr(torch_module, name, {})) for name in names)
+    return (spec, tuple(leaf for leaf in leaves if not isinstance(leaf, torch.Tensor)),
+            tuple((t.shape, t.dtype, t.device, t.requires_grad) for t in tensors),
+            hooks.grad_sample_mode, hooks.loss_reduction, optimizer.clipping, optimizer.plan.gamma,
+            tuple(id(p) for p in optimizer.params), torch.is_autocast_enabled(), torch.get_default_dtype())
 
 
 def _model_state(model: nn.Module, params: List[nn.Parameter]) -> List[Tuple[Any, str, Any]]:

@@ -310,3 +310,23 @@ def test_a_compiled_captured_step_trains_as_the_eager_one():
     for a, b in zip(eager, compiled):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_a_new_clipping_bound_applies_from_the_next_step_without_a_new_trace():
+    def bounds_changed(captured):
+        engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"),
+                                                      noise_multiplier=0.0, max_grad_norm=0.1)
+        step = capture_step(optimizer, cross_entropy(model), compile=False)
+        grads = []
+        for i, (x, y) in enumerate(dp_loader):
+            optimizer.max_grad_norm = [0.1, 0.02, 5.0, 0.3][i]
+            optimizer.zero_grad()
+            step(x, y) if captured else cross_entropy(model)(x, y).backward()
+            optimizer.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        engine.detach()
+        return grads, step.traces
+
+    (eager, _), (captured, traces) = bounds_changed(False), bounds_changed(True)
+    assert_same(eager, captured)
+    assert traces == 1
