@@ -71,6 +71,10 @@ class CapturedStep:
         self.traces = 0
 
     def __call__(self, *batch: Any) -> torch.Tensor:
+        with draw_watch.aside():  # the library's own work: the draw's watch, if one runs, leaves the mode stack
+            return self._step(batch)
+
+    def _step(self, batch: tuple) -> torch.Tensor:
         optimizer = self.optimizer
         hooks = optimizer.hooks
         _check_supported(optimizer)
@@ -120,7 +124,7 @@ class CapturedStep:
                 warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
                               "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader)", stacklevel=3)
         graph, params, errors, _ = entry
-        with draw_watch.aside(), torch.no_grad():
+        with torch.no_grad():
             return graph(*tensors, mask, bound), params, errors
 
     def _trace(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,

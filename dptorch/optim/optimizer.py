@@ -678,7 +678,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and per-sample state; the accumulator survives a skipped step."""
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
+        with draw_watch.aside():  # the library's own work, not the loop's
+            self.original_optimizer.zero_grad(set_to_none=set_to_none)
         self.hooks.clear()
         if hasattr(self.hooks, "forget_paused_gradients"):
             self.hooks.forget_paused_gradients()
