@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PrivacyEngine": "dptorch.engine",
     "DPOptimizer": "dptorch.optim",
+    "capture_step": "dptorch.optim",
     "DPDataLoader": "dptorch.data",
     "BatchMemoryManager": "dptorch.data",
     "GradSampleHooks": "dptorch.grad_sample",

@@ -2,9 +2,11 @@
 
 from dptorch.clipping import CLIPPING_MODES, AdaptiveClipping, NonFiniteGradientWarning, clip_factors
 from dptorch.optim.adaclip import AdaClipDPOptimizer
+from dptorch.optim.captured_step import CapturedStep, capture_step
 from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 
 __all__ = [
-    "CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "DPGradScaler", "DPOptimizer", "NonFiniteGradientWarning", "clip_factors",
+    "CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "CapturedStep", "DPGradScaler", "DPOptimizer",
+    "NonFiniteGradientWarning", "capture_step", "clip_factors",
 ]

@@ -33,7 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dptorch.clipping.factors import automatic_factors, clip_factors, flat_norms, nonfinite_units
@@ -46,6 +48,8 @@ from dptorch.optim.optimizer import DPOptimizer
 from dptorch.optim.step_guards import ModelGuard
 
 _MODES = ("bk", "ghost", "hooks")
+#: How a trace on fake tensors fails where Python reads a tensor's value.
+_DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 #: Traced shapes beyond which the step warns (Poisson batch sizes: each one a trace and a compile).
 MANY_SHAPES = 8
 
@@ -264,7 +268,7 @@ def _restore(state: List[Tuple[Any, str, Any]]) -> List[str]:
 
 def _explained(error: Exception) -> Exception:
     """A trace's failure, as the user's error: data-dependent Python named with where it happened."""
-    if isinstance(error, PerSampleGradientError) or not _data_dependent(error):
+    if isinstance(error, PerSampleGradientError) or not isinstance(error, _DATA_DEPENDENT):
         return error
     where = re.search(r"Caused by: \(([^)]*)\)", str(error))
     return PerSampleGradientError(
@@ -272,10 +276,3 @@ def _explained(error: Exception) -> Exception:
         + (f" ({where.group(1)})" if where else "")
         + ", which a graph traced on fake tensors cannot hold (its shape or branch would depend on the data); "
         "train this model with the eager step (forward, backward, optimizer.step())")
-
-
-def _data_dependent(error: Exception) -> bool:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # noqa: PLC0415
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: PLC0415
-
-    return isinstance(error, (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException))

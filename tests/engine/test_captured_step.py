@@ -16,6 +16,7 @@ from dptorch import PrivacyEngine
 from dptorch.data import DPDataLoader, TruncatedPoissonDataLoader
 from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.optim.captured_step import capture_step
+from dptorch.plan import SamplingMismatchError
 from tests.engine.test_compile_after_wrap import Mixing
 from tests.engine.test_static_shape_batches import B, Q, dataset, network, private
 
@@ -330,3 +331,52 @@ def test_a_new_clipping_bound_applies_from_the_next_step_without_a_new_trace():
     (eager, _), (captured, traces) = bounds_changed(False), bounds_changed(True)
     assert_same(eager, captured)
     assert traces == 1
+
+
+def test_a_draw_stepped_twice_is_refused_at_the_optimizer_step():
+    """Two captured rounds on one draw would hold each sample twice: the plan's ledger counts the rows."""
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    x, y = next(iter(dp_loader))
+    step(x, y)
+    step(x, y)
+    with pytest.raises(SamplingMismatchError):
+        optimizer.step()
+    engine.detach()
+
+
+def test_a_gradient_by_a_path_the_controller_does_not_see_is_refused_at_the_trace():
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, lambda x, y: cross_entropy(model)(x, y) + model[0].weight.pow(2).sum(),
+                        compile=False)
+    with pytest.raises(PerSampleGradientError, match="0.weight"):
+        step(*next(iter(dp_loader)))
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_secure_mode_draws_and_noises_a_captured_run():
+    loader = TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, steps=2, secure_mode=True)
+    engine, model, optimizer, dp_loader = private(loader, PrivacyEngine(accountant="pld", secure_mode=True),
+                                                  noise_multiplier=1.0)
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        step(x, y)
+        optimizer.step()
+    assert type(optimizer.noise_generator).__name__ == "SecureNoiseGenerator" and len(engine.accountant) == 2
+    engine.detach()
+
+
+def test_an_operation_run_with_torch_functions_off_on_the_batch_is_refused_at_the_trace():
+    """The unseen-operation guard watches the trace's ATen operations as it watches an eager step's."""
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+
+    def loss_fn(x, y):
+        with torch._C.DisableTorchFunction():
+            mean = x.mean(0)
+        return cross_entropy(model)(x - mean, y)
+
+    with pytest.raises(PerSampleGradientError, match="torch functions switched off"):
+        capture_step(optimizer, loss_fn, compile=False)(*next(iter(dp_loader)))
+    engine.detach()
