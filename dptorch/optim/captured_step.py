@@ -22,7 +22,9 @@ The batch must be a DP loader's latest batch as handed out (the tensors themselv
 moves to the parameters' device): only then are its rows known to be the draw's, in order (a padded
 draw's mask), with nothing mixed into them before the forward. Fixed-shape batches
 (``TruncatedPoissonDataLoader``, fixed-size selection) trace once; Poisson batches trace once per
-size seen.
+size seen, or with ``pad_to_multiple_of=m`` once per multiple of ``m``: the step appends copies of the
+batch's first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed: exactly
+0 to the clipped sum, not counted), and the plan is told the draw's real rows.
 """
 
 from __future__ import annotations
@@ -54,22 +56,28 @@ _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, Dy
 MANY_SHAPES = 8
 
 
-def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True) -> "CapturedStep":
+def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True,
+                 pad_to_multiple_of: Optional[int] = None) -> "CapturedStep":
     """A captured private step of ``loss_fn(*batch)`` (the loss of a batch, by the controller's ``loss_reduction``)
     for the DP ``optimizer`` (from ``make_private``); see the module's docstring."""
-    return CapturedStep(optimizer, loss_fn, compile=compile)
+    return CapturedStep(optimizer, loss_fn, compile=compile, pad_to_multiple_of=pad_to_multiple_of)
 
 
 class CapturedStep:
     """Forward, backward and clipping of a batch as one traced (and compiled) graph per batch shape."""
 
-    def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True) -> None:
+    def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True,
+                 pad_to_multiple_of: Optional[int] = None) -> None:
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(f"capture_step needs the DP optimizer make_private returned, got {type(optimizer).__name__}")
+        if pad_to_multiple_of is not None and not (isinstance(pad_to_multiple_of, int) and pad_to_multiple_of > 0):
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
         _check_supported(optimizer)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.compile = compile
+        #: Poisson batches padded up to a multiple of this many rows (masked rows: exactly 0), fewer shapes to trace.
+        self.pad_to_multiple_of = pad_to_multiple_of
         self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]], ModelGuard]] = {}
         #: How many times a step was traced (each one a proof, and with ``compile`` a compilation).
         self.traces = 0
@@ -97,28 +105,27 @@ class CapturedStep:
             return torch.zeros(())
         device = optimizer.params[0].device
         tensors = [t.to(device, non_blocking=True) for t in tensors]
-        masked = padding is not None
-        mask = (padding if masked else torch.zeros(rows, dtype=torch.bool)).to(device)
+        if padding is None and self.pad_to_multiple_of:  # copies of the first row after the real ones, masked
+            padded = -(-rows // self.pad_to_multiple_of) * self.pad_to_multiple_of
+            if padded > rows:
+                tensors = [torch.cat([t, t[:1].expand(padded - rows, *t.shape[1:])]) for t in tensors]
+                padding = torch.arange(padded) >= rows
+        mask = (padding if padding is not None else torch.zeros(len(tensors[0]), dtype=torch.bool)).to(device)
         bound = torch.tensor(float(optimizer.max_grad_norm) if optimizer.clipping != "automatic" else 0.0,
                              dtype=torch.float64, device=device)
-        outputs, params, errors = self._replay(leaves, spec, tensors, mask, bound, masked)
-        loss, total, within, dropped, counts, sums = outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5:]
-        read = counts.tolist()  # the one host read: the value checks, then the non-finite and clipped counts
-        value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
-        nonfinite, clipped = int(read[-2]), int(read[-1])
-        if nonfinite and not masked:  # the unmasked graph cannot zero a non-finite unit's rows: the masked one can
-            outputs, params, errors = self._replay(leaves, spec, tensors, mask, bound, True)
-            loss, total, within, dropped, counts, sums = outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5:]
-            read = counts.tolist()
-            value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
-            nonfinite, clipped = int(read[-2]), int(read[-1])
-        optimizer.keep_captured_round(rows, dict(zip(params, sums)), total,
-                                      within if optimizer.clipping != "automatic" else None, dropped, padding,
-                                      nonfinite, clipped)
-        return loss
+        # padding rows are zeroed, as eagerly (so the sums are the eager ones, bit for bit); with pad_to_multiple_of
+        # every batch takes the masked graph, a full multiple too: one graph per multiple
+        masked = padding is not None or bool(self.pad_to_multiple_of)
+        round_ = self._replay(leaves, spec, tensors, mask, bound, masked=masked)
+        if round_.nonfinite and not masked:  # a unit whose gradient is not finite: only the masked graph zeroes its rows
+            round_ = self._replay(leaves, spec, tensors, mask, bound, masked=True)
+        optimizer.keep_captured_round(rows, round_.sums, round_.total,
+                                      round_.within if optimizer.clipping != "automatic" else None, round_.dropped,
+                                      padding, round_.nonfinite, round_.clipped)
+        return round_.loss
 
     def _replay(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
-                masked: bool) -> Tuple[Any, List[nn.Parameter], List[Callable[[], Exception]]]:
+                masked: bool) -> "CapturedRound":
         key = (_settings(self.optimizer, leaves, spec, tensors), masked)
         entry = self._graphs.get(key)
         if entry is None or not entry[3].holds():  # a new shape or setting, or the model changed: proven afresh
@@ -129,7 +136,7 @@ class CapturedStep:
                               "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader)", stacklevel=3)
         graph, params, errors, _ = entry
         with torch.no_grad():
-            return graph(*tensors, mask, bound), params, errors
+            return CapturedRound(graph(*tensors, mask, bound), params, errors)
 
     def _trace(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
                masked: bool) -> Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]:
@@ -191,6 +198,19 @@ class CapturedStep:
                 "operations, not the Python that stores tensors on the model, so a forward that keeps state on its "
                 "modules (a cache, a running statistic) cannot be captured; use the eager step")
         return (torch.compile(graph) if self.compile else graph), found, errors
+
+
+class CapturedRound:
+    """One replay's outputs, with its value checks read (one host read; a failed check raises here)."""
+
+    def __init__(self, outputs: List[torch.Tensor], params: List[nn.Parameter],
+                 errors: List[Callable[[], Exception]]) -> None:
+        self.loss, self.total, self.within, self.dropped, counts = outputs[:5]
+        self.sums = dict(zip(params, outputs[5:]))
+        read = counts.tolist()
+        value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
+        #: Real units dropped for a non-finite gradient; real units clipped.
+        self.nonfinite, self.clipped = int(read[-2]), int(read[-1])
 
 
 def _check_supported(optimizer: DPOptimizer) -> None:

@@ -385,13 +385,14 @@ class DPOptimizer(torch.optim.Optimizer):
                             within: Optional[torch.Tensor], dropped: torch.Tensor, padding: Optional[torch.Tensor],
                             nonfinite: int, clipped: int) -> None:
         """Keep a round a captured step (``dptorch.optim.captured_step``) clipped in its graph, as
-        ``_clip_and_accumulate`` keeps an eager one: the plan told of its ``rows``, ``nonfinite`` units dropped
-        (``dropped`` also holds the ``padding`` rows), ``clipped`` of the real units scaled down, the clipping
-        statistics observed, the sums held for the step."""
+        ``_clip_and_accumulate`` keeps an eager one: the plan told of the ``rows`` of the draw it ran on (a padded
+        draw's padding included, not the step's own), ``nonfinite`` units dropped (``dropped`` also holds the
+        ``padding`` rows), ``clipped`` of the real units scaled down, the clipping statistics observed, the sums
+        held for the step."""
         self.plan.on_backward(rows)
         self._count_nonfinite(nonfinite)
         if self.clipping in ("flat", "adaptive"):
-            real = rows - (0 if padding is None else int(padding.sum()))
+            real = total.numel() - (0 if padding is None else int(padding.sum()))
             self.last_clipped_fraction = clipped / real if real else 0.0
         self._observe_clipping(total, within, dropped if nonfinite or padding is not None else None, padding)
         self._keep_sums(sums)

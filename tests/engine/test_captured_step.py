@@ -380,3 +380,27 @@ def test_an_operation_run_with_torch_functions_off_on_the_batch_is_refused_at_th
     with pytest.raises(PerSampleGradientError, match="torch functions switched off"):
         capture_step(optimizer, loss_fn, compile=False)(*next(iter(dp_loader)))
     engine.detach()
+
+
+def test_poisson_batches_padded_to_a_multiple_trace_once_per_multiple_and_train_as_the_eager_ones():
+    def loader():
+        return DPDataLoader(dataset(), sample_rate=0.25, seed=2, steps=10)
+
+    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1)
+    engine, model, optimizer, dp_loader = private(loader(), PrivacyEngine(accountant="rdp"), **settings)
+    step = capture_step(optimizer, cross_entropy(model), compile=False, pad_to_multiple_of=4)
+    captured = []
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        step(x, y)
+        optimizer.step()
+        captured.append([p.grad.clone() for p in model.parameters()])
+    sizes = [len(y) for _, y in loader()]
+    assert step.traces == len({-(-n // 4) for n in sizes if n}) < len({n for n in sizes if n})
+    assert len(captured) == len(sizes) == 10  # and each step's ledger saw its draw's real rows (else step() raises)
+    engine.detach()
+    eager, _, engine, _ = run(loader(), False, accountant="rdp")
+    engine.detach()
+    for a, b in zip(eager, captured):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
