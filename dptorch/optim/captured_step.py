@@ -18,9 +18,10 @@ changed is a new trace, proven afresh. Checks that read values (an origin call's
 their total: ``grad_sample/value_checks.py``) are outputs of the graph, read after every replay
 before the round is kept.
 
-The batch must be a DP loader's latest batch as handed out (the tensors themselves, which the step
-moves to the parameters' device): only then are its rows known to be the draw's, in order (a padded
-draw's mask), with nothing mixed into them before the forward. Fixed-shape batches
+The batch must be a DP loader's latest batch as handed out: its tensors, or tensors holding exactly
+their values (copies moved to a device; the step moves the batch to the parameters' device itself).
+Only then are its rows known to be the draw's, in order (a padded draw's mask), with nothing mixed
+into them before the forward. Fixed-shape batches
 (``TruncatedPoissonDataLoader``, fixed-size selection) trace once; Poisson batches trace once per
 size seen, or with ``pad_to_multiple_of=m`` once per multiple of ``m``: the step appends copies of the
 batch's first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed: exactly
@@ -238,14 +239,22 @@ def _check_batch(tensors: List[torch.Tensor], tracked: bool) -> int:
         raise PerSampleGradientError(
             f"captured step: the batch's tensors must have its rows along dim 0 (got shapes "
             f"{[tuple(t.shape) for t in tensors]})")
-    latest = {id(t) for t in drawn.latest()}
-    if (latest or tracked) and any(id(t) not in latest for t in tensors):
+    latest = drawn.latest()
+    if (latest or tracked) and not all(_is_drawn(t, latest) for t in tensors):
         raise PerSampleGradientError(
-            "captured step: give it the DP data loader's latest batch as handed out (the tensors themselves; the step "
-            "moves them to the parameters' device): a tensor derived from the batch before the step (moved, sliced, "
-            "normalised over the batch) cannot be told apart from the batch by a graph, and a batch the loader did "
-            "not hand out last is not the draw the accountant records")
+            "captured step: give it the DP data loader's latest batch as handed out (its tensors, or copies of them "
+            "moved to a device): a tensor derived from the batch before the step (sliced, scaled, normalised over the "
+            "batch) cannot be told apart from the batch by a graph, and a batch the loader did not hand out last is "
+            "not the draw the accountant records")
     return int(tensors[0].shape[0])
+
+
+def _is_drawn(tensor: torch.Tensor, latest: List[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is one of the ``latest`` batch's tensors, or holds exactly its values in its order (a copy
+    moved to the device): then it is that data, however it was made."""
+    if any(tensor is t for t in latest):
+        return True
+    return any(t.shape == tensor.shape and t.dtype == tensor.dtype and torch.equal(tensor.to(t.device), t) for t in latest)
 
 
 def _settings(optimizer: DPOptimizer, leaves: list, spec: Any, tensors: List[torch.Tensor]) -> tuple:

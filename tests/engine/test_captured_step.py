@@ -192,13 +192,15 @@ def test_a_batch_other_than_the_latest_as_handed_out_is_refused():
     step = capture_step(optimizer, cross_entropy(model), compile=False)
     batches = iter(dp_loader)
     x, y = next(batches)
-    for moved in ((x.clone(), y), (x * 1, y), (x, y.clone())):
+    for changed in ((x * 2, y), (x[:3], y[:3]), (x.flip(0), y), (x - x.mean(0), y)):
         with pytest.raises(PerSampleGradientError, match="latest batch as handed out"):
-            step(*moved)
+            step(*changed)
+    step(x.clone(), y.to(torch.int64, copy=True))  # copies holding its values (moved to a device): the batch
+    optimizer.zero_grad()
     next(batches)
     with pytest.raises(PerSampleGradientError, match="latest batch as handed out"):
         step(x, y)  # an earlier draw's
-    assert step.traces == 0
+    assert step.traces == 1  # the copies' trace
     engine.detach()
 
 
@@ -404,3 +406,32 @@ def test_poisson_batches_padded_to_a_multiple_trace_once_per_multiple_and_train_
     for a, b in zip(eager, captured):
         for x, y in zip(a, b):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_a_200_step_run_of_fixed_shape_batches_traces_and_compiles_once():
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - Dynamo's own record of what it compiled
+
+    torch._dynamo.reset()
+    counters.clear()
+    loader = TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, seed=3, steps=200)
+    engine, model, optimizer, dp_loader = private(loader, PrivacyEngine(accountant="pld"), noise_multiplier=1.0)
+    step = capture_step(optimizer, cross_entropy(model))
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        step(x, y)
+        optimizer.step()
+    assert step.traces == 1 and counters["stats"]["unique_graphs"] == 1 and len(engine.accountant) == 200
+    engine.detach()
+
+
+def test_adaptive_clipping_moves_the_bound_as_in_the_eager_run():
+    """The noised count of unclipped units is drawn by optimizer.step(), from the captured round's norms."""
+    runs = []
+    for captured in (False, True):
+        grads, _, engine, optimizer = run(truncated(steps=4), captured, noise_multiplier=1.0, clipping="adaptive",
+                                          target_unclipped_quantile=0.5, unclipped_num_std=1.0)
+        runs.append((grads, float(optimizer.max_grad_norm), optimizer.last_unclipped_fraction))
+        engine.detach()
+    (eager, eager_bound, eager_fraction), (captured, bound, fraction) = runs
+    assert bound == eager_bound != 0.1 and fraction == eager_fraction
+    assert_same(eager, captured)
