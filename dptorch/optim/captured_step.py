@@ -296,12 +296,19 @@ def _restore(state: List[Tuple[Any, str, Any]]) -> List[str]:
 
 
 def _explained(error: Exception) -> Exception:
-    """A trace's failure, as the user's error: data-dependent Python named with where it happened."""
-    if isinstance(error, PerSampleGradientError) or not isinstance(error, _DATA_DEPENDENT):
+    """A trace's failure, as the user's error: data-dependent Python named with where it happened; an operation
+    that cannot run on fake tensors (torch's ``_grouped_mm`` on float32 CPU tensors, say) named too. The library's
+    own refusals, and errors of the loss function's arguments, pass as they are."""
+    if isinstance(error, (PerSampleGradientError, TypeError)):
         return error
-    where = re.search(r"Caused by: \(([^)]*)\)", str(error))
+    if isinstance(error, _DATA_DEPENDENT):
+        where = re.search(r"Caused by: \(([^)]*)\)", str(error))
+        return PerSampleGradientError(
+            "captured step: the step reads a tensor's value into Python"
+            + (f" ({where.group(1)})" if where else "")
+            + ", which a graph traced on fake tensors cannot hold (its shape or branch would depend on the data); "
+            "train this model with the eager step (forward, backward, optimizer.step())")
     return PerSampleGradientError(
-        "captured step: the step reads a tensor's value into Python"
-        + (f" ({where.group(1)})" if where else "")
-        + ", which a graph traced on fake tensors cannot hold (its shape or branch would depend on the data); "
-        "train this model with the eager step (forward, backward, optimizer.step())")
+        f"captured step: tracing the step on fake tensors failed ({type(error).__name__}: {error}); a captured step "
+        "needs every operation of the step to trace. Train this model with the eager step (forward, backward, "
+        "optimizer.step())")

@@ -435,3 +435,27 @@ def test_adaptive_clipping_moves_the_bound_as_in_the_eager_run():
     (eager, eager_bound, eager_fraction), (captured, bound, fraction) = runs
     assert bound == eager_bound != 0.1 and fraction == eager_fraction
     assert_same(eager, captured)
+
+
+def test_the_graph_replays_with_no_mode_on_torch_stacks(monkeypatch):
+    """Dynamo never runs under the tracker: the draw's watch and the unseen-operation guard step aside."""
+    from torch.overrides import _get_current_function_mode_stack  # noqa: PLC0415 - torch's mode stack, read here only
+
+    from dptorch.optim import captured_step  # noqa: PLC0415 - the round's constructor, patched below
+
+    stacks = []
+    made = captured_step.CapturedRound.__init__
+
+    def recorded(self, *args):
+        stacks.append((len(_get_current_function_mode_stack()), torch._C._len_torch_dispatch_stack()))
+        made(self, *args)
+
+    monkeypatch.setattr(captured_step.CapturedRound, "__init__", recorded)
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"))
+    step = capture_step(optimizer, cross_entropy(model), compile=False)
+    for x, y in dp_loader:
+        assert len(_get_current_function_mode_stack()) == 1  # the draw's watch, before the step
+        step(x, y)
+        optimizer.step()
+    assert stacks == [(0, 0)] * 4
+    engine.detach()

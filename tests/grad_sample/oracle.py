@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from dptorch import DPLoss
+from dptorch.clipping.factors import clip_factors
 from dptorch.data import drawn
 from dptorch.grad_sample import GradSampleHooks
+from dptorch.optim import DPOptimizer, capture_step
 from tests.helpers import call
 
 
@@ -67,3 +69,28 @@ def assert_exact(model, inputs, dims, loss_fn, mode, n, batch_first=True, draw=N
         model.zero_grad(set_to_none=True)
 
 
+
+
+def assert_captured_exact(model, inputs, loss_fn, mode, n, bound=0.05):
+    """A captured step (``capture_step``, the graph replayed uncompiled) on ``inputs``, handed out as a DP loader's
+    batch (every tensor batched along dim 0): its per-sample norms and clipped sums equal the oracle's."""
+    want = oracle(model, inputs, {key: 0 for key in inputs}, loss_fn, n)
+    names = {p: name for name, p in model.named_parameters()}
+    hooks = GradSampleHooks(model, grad_sample_mode=mode, loss_reduction="sum")
+    try:
+        optimizer = DPOptimizer(torch.optim.SGD(list(want), lr=0.1), hooks=hooks, noise_multiplier=0.0,
+                                max_grad_norm=bound, loss_reduction="sum", clipping_stats="raw")
+        drawn.hand_out(list(inputs.values()))
+        capture_step(optimizer, lambda batch: loss_fn(call(model, batch)).sum(), compile=False)(inputs)
+        norms = optimizer._raw_norms[0]
+        scale = max(float(g.abs().max()) for g in want.values())
+        close = dict(rtol=1e-4, atol=1e-5 * scale + 1e-7)
+        torch.testing.assert_close(norms, torch.stack([g.flatten(1).norm(dim=1) for g in want.values()]).norm(dim=0)
+                                   .double(), rtol=1e-4, atol=1e-7)
+        factor = clip_factors(norms, bound)
+        for p, g in want.items():
+            torch.testing.assert_close(optimizer._summed[p], torch.einsum("i,i...->...", factor, g), **close,
+                                       msg=lambda m: f"captured {mode} clipped sum {names[p]}: {m}")
+    finally:
+        hooks.cleanup()
+        model.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from dptorch.grad_sample.tracking.args import Tracker, arg, norm_dim, op_name, tensors_of
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, ROWS_ORDERED, WEAK, Lost
+from dptorch.grad_sample.tracking.traced_values import is_arange
 from dptorch.grad_sample.tracking.writes import derived
 
 
@@ -140,7 +141,7 @@ def _identity_index_dim(index: Any, n: int) -> Optional[int]:
     dims = [i for i, s in enumerate(index.shape) if s != 1]
     if len(dims) > 1 or (not dims and n != 1):
         return None
-    if not torch.equal(index.reshape(-1).to("cpu"), torch.arange(n)):
+    if not is_arange(index, n):
         return None
     return dims[0] if dims else 0
 
