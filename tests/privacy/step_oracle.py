@@ -30,6 +30,7 @@ from dptorch import PrivacyEngine
 from dptorch.data import DPDataLoader
 from dptorch.grad_sample.errors import PerSampleGradientError, UnsupportedModuleError
 from dptorch.grad_sample.tracking import unseen
+from dptorch.optim import capture_step
 
 REFUSED = (PerSampleGradientError, UnsupportedModuleError)
 EW_REFUSED = REFUSED + (RuntimeError,)  # torch's expanded weights refuse a direct weight read themselves
@@ -52,10 +53,12 @@ def refusals(mode: str) -> tuple:
 
 
 def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad_norm: float,
-                 compile_model: Optional[Callable[[nn.Module], Callable]] = None) -> Step:
+                 compile_model: Optional[Callable[[nn.Module], Callable]] = None, captured: bool = False) -> Step:
     """One step of a copy of ``model`` through ``make_private`` (noise 0, SGD lr 1) on ``batch``; with
     ``compile_model`` (model -> callable), ``make_private(..., wrap_model=False)`` and the loss given what
-    ``compile_model`` makes of the model (``torch.compile`` after attaching, as a user compiles)."""
+    ``compile_model`` makes of the model (``torch.compile`` after attaching, as a user compiles); with
+    ``captured``, ``wrap_model=False`` and the forward and backward a ``capture_step`` (its graph replayed
+    uncompiled)."""
     model = copy.deepcopy(model)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     loader = DPDataLoader(TensorDataset(*batch), sample_rate=1.0, steps=1)
@@ -66,12 +69,16 @@ def private_step(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max
             private, optimizer, loader = engine.make_private(
                 module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0), data_loader=loader,
                 noise_multiplier=0.0, max_grad_norm=max_grad_norm, loss_reduction="sum", grad_sample_mode=mode,
-                wrap_model=compile_model is None)
+                wrap_model=compile_model is None and not captured)
             if compile_model is not None:
                 private = compile_model(model)
+            step = capture_step(optimizer, lambda *b: loss_fn(model, *b), compile=False) if captured else None
             for drawn in loader:
                 assert all(torch.equal(d, b) for d, b in zip(drawn, batch)), "the loader must hand out the batch"
-                loss_fn(private, *drawn).backward()
+                if captured:
+                    step(*drawn)
+                else:
+                    loss_fn(private, *drawn).backward()
                 optimizer.step()
     except refusals(mode) as e:
         changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
@@ -141,17 +148,18 @@ def distance(a: dict, b: dict) -> float:
 
 
 def verdict(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad_norm: float, *,
-            replacement: Optional[tuple] = None, compile_model: Optional[Callable[[nn.Module], Callable]] = None) -> dict:
+            replacement: Optional[tuple] = None, compile_model: Optional[Callable[[nn.Module], Callable]] = None,
+            captured: bool = False) -> dict:
     """The verdict on one step: ``outcome`` (refused, exact, inexact, error), ``message`` (a
     refusal's), the moves over their bounds, and ``problems`` (empty: the oracle holds).
 
     The neighbours: ``batch`` without sample 0, and with sample 0 replaced by sample 0 of
-    ``replacement`` (when given). ``compile_model``: every private step calls the model compiled so
-    (``private_step``)."""
+    ``replacement`` (when given). ``compile_model``: every private step calls the model compiled so; ``captured``:
+    every private step is a captured one (``private_step``)."""
     plain = copy.deepcopy(model)
     loss_fn(plain, *batch).backward()  # the computation itself runs in plain torch
     result = {"mode": mode, "problems": []}
-    base = private_step(model, batch, loss_fn, mode, max_grad_norm, compile_model)
+    base = private_step(model, batch, loss_fn, mode, max_grad_norm, compile_model, captured)
     if base.refused is not None:
         return {**result, "outcome": "refused", "message": base.refused[:300]}
     if base.error is not None:
@@ -166,7 +174,7 @@ def verdict(model: nn.Module, batch: tuple, loss_fn: LossFn, mode: str, max_grad
     worst = 0.0
     for name, (data, want) in cases.items():
         if name not in runs:
-            runs[name] = private_step(model, data, loss_fn, mode, max_grad_norm, compile_model)
+            runs[name] = private_step(model, data, loss_fn, mode, max_grad_norm, compile_model, captured)
         step = runs[name]
         if step.error is not None:
             result["problems"].append(f"{name}: crashed: {step.error[:300]}")

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor
 from torch._C import DisableTorchFunction
+from torch._subclasses.fake_tensor import FakeTensor
 
 from dptorch.grad_sample.tracking.args import Tracker, any_tensor
 from dptorch.grad_sample.tracking.tags import DIM, KEEP, Lost
@@ -27,11 +28,13 @@ _DIRTY_REASON = ("memory that an in-place write (an operation the tracker could 
 
 
 def storage_key(t: Tensor) -> Optional[int]:
-    """The address of ``t``'s memory (None when it has none to alias: no storage, or no elements)."""
+    """The address of ``t``'s memory (None when it has none to alias: no storage, or no elements). A fake tensor
+    (a captured step's trace) has no address: its storage object stands for its memory (views share it)."""
     try:
         with DisableTorchFunction():  # the tracker's own look, not a read of the values
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()  # raises for storage freed under it (FSDP2's resharded parameters)
+            # data_ptr raises for storage freed under it (FSDP2's resharded parameters), and for a fake tensor's
+            ptr = storage._cdata if isinstance(t, FakeTensor) else storage.data_ptr()
             return ptr if ptr and storage.nbytes() else None
     except (RuntimeError, NotImplementedError, TypeError):
         return None
