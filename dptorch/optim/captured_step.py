@@ -21,11 +21,11 @@ before the round is kept.
 The batch must be a DP loader's latest batch as handed out: its tensors, or tensors holding exactly
 their values (copies moved to a device; the step moves the batch to the parameters' device itself).
 Only then are its rows known to be the draw's, in order (a padded draw's mask), with nothing mixed
-into them before the forward. Fixed-shape batches
-(``TruncatedPoissonDataLoader``, fixed-size selection) trace once; Poisson batches trace once per
-size seen, or with ``pad_to_multiple_of=m`` once per multiple of ``m``: the step appends copies of the
-batch's first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed: exactly
-0 to the clipped sum, not counted), and the plan is told the draw's real rows.
+into them before the forward. Fixed-shape batches (``TruncatedPoissonDataLoader``, fixed-size
+selection) trace once; Poisson batches trace once per size seen, or with ``pad_to_multiple_of=m``
+once per multiple of ``m``: the step appends copies of the batch's first row, which the graph masks
+as a padded loader's rows are (factor 0, rows zeroed: exactly 0 to the clipped sum, not counted), and
+the plan is told the draw's real rows.
 """
 
 from __future__ import annotations
@@ -134,7 +134,8 @@ class CapturedStep:
             entry = self._graphs[key] = (*self._trace(leaves, spec, tensors, mask, bound, masked), guard)
             if len(self._graphs) == MANY_SHAPES + 1:
                 warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
-                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader)", stacklevel=3)
+                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader), or pad_to_multiple_of=m",
+                              stacklevel=3)
         graph, params, errors, _ = entry
         with torch.no_grad():
             return CapturedRound(graph(*tensors, mask, bound), params, errors)
