@@ -18,7 +18,7 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.optim.captured_step import capture_step
 from dptorch.plan import SamplingMismatchError
 from tests.engine.test_compile_after_wrap import Mixing
-from tests.engine.test_static_shape_batches import B, Q, dataset, network, private
+from tests.engine.test_static_shape_batches import B, Q, dataset, network, private, run_steps
 
 
 def truncated(seed=3, steps=4):
@@ -479,3 +479,39 @@ def test_a_write_through_an_alias_that_mixes_the_batch_is_refused_at_the_trace()
     with pytest.raises(PerSampleGradientError, match="mixes or merges its samples"):
         capture_step(optimizer, cross_entropy(model), compile=False)(*next(iter(dp_loader)))
     engine.detach()
+
+
+def test_a_resumed_captured_run_continues_the_accounting_and_the_steps_of_the_eager_run_exactly(tmp_path):
+    """The captured step holds no state of its own: after a checkpoint a new one continues the run, and five
+    captured steps with a resume between them are the five eager steps (draws, noise, parameters, epsilon)."""
+    def start():
+        torch.manual_seed(5)
+        return private(TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, seed=9),
+                       PrivacyEngine(accountant="pld"))
+
+    def captured_steps(engine, model, optimizer, dp_loader, steps):
+        """``run_steps`` with a captured step: across passes, and no batch drawn past the last step."""
+        step, taken = capture_step(optimizer, cross_entropy(model), compile=False), 0
+        while True:
+            for x, y in dp_loader:
+                optimizer.zero_grad()
+                step(x, y)
+                optimizer.step()
+                taken += 1
+                if taken == steps:
+                    return
+
+    straight = start()
+    run_steps(*straight, 5)
+    first = start()
+    captured_steps(*first, 2)
+    engine, model, optimizer, dp_loader = first
+    engine.save_checkpoint(tmp_path / "run.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
+    engine.detach()
+    resumed = start()
+    resumed[0].load_checkpoint(tmp_path / "run.pt", module=resumed[1], optimizer=resumed[2], data_loader=resumed[3])
+    captured_steps(*resumed, 3)
+    assert resumed[0].plan.steps == 5 and resumed[0].get_epsilon(1e-5) == straight[0].get_epsilon(1e-5)
+    for p, q in zip(resumed[1].parameters(), straight[1].parameters()):
+        assert torch.equal(p, q)
+    resumed[0].detach(), straight[0].detach()
