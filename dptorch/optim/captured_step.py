@@ -112,6 +112,7 @@ class CapturedStep:
                 tensors = [torch.cat([t, t[:1].expand(padded - rows, *t.shape[1:])]) for t in tensors]
                 padding = torch.arange(padded) >= rows
         mask = (padding if padding is not None else torch.zeros(len(tensors[0]), dtype=torch.bool)).to(device)
+        padding = None if padding is None else mask  # on the device of the norms the optimizer masks with it
         bound = torch.tensor(float(optimizer.max_grad_norm) if optimizer.clipping != "automatic" else 0.0,
                              dtype=torch.float64, device=device)
         # padding rows are zeroed, as eagerly (so the sums are the eager ones, bit for bit); with pad_to_multiple_of
