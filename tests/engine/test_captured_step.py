@@ -18,7 +18,7 @@ from dptorch.grad_sample.errors import PerSampleGradientError
 from dptorch.optim.captured_step import capture_step
 from dptorch.plan import SamplingMismatchError
 from tests.engine.test_compile_after_wrap import Mixing
-from tests.engine.test_static_shape_batches import B, Q, dataset, network, private, run_steps
+from tests.engine.test_static_shape_batches import B, Q, dataset, network, private, resumed_after, run_steps
 
 
 def truncated(seed=3, steps=4):
@@ -489,28 +489,24 @@ def test_a_resumed_captured_run_continues_the_accounting_and_the_steps_of_the_ea
         return private(TruncatedPoissonDataLoader(dataset(), sample_rate=Q, max_batch_size=B, seed=9),
                        PrivacyEngine(accountant="pld"))
 
-    def captured_steps(engine, model, optimizer, dp_loader, steps):
-        """``run_steps`` with a captured step: across passes, and no batch drawn past the last step."""
-        step, taken = capture_step(optimizer, cross_entropy(model), compile=False), 0
-        while True:
-            for x, y in dp_loader:
-                optimizer.zero_grad()
-                step(x, y)
-                optimizer.step()
-                taken += 1
-                if taken == steps:
-                    return
+    def captured_train():
+        """``train_step`` through one captured step per optimizer (a resumed run makes a new one)."""
+        steps = {}
+
+        def train(model, optimizer, x, y):
+            if optimizer not in steps:
+                steps[optimizer] = capture_step(optimizer, cross_entropy(model), compile=False)
+            optimizer.zero_grad()
+            steps[optimizer](x, y)
+            optimizer.step()
+
+        return train
 
     straight = start()
     run_steps(*straight, 5)
-    first = start()
-    captured_steps(*first, 2)
-    engine, model, optimizer, dp_loader = first
-    engine.save_checkpoint(tmp_path / "run.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
-    engine.detach()
-    resumed = start()
-    resumed[0].load_checkpoint(tmp_path / "run.pt", module=resumed[1], optimizer=resumed[2], data_loader=resumed[3])
-    captured_steps(*resumed, 3)
+    train = captured_train()
+    resumed = resumed_after(tmp_path, start, 2, train)
+    run_steps(*resumed, 3, train)
     assert resumed[0].plan.steps == 5 and resumed[0].get_epsilon(1e-5) == straight[0].get_epsilon(1e-5)
     for p, q in zip(resumed[1].parameters(), straight[1].parameters()):
         assert torch.equal(p, q)

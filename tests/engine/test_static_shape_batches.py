@@ -229,14 +229,26 @@ def test_every_draw_is_accounted_by_its_event_whatever_the_loop():
     engine.detach()
 
 
-def run_steps(engine, model, optimizer, dp_loader, steps):
+def run_steps(engine, model, optimizer, dp_loader, steps, train=train_step):
+    """``steps`` steps of ``train(model, optimizer, x, y)`` across passes, no batch drawn past the last one."""
     taken = 0
     while taken < steps:
         for x, y in dp_loader:
-            train_step(model, optimizer, x, y)
+            train(model, optimizer, x, y)
             taken += 1
             if taken == steps:
                 return
+
+
+def resumed_after(tmp_path, start, steps, train=train_step):
+    """The run ``start()`` makes, trained ``steps`` steps, checkpointed, and loaded into a fresh ``start()``."""
+    engine, model, optimizer, dp_loader = start()
+    run_steps(engine, model, optimizer, dp_loader, steps, train)
+    engine.save_checkpoint(tmp_path / "run.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
+    engine.detach()
+    resumed = start()
+    resumed[0].load_checkpoint(tmp_path / "run.pt", module=resumed[1], optimizer=resumed[2], data_loader=resumed[3])
+    return resumed
 
 
 def test_a_resumed_run_continues_the_accounting_and_the_draws_exactly(tmp_path):
@@ -246,13 +258,7 @@ def test_a_resumed_run_continues_the_accounting_and_the_draws_exactly(tmp_path):
 
     straight = start()
     run_steps(*straight, 5)
-    first = start()
-    run_steps(*first, 2)
-    engine, model, optimizer, dp_loader = first
-    engine.save_checkpoint(tmp_path / "run.pt", module=model, optimizer=optimizer, data_loader=dp_loader)
-    engine.detach()
-    resumed = start()
-    resumed[0].load_checkpoint(tmp_path / "run.pt", module=resumed[1], optimizer=resumed[2], data_loader=resumed[3])
+    resumed = resumed_after(tmp_path, start, 2)
     assert resumed[0].plan.steps == 2 and resumed[0].accountant.selection == straight[0].accountant.selection
     run_steps(*resumed, 3)
     assert resumed[0].get_epsilon(DELTA) == straight[0].get_epsilon(DELTA) == pytest.approx(
