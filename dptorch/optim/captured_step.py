@@ -6,8 +6,10 @@ sums are held for ``optimizer.step()``, which adds the noise, accounts the step 
 always). The first call for a batch shape traces that work with ``make_fx`` on fake tensors *while
 the controller's batch tracker follows it*: every torch call of the trace meets the same rules as in
 an eager step, so a step whose samples meet is refused before any graph exists. The graph (ATen
-operations; the parameters read by reference) is compiled with ``torch.compile`` (``compile=True``)
-and replayed for every later batch of that shape.
+operations; the parameters read by reference) is compiled with ``torch.compile`` (``compile=True``, or a
+dict of its keyword arguments such as ``{"backend": "inductor"}``) and replayed for every later batch of that
+shape. CUDA graphs (``mode="reduce-overhead"``) are refused: a virtual step holds one replay's sums while the
+next replay would overwrite the graph's static outputs.
 
 What the trace proved holds for a replay only while the step runs what was traced. Each call
 compares, before the replay, what the trace saw and could have depended on (the guards): the
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -50,14 +52,17 @@ from dptorch.optim.gradient_writer import WholeParameters
 from dptorch.optim.optimizer import DPOptimizer
 from dptorch.optim.step_guards import ModelGuard
 
-_MODES = ("bk", "ghost", "hooks")
+CAPTURED_MODES = ("bk", "ghost", "hooks")
 #: How a trace on fake tensors fails where Python reads a tensor's value.
 _DATA_DEPENDENT = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+#: torch.compile modes that replay CUDA graphs.
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 #: Traced shapes beyond which the step warns (Poisson batch sizes: each one a trace and a compile).
 MANY_SHAPES = 8
 
 
-def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True,
+def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
+                 compile: Union[bool, Dict[str, Any]] = True,
                  pad_to_multiple_of: Optional[int] = None) -> "CapturedStep":
     """A captured private step of ``loss_fn(*batch)`` (the loss of a batch, by the controller's ``loss_reduction``)
     for the DP ``optimizer`` (from ``make_private``); see the module's docstring."""
@@ -67,7 +72,8 @@ def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *
 class CapturedStep:
     """Forward, backward and clipping of a batch as one traced (and compiled) graph per batch shape."""
 
-    def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *, compile: bool = True,
+    def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
+                 compile: Union[bool, Dict[str, Any]] = True,
                  pad_to_multiple_of: Optional[int] = None) -> None:
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(f"capture_step needs the DP optimizer make_private returned, got {type(optimizer).__name__}")
@@ -76,7 +82,8 @@ class CapturedStep:
         _check_supported(optimizer)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.compile = compile
+        #: torch.compile's keyword arguments for each traced graph, or None: the graph replays uncompiled.
+        self.compile_options = compile_options(compile)
         #: Poisson batches padded up to a multiple of this many rows (masked rows: exactly 0), fewer shapes to trace.
         self.pad_to_multiple_of = pad_to_multiple_of
         self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]], ModelGuard]] = {}
@@ -200,7 +207,8 @@ class CapturedStep:
                 f"captured step: the traced step changed {', '.join(changed)} (put back): a graph replays a step's "
                 "operations, not the Python that stores tensors on the model, so a forward that keeps state on its "
                 "modules (a cache, a running statistic) cannot be captured; use the eager step")
-        return (torch.compile(graph) if self.compile else graph), found, errors
+        options = self.compile_options
+        return (graph if options is None else torch.compile(graph, **options)), found, errors
 
 
 class CapturedRound:
@@ -216,12 +224,28 @@ class CapturedRound:
         self.nonfinite, self.clipped = int(read[-2]), int(read[-1])
 
 
+def compile_options(compile: Union[bool, Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """``torch.compile``'s keyword arguments for ``compile`` (True: its defaults), None for no compilation; CUDA
+    graphs refused (their outputs live in buffers the next replay overwrites, and a virtual step holds them)."""
+    if isinstance(compile, bool):
+        return {} if compile else None
+    if not isinstance(compile, dict):
+        raise TypeError(f"compile must be a bool or a dict of torch.compile's keyword arguments, got {compile!r}")
+    options = compile.get("options") or {}
+    if compile.get("mode") in CUDA_GRAPH_MODES or options.get("triton.cudagraphs"):
+        raise ValueError(
+            f"capture_step: torch.compile mode {compile.get('mode')!r} replays CUDA graphs, whose outputs the next "
+            "replay overwrites while a virtual step still holds them; use mode None, 'default' or "
+            "'max-autotune-no-cudagraphs'")
+    return dict(compile)
+
+
 def _check_supported(optimizer: DPOptimizer) -> None:
     """Refuse the settings a captured round does not reproduce exactly, naming them."""
     hooks = optimizer.hooks
     reasons = []
-    if hooks.grad_sample_mode not in _MODES:
-        reasons.append(f"grad_sample_mode={hooks.grad_sample_mode!r} (captured: {', '.join(_MODES)})")
+    if hooks.grad_sample_mode not in CAPTURED_MODES:
+        reasons.append(f"grad_sample_mode={hooks.grad_sample_mode!r} (captured: {', '.join(CAPTURED_MODES)})")
     if not hooks.batch_first:
         reasons.append("batch_first=False")
     if optimizer.clipping == "per_layer":

@@ -70,6 +70,20 @@ class PrivacyArguments:
                   "clipped sums without per-sample gradients, one backward pass) when a trainable layer has a norm "
                   "sampler (Linear, Conv1D, Embedding), else 'hooks'; the mode that ran is logged and reported."},
     )
+    capture_step: Optional[bool] = field(
+        default=None,
+        metadata={"help": "The captured private step (dptorch.capture_step): each micro-batch shape's forward, backward "
+                  "and clipping traced once under the batch tracker and replayed, compiled when torch_compile=True. "
+                  "None (default): captured when torch_compile=True and the set-up allows it, else eager (a step "
+                  "that does not trace warns and runs eagerly); True: captured, refusing a set-up it cannot be; "
+                  "False: eager. Give fixed shapes: the collator's pad_to_multiple_of for lengths, "
+                  "capture_pad_to_multiple_of for rows."},
+    )
+    capture_pad_to_multiple_of: Optional[int] = field(
+        default=None,
+        metadata={"help": "Captured step: pad each Poisson micro-batch with masked rows (exactly 0 to the sums, not "
+                  "counted) to a multiple of this many rows, so that fewer batch shapes are traced and compiled."},
+    )
     secure_mode: bool = field(
         default=False, metadata={"help": "Draw the noise and the Poisson sampling from the OS CSPRNG (not replayable)."}
     )
@@ -185,6 +199,13 @@ class PrivacyArguments:
             raise ValueError(f"audit_canaries must be 0 (no audit) or a whole number >= 2, got {self.audit_canaries!r}")
         if not 0 < self.audit_confidence < 1:
             raise ValueError(f"audit_confidence must be in (0, 1), got {self.audit_confidence}")
+        if self.capture_step is not None and not isinstance(self.capture_step, bool):
+            raise ValueError(f"capture_step must be None (auto), True or False, got {self.capture_step!r}")
+        pad = self.capture_pad_to_multiple_of
+        if pad is not None and not (isinstance(pad, int) and pad > 0):
+            raise ValueError(f"capture_pad_to_multiple_of must be a positive whole number or None, got {pad!r}")
+        if pad is not None and self.capture_step is False:
+            raise ValueError("capture_pad_to_multiple_of pads the captured step's batches, but capture_step=False")
         if self.secure_mode and self.noise_seed is not None:
             raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
         if self.secure_mode and self.sampling_seed is not None:

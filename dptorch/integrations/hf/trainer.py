@@ -82,6 +82,7 @@ from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.modes.auto import describe_mode, resolve_grad_sample_mode
 from dptorch.grad_sample.capture.rounds import _name_list
 from dptorch.integrations.hf.arguments import PrivacyArguments
+from dptorch.integrations.hf.captured import TrainerCapture
 from dptorch.integrations.hf.audit import TrainerAudit
 from dptorch.integrations.hf.budget import PrivacyBudget, PrivacyBudgetCallback
 from dptorch.integrations.hf.checks import check_setup
@@ -199,6 +200,8 @@ class PrivateTrainerMixin(PrivateSearchMixin):
         self.grad_sample_mode = resolve_grad_sample_mode(privacy_args.grad_sample_mode, self.model)
         logger.info(describe_mode(privacy_args.grad_sample_mode, self.grad_sample_mode))
         self.dp_hooks = self._new_controller()
+        #: The captured micro-batch step (PrivacyArguments.capture_step), or None for eager steps.
+        self.dp_capture = TrainerCapture.for_trainer(self)
         self.add_callback(PrivacyBudgetCallback(self.privacy_budget))
 
     def _new_controller(self) -> GradSampleHooks:
@@ -505,6 +508,10 @@ class PrivateTrainerMixin(PrivateSearchMixin):
     def _train_pass(self, model: Any, inputs: Dict[str, Any], example_units: Any, num_items_in_batch: Any = None) -> Any:
         """The parent's forward and backward of ``inputs``, their rows' privacy units told to the controller."""
         self.dp_hooks.set_privacy_units(self._dp_recipe.row_unit_ids(example_units, inputs))
+        if self.dp_capture is not None:
+            loss = self.dp_capture.run(self, model, inputs)
+            if loss is not None:
+                return loss
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _count_draw(self, rows: Optional[int]) -> None:
