@@ -64,8 +64,9 @@ MANY_SHAPES = 8
 def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
                  compile: Union[bool, Dict[str, Any]] = True,
                  pad_to_multiple_of: Optional[int] = None) -> "CapturedStep":
-    """A captured private step of ``loss_fn(*batch)`` (the loss of a batch, by the controller's ``loss_reduction``)
-    for the DP ``optimizer`` (from ``make_private``); see the module's docstring."""
+    """A captured private step of ``loss_fn(*batch)`` for the DP ``optimizer`` (from ``make_private``): the loss
+    of a batch by the controller's ``loss_reduction``, or one loss per row (the step reduces them, and returns the
+    reduction over the real rows of a padded batch alone); see the module's docstring."""
     return CapturedStep(optimizer, loss_fn, compile=compile, pad_to_multiple_of=pad_to_multiple_of)
 
 
@@ -162,9 +163,7 @@ class CapturedStep:
             args = tree_unflatten([next(stand_ins) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec)
             with value_checks.deferred() as checks:
                 with drawn.standing_in(batch):
-                    loss = loss_fn(*args)
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                        raise TypeError("capture_step: loss_fn(*batch) must return the batch's loss, a scalar tensor")
+                    loss, reported = _reduced(loss_fn(*args), padding, hooks.loss_reduction)
                     loss.backward()
                 if hooks.uncaptured:
                     raise PerSampleGradientError(
@@ -188,7 +187,7 @@ class CapturedStep:
             errors.extend(error for _, error in checks)
             counts = torch.stack([ok.double() for ok, _ in checks]
                                  + [nonfinite.sum().double(), ((factor < 1) & ~dropped).sum().double()])
-            return [loss.detach(), total, within, dropped, counts] + [sums[p] for p in norms]
+            return [reported.detach(), total, within, dropped, counts] + [sums[p] for p in norms]
 
         saved = _model_state(hooks.module, trainable)
         self.traces += 1
@@ -222,6 +221,22 @@ class CapturedRound:
         value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
         #: Real units dropped for a non-finite gradient; real units clipped.
         self.nonfinite, self.clipped = int(read[-2]), int(read[-1])
+
+
+def _reduced(loss: Any, padding: torch.Tensor, reduction: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The loss to differentiate and the loss to report: a scalar loss is both; one loss per row is reduced by the
+    controller's ``reduction`` over all rows (padding rows too: their gradients are masked), and reported reduced over
+    the real rows alone."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss, loss
+    if not isinstance(loss, torch.Tensor) or loss.shape != padding.shape:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TypeError(f"capture_step: loss_fn(*batch) must return the batch's loss, a scalar tensor, or one loss per "
+                        f"row, shape ({len(padding)},); got {shape}")
+    real = torch.where(padding, loss.new_zeros(()), loss).sum()
+    if reduction == "sum":
+        return loss.sum(), real
+    return loss.mean(), real / (~padding).sum()
 
 
 def compile_options(compile: Union[bool, Dict[str, Any]]) -> Optional[Dict[str, Any]]:

@@ -408,6 +408,53 @@ def test_poisson_batches_padded_to_a_multiple_trace_once_per_multiple_and_train_
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_one_loss_per_row_is_reduced_and_reported_over_the_real_rows(reduction):
+    """A loss function that returns one loss per row: the step differentiates their reduction (the gradients are the
+    scalar loss's, bit for bit) and returns it over the real rows alone when it pads (pad_to_multiple_of)."""
+    def per_row(model):
+        return lambda x, y: nn.functional.cross_entropy(model(x), y, reduction="none")
+
+    def reduced(model):
+        return lambda x, y: getattr(per_row(model)(x, y), reduction)()
+
+    def steps(loss_of, pad):
+        engine, model, optimizer, dp_loader = private(
+            DPDataLoader(dataset(), sample_rate=0.25, seed=2, steps=4), PrivacyEngine(accountant="rdp"),
+            noise_multiplier=0.0, max_grad_norm=0.1, loss_reduction=reduction)
+        step = capture_step(optimizer, loss_of(model), compile=False, pad_to_multiple_of=pad)
+        losses, grads = [], []
+        for x, y in dp_loader:
+            optimizer.zero_grad()
+            expected = reduced(model)(x, y).detach() if len(y) else None
+            losses.append((step(x, y), expected))
+            optimizer.step()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        engine.detach()
+        return losses, grads
+
+    scalar, rows = steps(reduced, None), steps(per_row, None)
+    assert_same(scalar[1], rows[1])
+    assert [loss for loss, _ in scalar[0]] == [loss for loss, _ in rows[0]]
+    padded_losses, padded_grads = steps(per_row, 8)
+    assert any(len(y) % 8 for _, y in DPDataLoader(dataset(), sample_rate=0.25, seed=2, steps=4))  # rows were padded
+    for loss, expected in padded_losses:
+        if expected is not None:
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for a, b in zip(rows[1], padded_grads):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+def test_a_loss_of_another_shape_is_refused_naming_the_contract():
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), noise_multiplier=0.0,
+                                                  max_grad_norm=0.1)
+    step = capture_step(optimizer, lambda x, y: model(x), compile=False)
+    with pytest.raises(TypeError, match=rf"a scalar tensor, or one loss per row, shape \({B},\); got \({B}, 2\)"):
+        step(*next(iter(dp_loader)))
+    engine.detach()
+
+
 def test_a_200_step_run_of_fixed_shape_batches_traces_and_compiles_once():
     from torch._dynamo.utils import counters  # noqa: PLC0415 - Dynamo's own record of what it compiled
 

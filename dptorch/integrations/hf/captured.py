@@ -12,6 +12,7 @@ set-up it cannot capture, before training, and a step that does not trace.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Dict, List, Optional, Union
 
 import torch
@@ -53,8 +54,8 @@ class TrainerCapture:
         inputs = trainer._prepare_inputs(inputs)
         try:
             if self._step is None:
-                self._step = CapturedStep(trainer._dp_optimizer(), lambda batch: trainer.compute_loss(trainer.model, batch),
-                                          compile=self.compile, pad_to_multiple_of=self.pad_to_multiple_of)
+                self._step = CapturedStep(trainer._dp_optimizer(), partial(_loss, trainer), compile=self.compile,
+                                          pad_to_multiple_of=self.pad_to_multiple_of)
             with trainer.compute_loss_context_manager():
                 return self._step(inputs).detach()
         except PerSampleGradientError as error:
@@ -103,6 +104,13 @@ def trainer_compile_options(args: Any) -> Union[bool, Dict[str, Any]]:
         return False
     options = {"backend": args.torch_compile_backend or "inductor"}
     return {**options, "mode": args.torch_compile_mode} if args.torch_compile_mode else options
+
+
+def _loss(trainer: Any, batch: Dict[str, Any]) -> torch.Tensor:
+    """A micro-batch's loss as the trainer computes it: each row's own (so that the step reports the real rows' sum
+    when it pads), or the recipe's sum where it has no rows to show."""
+    losses = trainer._dp_recipe.row_losses(trainer, trainer.model, dict(batch))
+    return losses if losses is not None else trainer.compute_loss(trainer.model, batch)
 
 
 def _is_capture_refusal(error: PerSampleGradientError) -> bool:

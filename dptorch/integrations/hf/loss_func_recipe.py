@@ -37,6 +37,9 @@ class ComputeLossFuncRecipe(OutputsRecipe):
     def summed(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
         return self.compute_loss_func(outputs, labels, num_items_in_batch=None)
 
+    def row_losses(self, trainer: Trainer, model: Any, inputs: dict) -> None:
+        return None  # the function returns the sum, rows unseen
+
 
 def with_compute_loss_func(recipe: LossRecipe, trainer: Trainer) -> LossRecipe:
     """``recipe``, or for a Trainer given ``compute_loss_func`` whose loss is HF's ``compute_loss`` (where HF calls

@@ -21,7 +21,7 @@ belong to which example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from transformers import Trainer
@@ -59,6 +59,10 @@ class LossRecipe:
         """The micro-batch loss: a sum over units of each unit's own loss (``parent`` is the trainer's compute_loss)."""
         raise NotImplementedError
 
+    def row_losses(self, trainer: Trainer, model: Any, inputs: dict) -> Optional[torch.Tensor]:
+        """Each row's own loss (``summed_loss`` is their sum), or None where the recipe sums them unseen."""
+        return None
+
     def row_unit_ids(self, example_unit_ids: Optional[torch.Tensor], inputs: dict) -> Optional[torch.Tensor]:
         """One unit id per batch row, or None when every row is its own unit."""
         return example_unit_ids
@@ -78,6 +82,19 @@ class OutputsRecipe(LossRecipe):
             check_decoder_inputs_buildable(trainer.model)
 
     def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        outputs, labels = self.outputs(trainer, model, inputs)
+        if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
+            if self.custom:
+                raise ValueError(f"{self.custom} sees rows, but this batch packs several examples in a row; leave it "
+                                 "out (each packed example gets dptorch.packed_loss)")
+            loss = packed_loss(logits_of(outputs), labels, trainer.dp_hooks, shift=self.causal,
+                               label_smoothing=trainer.args.label_smoothing_factor)
+        else:
+            loss = self.summed(outputs, labels)
+        return (loss, outputs) if return_outputs else loss
+
+    def outputs(self, trainer: Trainer, model: Any, inputs: dict) -> Tuple[Any, torch.Tensor]:
+        """The model's outputs for ``inputs`` called without labels, and the labels (popped from ``inputs``)."""
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError(
@@ -89,20 +106,20 @@ class OutputsRecipe(LossRecipe):
             inputs["use_cache"] = False
         elif is_encoder_decoder(trainer.model):  # called without labels: the decoder inputs come from each row's own
             inputs = with_decoder_inputs(trainer.model, inputs, labels)
-        outputs = model(**inputs)
-        if trainer.dp_hooks.unit_kind == "tokens":  # examples packed in rows (packing.py): each its own loss
-            if self.custom:
-                raise ValueError(f"{self.custom} sees rows, but this batch packs several examples in a row; leave it "
-                                 "out (each packed example gets dptorch.packed_loss)")
-            loss = packed_loss(logits_of(outputs), labels, trainer.dp_hooks, shift=self.causal,
-                               label_smoothing=trainer.args.label_smoothing_factor)
-        else:
-            loss = self.summed(outputs, labels)
-        return (loss, outputs) if return_outputs else loss
+        return model(**inputs), labels
+
+    def row_losses(self, trainer: Trainer, model: Any, inputs: dict) -> Optional[torch.Tensor]:
+        if trainer.dp_hooks.unit_kind == "tokens":
+            return None
+        return self.per_row(*self.outputs(trainer, model, inputs))
+
+    def per_row(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
+        """``per_sample_loss``, checked to be one loss per row."""
+        return check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0])
 
     def summed(self, outputs: Any, labels: torch.Tensor) -> torch.Tensor:
-        """The sum over rows of ``per_sample_loss`` (checked to be one loss per row)."""
-        return check_per_sample_losses(self.per_sample_loss(outputs, labels), labels.shape[0]).sum()
+        """The sum over rows of each row's loss."""
+        return self.per_row(outputs, labels).sum()
 
 
 class SFTRecipe(OutputsRecipe):
@@ -140,6 +157,15 @@ class ChunkedLMRecipe(SFTRecipe):
         self.loss.install(trainer.model)
 
     def summed_loss(self, trainer: Trainer, model: Any, inputs: dict, return_outputs: bool, parent: ComputeLoss) -> Any:
+        losses, outputs = self.losses(trainer, model, inputs)
+        loss = losses.sum()
+        return (loss, outputs) if return_outputs else loss
+
+    def row_losses(self, trainer: Trainer, model: Any, inputs: dict) -> Optional[torch.Tensor]:
+        return self.losses(trainer, model, inputs)[0]
+
+    def losses(self, trainer: Trainer, model: Any, inputs: dict) -> Tuple[torch.Tensor, Any]:
+        """Each row's loss and the model's outputs (the labels popped from ``inputs``)."""
         labels = inputs.pop("labels", None)
         if labels is None:
             raise ValueError(f"the training batch has no 'labels' (keys: {sorted(inputs)}); ChunkedCausalLMLoss "
@@ -147,9 +173,7 @@ class ChunkedLMRecipe(SFTRecipe):
         if trainer.dp_hooks.unit_kind == "tokens":
             raise ValueError("ChunkedCausalLMLoss gives one loss per row, but this batch packs several examples in a "
                              "row; train without packing, or leave per_sample_loss_func out (dptorch.packed_loss)")
-        losses, outputs = self.loss(model, inputs, labels)
-        loss = losses.sum()
-        return (loss, outputs) if return_outputs else loss
+        return self.loss(model, inputs, labels)
 
 
 class PreferenceRecipe(LossRecipe):
