@@ -5,6 +5,7 @@
     python benchmarks/models.py --device cuda --dtype bfloat16 --shapes gpt2-small llama-1b
     python benchmarks/models.py --shapes narrow-mixtral   # mixture of experts (opt-in; floor skips expert banks)
     python benchmarks/models.py --shapes narrow-gpt2-tied --modes nonprivate bk compiled-plain compiled-bk compiled-hooks
+    python benchmarks/models.py --shapes narrow-gpt2-tied wide-gpt2 long-gpt2 --modes nonprivate compiled-plain captured-bk
     python benchmarks/models.py --device cuda --dtype bfloat16 --shapes llama-1b --batch 8 --seq 1024 --lora 16 \
         --modes nonprivate bk compiled-plain compiled-bk compiled-hooks
 
@@ -25,6 +26,10 @@ each trainable Linear / Conv1D / Embedding call's per-sample gradient norms, gho
 instantiated as bk chooses (``shared_inputs.ghost_norms_chosen``; a tied weight's uses each once: a lower bound; an
 instantiated gradient stands in for the weight gradient, so only its norm and its weighted sum
 are counted), and one Gaussian draw per parameter; bk is reported against it.
+Modes ``captured-bk`` and ``captured-hooks`` (opt-in) run the fixed batch through ``dptorch.capture_step``: forward,
+loss, backward and clipping one graph traced once, compiled by inductor, then ``optimizer.step()``; compared with
+``compiled-plain`` like the compiled modes (not through make_private: its Poisson sizes would each be a trace;
+benchmarks/captured_step.py times that path with fixed-shape draws).
 Modes ``compiled-plain``, ``compiled-bk`` and ``compiled-hooks`` (opt-in; benchmarks/compiled.py) run the
 step with the model under ``torch.compile``, the private ones compiled after the controller is attached
 (``make_private(..., wrap_model=False)``'s order; through make_private exactly that, the batch dim marked
@@ -78,7 +83,10 @@ CPU_SHAPES = list(SHAPES)
 SHAPES.update(GPU_SHAPES)
 SHAPES.update(MOE_SHAPES)
 SHAPES.update(DISPATCH_BOUND_SHAPES)
-MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost", *COMPILED_MODES)
+#: The captured private step (dptorch.capture_step), its graph compiled by inductor: on the fixed batch only.
+CAPTURED_MODES = ("captured-bk", "captured-hooks")
+MODES = ("nonprivate", "floor", "hooks", "bk", "ghost", "ew", "functorch", "opacus-hooks", "opacus-ghost", *COMPILED_MODES,
+         *CAPTURED_MODES)
 
 
 def build(family, layers, width, vocab, tied, kv_heads=None):
@@ -112,7 +120,10 @@ def with_lora(model, rank: int):
 
 
 def split(mode: str):
-    """(the mode compiled or not, whether compiled): ``compiled-plain`` is ``nonprivate`` compiled."""
+    """(the mode compiled or not, whether compiled): ``compiled-plain`` is ``nonprivate`` compiled, ``captured-bk``
+    is bk captured and compiled."""
+    if mode in CAPTURED_MODES:
+        return mode.split("-", 1)[1], True
     base, compiled = split_mode(mode)
     return ("nonprivate" if base == "plain" else base), compiled
 
@@ -148,13 +159,23 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         if mode == "ghost":
             criterion = DPLoss(criterion, hooks)
     watch = CompileWatch() if compiled else None
-    call = watch.compile(model) if compiled else model  # after the hooks: make_private(..., wrap_model=False)'s order
-    if compiled:
+    captured = name in CAPTURED_MODES
+    call = watch.compile(model) if compiled and not captured else model  # make_private(..., wrap_model=False)'s order
+    if compiled and not captured:
         with torch.no_grad():
             eager_logits = model(**inputs).logits  # what the compiled model's first step must compute
+    if captured:  # forward, loss, backward and clipping one graph, compiled by the watch (inductor)
+        from dptorch.optim.captured_step import capture_step
+
+        captured = capture_step(optimizer, lambda ids, positions: criterion(
+            model(input_ids=ids, position_ids=positions).logits.transpose(1, 2), ids), compile={"backend": watch})
 
     def step():
         optimizer.zero_grad()
+        if captured:
+            captured(inputs["input_ids"], inputs["position_ids"])
+            optimizer.step()
+            return None
         logits = call(**inputs).logits
         loss = criterion(logits.transpose(1, 2), ids)  # per-sample friendly: (B, V, T) against (B, T)
         loss.backward()
@@ -171,7 +192,7 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
         warm_up.append(time.perf_counter() - start)
         if watch and watch.graphs_after_first_step is None:
             watch.first_step_done()
-            difference = max_difference(eager_logits, logits)
+            difference = None if captured else max_difference(eager_logits, logits)
     logits = eager_logits = None  # not held through the timed steps (their peak memory)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -189,7 +210,9 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
            "peak_rss_mib": rss, "rss_growth_mib": rss - rss_before / 1024, "threads": torch.get_num_threads(),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": dtype, "lora": lora}
     if compiled:
-        row.update(compile_s=compile_seconds(warm_up, row["median_s"]), **watch.summary(), forward_max_diff=difference)
+        row.update(compile_s=compile_seconds(warm_up, row["median_s"]), **watch.summary())
+        if difference is not None:  # a captured step's exactness is tested (tests/models/test_zoo.py), not sampled here
+            row["forward_max_diff"] = difference
     return row
 
 
@@ -427,7 +450,7 @@ def summarize(paths: list) -> str:
     the compiled modes where the runs have them."""
     runs = [json.loads(Path(path).read_text()) for path in paths]
     modes = ["floor", "hooks", "bk", "opacus-hooks", "opacus-ghost"]
-    compiled = [m for m in COMPILED_MODES if any(r["mode"] == m for r in runs[0])]
+    compiled = [m for m in (*COMPILED_MODES, *CAPTURED_MODES) if any(r["mode"] == m for r in runs[0])]
     comparisons = [("bk", "floor", "bk / floor"), ("opacus-hooks", "hooks", "hooks vs Opacus hooks"),
                    ("opacus-ghost", "bk", "bk vs Opacus ghost")]
 
@@ -452,7 +475,7 @@ def summarize(paths: list) -> str:
         cells += [compiled_cell(mode, [rows.get(mode, {}) for rows in by_mode]) for mode in compiled]
         lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     if compiled:
-        lines += ["", "compiled-plain: its median step and compile time; compiled-bk / compiled-hooks: time over "
+        lines += ["", "compiled-plain: its median step and compile time; compiled-bk / compiled-hooks / captured-*: time over "
                   "compiled-plain's, median (min-max) over the runs / peak over its peak; compile time; operators compiled "
                   "in the last run (0: Dynamo ran the model eagerly)"]
     return "\n".join(lines + summarize_engine(runs))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
+from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -147,7 +148,15 @@ class CapturedStep:
                               stacklevel=3)
         graph, params, errors, _ = entry
         with torch.no_grad():
-            return CapturedRound(graph(*tensors, mask, bound), params, errors)
+            try:
+                outputs = graph(*tensors, mask, bound)
+            except BackendCompilerFailed as error:  # torch.compile compiles at the first replay
+                del self._graphs[key]
+                raise PerSampleGradientError(
+                    f"captured step: torch.compile failed on the traced step ({str(error).strip().splitlines()[0]}); "
+                    "pass compile=False to replay the traced graph uncompiled (the same operations), or choose "
+                    "another backend (compile={'backend': ...})") from error
+            return CapturedRound(outputs, params, errors)
 
     def _trace(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
                masked: bool) -> Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]:

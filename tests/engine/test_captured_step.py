@@ -558,3 +558,24 @@ def test_a_resumed_captured_run_continues_the_accounting_and_the_steps_of_the_ea
     for p, q in zip(resumed[1].parameters(), straight[1].parameters()):
         assert torch.equal(p, q)
     resumed[0].detach(), straight[0].detach()
+
+
+def test_a_graph_the_compiler_fails_on_is_refused_naming_the_way_out():
+    def failing(graph, example_inputs):
+        raise RuntimeError("this backend compiles nothing")
+
+    engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), noise_multiplier=0.0,
+                                                  max_grad_norm=0.1)
+    step = capture_step(optimizer, cross_entropy(model), compile={"backend": failing})
+    with pytest.raises(PerSampleGradientError, match="torch.compile failed on the traced step.*compile=False"):
+        step(*next(iter(dp_loader)))
+    assert not step._graphs  # nothing kept: the next call traces afresh
+    engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_modes_are_refused(mode):
+    engine, model, optimizer, _ = private(truncated(), PrivacyEngine(accountant="pld"))
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        capture_step(optimizer, cross_entropy(model), compile={"mode": mode})
+    engine.detach()
