@@ -167,8 +167,11 @@ def measure(shape: str, mode: str, steps: int, seq: int | None, batch: int | Non
     if captured:  # forward, loss, backward and clipping one graph, compiled by the watch (inductor)
         from dptorch.optim.captured_step import capture_step
 
-        captured = capture_step(optimizer, lambda ids, positions: criterion(
-            model(input_ids=ids, position_ids=positions).logits.transpose(1, 2), ids), compile={"backend": watch})
+        # criterion's mean over the tokens as the mean of per-token losses: a trace cannot read the targets to see
+        # that none is ignored (cross_entropy's mean divides by the count of the others), so it takes the per-token form
+        captured = capture_step(optimizer, lambda ids, positions: torch.nn.functional.cross_entropy(
+            model(input_ids=ids, position_ids=positions).logits.transpose(1, 2), ids, reduction="none").mean(),
+            compile={"backend": watch})
 
     def step():
         optimizer.zero_grad()

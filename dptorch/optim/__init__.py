@@ -2,11 +2,11 @@
 
 from dptorch.clipping import CLIPPING_MODES, AdaptiveClipping, NonFiniteGradientWarning, clip_factors
 from dptorch.optim.adaclip import AdaClipDPOptimizer
-from dptorch.optim.captured_step import CapturedStep, capture_step
+from dptorch.optim.captured_step import CaptureRefused, CapturedStep, capture_step
 from dptorch.optim.loss_scaling import DPGradScaler
 from dptorch.optim.optimizer import DPOptimizer
 
 __all__ = [
     "CLIPPING_MODES", "AdaClipDPOptimizer", "AdaptiveClipping", "CapturedStep", "DPGradScaler", "DPOptimizer",
-    "NonFiniteGradientWarning", "capture_step", "clip_factors",
+    "NonFiniteGradientWarning", "CaptureRefused", "capture_step", "clip_factors",
 ]

@@ -62,6 +62,12 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 MANY_SHAPES = 8
 
 
+class CaptureRefused(PerSampleGradientError):
+    """A step the captured route cannot run (it does not trace, compile or keep its state in a graph, or its settings
+    are not reproduced): raised before the round is kept, so the eager step may still run it. A step whose samples
+    meet raises the tracker's own error instead, as eagerly."""
+
+
 def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
                  compile: Union[bool, Dict[str, Any]] = True,
                  pad_to_multiple_of: Optional[int] = None) -> "CapturedStep":
@@ -104,7 +110,7 @@ class CapturedStep:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         rows = _check_batch(tensors, optimizer.plan.draws is not None)
         if not hooks.hooks_enabled or hooks.privacy_units_set or optimizer._phantom:
-            raise PerSampleGradientError(
+            raise CaptureRefused(
                 "captured step: capture is paused (disable_hooks()), privacy units are set (set_privacy_units) or the "
                 "optimizer is in phantom(); a captured step clips every row as its own unit with capture on: use the "
                 "eager step for these"
@@ -152,7 +158,7 @@ class CapturedStep:
                 outputs = graph(*tensors, mask, bound)
             except BackendCompilerFailed as error:  # torch.compile compiles at the first replay
                 del self._graphs[key]
-                raise PerSampleGradientError(
+                raise CaptureRefused(
                     f"captured step: torch.compile failed on the traced step ({str(error).strip().splitlines()[0]}); "
                     "pass compile=False to replay the traced graph uncompiled (the same operations), or choose "
                     "another backend (compile={'backend': ...})") from error
@@ -211,10 +217,11 @@ class CapturedStep:
             draw_watch.stop()  # it followed the stand-ins
         changed = _restore(saved)
         if changed:
-            raise PerSampleGradientError(
+            raise CaptureRefused(
                 f"captured step: the traced step changed {', '.join(changed)} (put back): a graph replays a step's "
                 "operations, not the Python that stores tensors on the model, so a forward that keeps state on its "
                 "modules (a cache, a running statistic) cannot be captured; use the eager step")
+        _drop_unused_comparisons(graph)
         options = self.compile_options
         return (graph if options is None else torch.compile(graph, **options)), found, errors
 
@@ -279,7 +286,7 @@ def _check_supported(optimizer: DPOptimizer) -> None:
     if optimizer.loss_scaler is not None:
         reasons.append("fp16 loss scaling")
     if reasons:
-        raise PerSampleGradientError(f"capture_step does not support {'; '.join(reasons)}: use the eager step")
+        raise CaptureRefused(f"capture_step does not support {'; '.join(reasons)}: use the eager step")
 
 
 def _check_batch(tensors: List[torch.Tensor], tracked: bool) -> int:
@@ -345,6 +352,16 @@ def _restore(state: List[Tuple[Any, str, Any]]) -> List[str]:
     return changed
 
 
+def _drop_unused_comparisons(graph: torch.fx.GraphModule) -> None:
+    """Take out the trace's ``torch.equal`` calls whose answer only the tracker read (row orders it keeps, constants
+    of the trace): a replay needs no answer from them, and Dynamo would break the graph at each."""
+    unused = [node for node in graph.graph.nodes if node.target is torch.ops.aten.equal.default and not node.users]
+    for node in unused:
+        graph.graph.erase_node(node)
+    if unused:
+        graph.recompile()
+
+
 def _explained(error: Exception) -> Exception:
     """A trace's failure, as the user's error: data-dependent Python named with where it happened; an operation
     that cannot run on fake tensors (torch's ``_grouped_mm`` on float32 CPU tensors, say) named too. The library's
@@ -353,12 +370,12 @@ def _explained(error: Exception) -> Exception:
         return error
     if isinstance(error, _DATA_DEPENDENT):
         where = re.search(r"Caused by: \(([^)]*)\)", str(error))
-        return PerSampleGradientError(
+        return CaptureRefused(
             "captured step: the step reads a tensor's value into Python"
             + (f" ({where.group(1)})" if where else "")
             + ", which a graph traced on fake tensors cannot hold (its shape or branch would depend on the data); "
             "train this model with the eager step (forward, backward, optimizer.step())")
-    return PerSampleGradientError(
+    return CaptureRefused(
         f"captured step: tracing the step on fake tensors failed ({type(error).__name__}: {error}); a captured step "
         "needs every operation of the step to trace. Train this model with the eager step (forward, backward, "
         "optimizer.step())")

@@ -14,8 +14,10 @@ from torch.utils.data import TensorDataset
 
 from dptorch import PrivacyEngine
 from dptorch.data import DPDataLoader, TruncatedPoissonDataLoader
+from dptorch.grad_sample import GradSampleHooks
 from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.optim.captured_step import capture_step
+from dptorch.optim import DPOptimizer
+from dptorch.optim.captured_step import CaptureRefused, capture_step
 from dptorch.plan import SamplingMismatchError
 from tests.engine.test_compile_after_wrap import Mixing
 from tests.engine.test_static_shape_batches import B, Q, dataset, network, private, resumed_after, run_steps
@@ -146,8 +148,9 @@ def test_a_non_finite_unit_is_dropped_as_in_the_eager_step():
 def test_a_step_whose_samples_meet_is_refused_before_any_graph():
     engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), Mixing())
     step = capture_step(optimizer, lambda x, y: model(nn.functional.pad(x, (0, 1))).pow(2).sum(), compile=False)
-    with pytest.raises(PerSampleGradientError, match="mixes or merges its samples"):
+    with pytest.raises(PerSampleGradientError, match="mixes or merges its samples") as refused:
         step(*next(iter(dp_loader)))
+    assert not isinstance(refused.value, CaptureRefused)  # the tracker's refusal, as eagerly: no eager fallback
     assert step.traces == 1 and not optimizer._summed
     engine.detach()
 
@@ -261,7 +264,7 @@ def test_data_dependent_python_is_refused_naming_it():
             return self.lin(x) if x.sum() > 0 else -self.lin(x)
 
     engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), Branching())
-    with pytest.raises(PerSampleGradientError, match="reads a tensor's value into Python"):
+    with pytest.raises(CaptureRefused, match="reads a tensor's value into Python"):  # the eager step may run it
         capture_step(optimizer, cross_entropy(model), compile=False)(*next(iter(dp_loader)))
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
@@ -567,7 +570,7 @@ def test_a_graph_the_compiler_fails_on_is_refused_naming_the_way_out():
     engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), noise_multiplier=0.0,
                                                   max_grad_norm=0.1)
     step = capture_step(optimizer, cross_entropy(model), compile={"backend": failing})
-    with pytest.raises(PerSampleGradientError, match="torch.compile failed on the traced step.*compile=False"):
+    with pytest.raises(CaptureRefused, match="torch.compile failed on the traced step.*compile=False"):
         step(*next(iter(dp_loader)))
     assert not step._graphs  # nothing kept: the next call traces afresh
     engine.detach()
@@ -579,3 +582,29 @@ def test_cuda_graph_modes_are_refused(mode):
     with pytest.raises(ValueError, match="CUDA graphs"):
         capture_step(optimizer, cross_entropy(model), compile={"mode": mode})
     engine.detach()
+
+
+def test_a_gpt2_whose_trace_compares_row_orders_compiles_as_one_graph():
+    """The tracker compares the row orders it keeps (``torch.equal`` on the trace's constants) for GPT-2's tied head
+    at this width: those calls leave the graph, which Dynamo then takes whole (it broke the graph at each)."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=256, n_head=4, vocab_size=5000, n_positions=128, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0,
+        bos_token_id=0, eos_token_id=0)).train()
+    ids = torch.randint(0, 5000, (4, 128), generator=torch.Generator().manual_seed(0))
+    graphs = []
+
+    def counting(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    hooks = GradSampleHooks(model, grad_sample_mode="bk", keep_param_grads=False)
+    optimizer = DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), hooks=hooks, noise_multiplier=0.0,
+                            max_grad_norm=1.0, expected_batch_size=4)
+    loss_of = lambda i, p: nn.functional.cross_entropy(  # noqa: E731
+        model(input_ids=i, position_ids=p).logits.transpose(1, 2), i, reduction="none").mean()
+    step = capture_step(optimizer, loss_of, compile={"backend": counting})
+    torch._dynamo.reset()
+    step(ids, torch.arange(128).expand(4, 128).contiguous())
+    assert len(graphs) == 1
+    hooks.cleanup()

@@ -17,8 +17,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import torch
 
-from dptorch.grad_sample.errors import PerSampleGradientError
-from dptorch.optim.captured_step import CAPTURED_MODES, CUDA_GRAPH_MODES, CapturedStep
+from dptorch.optim.captured_step import CAPTURED_MODES, CUDA_GRAPH_MODES, CaptureRefused, CapturedStep
 
 
 class TrainerCapture:
@@ -58,8 +57,8 @@ class TrainerCapture:
                                           pad_to_multiple_of=self.pad_to_multiple_of)
             with trainer.compute_loss_context_manager():
                 return self._step(inputs).detach()
-        except PerSampleGradientError as error:
-            if self.required or not _is_capture_refusal(error):
+        except CaptureRefused as error:  # raised before anything was kept: the eager step runs this micro-batch
+            if self.required:
                 raise
             self.gave_up = str(error)
             warnings.warn(f"the private trainer runs its steps eagerly: {error}", stacklevel=2)
@@ -111,9 +110,3 @@ def _loss(trainer: Any, batch: Dict[str, Any]) -> torch.Tensor:
     when it pads), or the recipe's sum where it has no rows to show."""
     losses = trainer._dp_recipe.row_losses(trainer, trainer.model, dict(batch))
     return losses if losses is not None else trainer.compute_loss(trainer.model, batch)
-
-
-def _is_capture_refusal(error: PerSampleGradientError) -> bool:
-    """Whether ``error`` is the captured step's own refusal (a step it cannot trace or replay), which the eager step
-    may still run, rather than a privacy refusal the eager step raises too."""
-    return str(error).startswith(("captured step:", "capture_step "))
