@@ -17,6 +17,7 @@ import sys
 from typing import List, Sequence
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 _CAN_COUNT = hasattr(torch._C, "_storage_Use_Count")
 
@@ -32,7 +33,7 @@ _UNSHARED = _references(torch.empty(1)) if _CAN_COUNT else None  # a block only 
 
 def _tracing() -> bool:
     """Whether a graph is being traced (``make_fx``: its proxy mode is active): no memory to lend."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    return get_proxy_mode() is not None
 
 
 class BufferPool:
