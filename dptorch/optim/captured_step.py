@@ -24,10 +24,11 @@ The batch must be a DP loader's latest batch as handed out: its tensors, or tens
 their values (copies moved to a device; the step moves the batch to the parameters' device itself).
 Only then are its rows known to be the draw's, in order (a padded draw's mask), with nothing mixed
 into them before the forward. Fixed-shape batches (``TruncatedPoissonDataLoader``, fixed-size
-selection) trace once; Poisson batches trace once per size seen, or with ``pad_to_multiple_of=m``
-once per multiple of ``m``: the step appends copies of the batch's first row, which the graph masks
-as a padded loader's rows are (factor 0, rows zeroed: exactly 0 to the clipped sum, not counted), and
-the plan is told the draw's real rows.
+selection) trace once; Poisson batches trace once per size seen, with ``pad_to_multiple_of=m`` once per
+multiple of ``m``, and with ``rows_per_replay=m`` once: the batch runs as replays of exactly ``m`` rows,
+whose clipped sums add up to one round (every row clipped once, in one replay). Either way the step
+appends copies of a first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed:
+exactly 0 to the clipped sum, not counted), and the plan is told the draw's real rows.
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ class CaptureRefused(PerSampleGradientError):
 
 def capture_step(optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
                  compile: Union[bool, Dict[str, Any]] = True,
-                 pad_to_multiple_of: Optional[int] = None) -> "CapturedStep":
+                 pad_to_multiple_of: Optional[int] = None,
+                 rows_per_replay: Optional[int] = None) -> "CapturedStep":
     """A captured private step of ``loss_fn(*batch)`` for the DP ``optimizer`` (from ``make_private``): the loss
     of a batch by the controller's ``loss_reduction``, or one loss per row (the step reduces them, and returns the
     reduction over the real rows of a padded batch alone); see the module's docstring."""
-    return CapturedStep(optimizer, loss_fn, compile=compile, pad_to_multiple_of=pad_to_multiple_of)
+    return CapturedStep(optimizer, loss_fn, compile=compile, pad_to_multiple_of=pad_to_multiple_of,
+                        rows_per_replay=rows_per_replay)
 
 
 class CapturedStep:
@@ -82,11 +85,16 @@ class CapturedStep:
 
     def __init__(self, optimizer: DPOptimizer, loss_fn: Callable[..., torch.Tensor], *,
                  compile: Union[bool, Dict[str, Any]] = True,
-                 pad_to_multiple_of: Optional[int] = None) -> None:
+                 pad_to_multiple_of: Optional[int] = None,
+                 rows_per_replay: Optional[int] = None) -> None:
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(f"capture_step needs the DP optimizer make_private returned, got {type(optimizer).__name__}")
-        if pad_to_multiple_of is not None and not (isinstance(pad_to_multiple_of, int) and pad_to_multiple_of > 0):
-            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("rows_per_replay", rows_per_replay)):
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if pad_to_multiple_of is not None and rows_per_replay is not None:
+            raise ValueError("capture_step: give pad_to_multiple_of (one graph per multiple) or rows_per_replay (one "
+                             "graph, the batch in replays of that many rows), not both")
         _check_supported(optimizer)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -94,6 +102,8 @@ class CapturedStep:
         self.compile_options = compile_options(compile)
         #: Poisson batches padded up to a multiple of this many rows (masked rows: exactly 0), fewer shapes to trace.
         self.pad_to_multiple_of = pad_to_multiple_of
+        #: Every batch run as replays of exactly this many rows (the last padded with masked rows): one graph.
+        self.rows_per_replay = rows_per_replay
         self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]], ModelGuard]] = {}
         #: How many times a step was traced (each one a proof, and with ``compile`` a compilation).
         self.traces = 0
@@ -121,25 +131,43 @@ class CapturedStep:
             return torch.zeros(())
         device = optimizer.params[0].device
         tensors = [t.to(device, non_blocking=True) for t in tensors]
-        if padding is None and self.pad_to_multiple_of:  # copies of the first row after the real ones, masked
-            padded = -(-rows // self.pad_to_multiple_of) * self.pad_to_multiple_of
-            if padded > rows:
-                tensors = [torch.cat([t, t[:1].expand(padded - rows, *t.shape[1:])]) for t in tensors]
-                padding = torch.arange(padded) >= rows
-        mask = (padding if padding is not None else torch.zeros(len(tensors[0]), dtype=torch.bool)).to(device)
-        padding = None if padding is None else mask  # on the device of the norms the optimizer masks with it
         bound = torch.tensor(float(optimizer.max_grad_norm) if optimizer.clipping != "automatic" else 0.0,
                              dtype=torch.float64, device=device)
-        # padding rows are zeroed, as eagerly (so the sums are the eager ones, bit for bit); with pad_to_multiple_of
-        # every batch takes the masked graph, a full multiple too: one graph per multiple
-        masked = padding is not None or bool(self.pad_to_multiple_of)
-        round_ = self._replay(leaves, spec, tensors, mask, bound, masked=masked)
-        if round_.nonfinite and not masked:  # a unit whose gradient is not finite: only the masked graph zeroes its rows
-            round_ = self._replay(leaves, spec, tensors, mask, bound, masked=True)
+        # padding rows are zeroed, as eagerly (so the sums are the eager ones, bit for bit); a step that pads its
+        # batches takes the masked graph for every batch, one that needs no padding too: one graph per shape
+        masked = padding is not None or bool(self.pad_to_multiple_of or self.rows_per_replay)
+        round_, masks = None, []
+        for piece, mask in self._pieces(tensors, padding, rows):
+            piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=masked)
+            if piece_round.nonfinite and not masked:  # a unit whose gradient is not finite: only the masked graph zeroes it
+                piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=True)
+            real = int((~mask).sum())
+            round_ = piece_round.counted(real) if round_ is None else round_.add(piece_round, real, hooks.loss_reduction)
+            masks.append(mask)
+        mask = torch.cat(masks)
+        padding = mask.to(device) if bool(mask.any()) else None  # on the device of the norms the optimizer masks with
         optimizer.keep_captured_round(rows, round_.sums, round_.total,
                                       round_.within if optimizer.clipping != "automatic" else None, round_.dropped,
                                       padding, round_.nonfinite, round_.clipped)
         return round_.loss
+
+    def _pieces(self, tensors: List[torch.Tensor], padding: Optional[torch.Tensor],
+                rows: int) -> List[Tuple[List[torch.Tensor], torch.Tensor]]:
+        """The replays a batch of ``rows`` rows runs as, each its tensors and its mask of padding rows (the draw's,
+        and the copies of the piece's first row the step appends): the whole batch, padded up to a multiple of
+        ``pad_to_multiple_of``; or pieces of ``rows_per_replay`` rows, the last one padded."""
+        mask = padding if padding is not None else torch.zeros(rows, dtype=torch.bool)
+        width = self.rows_per_replay or rows
+        multiple = self.rows_per_replay or self.pad_to_multiple_of or 1
+        pieces = []
+        for start in range(0, rows, width):
+            piece, piece_mask = [t[start:start + width] for t in tensors], mask[start:start + width]
+            short = -(-len(piece_mask) // multiple) * multiple - len(piece_mask)
+            if short:
+                piece = [torch.cat([t, t[:1].expand(short, *t.shape[1:])]) for t in piece]
+                piece_mask = torch.cat([piece_mask, piece_mask.new_ones(short)])
+            pieces.append((piece, piece_mask))
+        return pieces
 
     def _replay(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
                 masked: bool) -> "CapturedRound":
@@ -150,7 +178,8 @@ class CapturedStep:
             entry = self._graphs[key] = (*self._trace(leaves, spec, tensors, mask, bound, masked), guard)
             if len(self._graphs) == MANY_SHAPES + 1:
                 warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
-                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader), or pad_to_multiple_of=m",
+                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader), or rows_per_replay=m (one "
+                              "graph) or pad_to_multiple_of=m",
                               stacklevel=3)
         graph, params, errors, _ = entry
         with torch.no_grad():
@@ -237,6 +266,28 @@ class CapturedRound:
         value_checks.raise_failed([bool(ok) for ok in read[:-2]], errors)
         #: Real units dropped for a non-finite gradient; real units clipped.
         self.nonfinite, self.clipped = int(read[-2]), int(read[-1])
+        #: The real (not padding) rows behind the round's loss.
+        self.real = 0
+
+    def counted(self, real: int) -> "CapturedRound":
+        """This round, of ``real`` real rows."""
+        self.real = real
+        return self
+
+    def add(self, piece: "CapturedRound", real: int, reduction: str) -> "CapturedRound":
+        """This round with the next piece's of the same batch (``real`` real rows) taken in: sums added in the pieces'
+        order (as a virtual step adds its physical batches), each row's outputs joined, the loss reported over every
+        real row by the controller's ``reduction``."""
+        self.sums = {p: s + piece.sums[p] for p, s in self.sums.items()}
+        self.total, self.within, self.dropped = (torch.cat(pair) for pair in (
+            (self.total, piece.total), (self.within, piece.within), (self.dropped, piece.dropped)))
+        self.nonfinite, self.clipped = self.nonfinite + piece.nonfinite, self.clipped + piece.clipped
+        if reduction == "sum":
+            self.loss = self.loss + piece.loss
+        elif real:  # a mean over the real rows: a piece of padding alone adds none (its own mean is 0 / 0)
+            self.loss = piece.loss if not self.real else (self.loss * self.real + piece.loss * real) / (self.real + real)
+        self.real += real
+        return self
 
 
 def _reduced(loss: Any, padding: torch.Tensor, reduction: str) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -449,6 +449,76 @@ def test_one_loss_per_row_is_reduced_and_reported_over_the_real_rows(reduction):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_poisson_batches_in_replays_of_a_fixed_width_trace_once_and_train_as_the_eager_ones(reduction):
+    """rows_per_replay=m: each batch runs as replays of exactly m rows (the last padded), one graph for every size;
+    the pieces' clipped sums add up to the eager round, every draw is accounted, the loss is the real rows'."""
+    def loader():
+        return DPDataLoader(dataset(), sample_rate=0.4, seed=4, steps=8)
+
+    def per_row(model):
+        return lambda x, y: nn.functional.cross_entropy(model(x), y, reduction="none")
+
+    sizes = [len(y) for _, y in loader()]
+    assert max(sizes) > 6 and len({n for n in sizes if n}) > 2  # several pieces a batch, several sizes
+    settings = dict(noise_multiplier=1.0, max_grad_norm=0.1, loss_reduction=reduction, accountant="rdp")
+    eager, _, eager_engine, _ = run(loader(), False, loss_of=lambda m: lambda x, y: getattr(per_row(m)(x, y), reduction)(),
+                                    **settings)
+    engine, model, optimizer, dp_loader = private(loader(), PrivacyEngine(accountant="rdp"),
+                                                  **{k: v for k, v in settings.items() if k != "accountant"})
+    step = capture_step(optimizer, per_row(model), compile=False, rows_per_replay=3)
+    captured, losses = [], []
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        expected = getattr(per_row(model)(x, y), reduction)().detach() if len(y) else None
+        losses.append((step(x, y), expected))
+        optimizer.step()
+        captured.append([p.grad.clone() for p in model.parameters()])
+    assert step.traces == 1 and len(captured) == len(eager) == 8
+    assert engine.accountant.history == eager_engine.accountant.history
+    for a, b in zip(eager, captured):
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+    for loss, expected in losses:
+        if expected is not None:
+            torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    eager_engine.detach()
+    engine.detach()
+
+
+def test_a_padded_draw_in_replays_with_pieces_of_padding_alone():
+    """A truncated Poisson draw (padding rows at its end) in replays of 2 rows: pieces holding padding alone add
+    exactly nothing and leave the reported mean loss the real rows'; the ledger is told the draw's rows."""
+    seed = next(s for s in range(1000) if 0 < len(truncated(seed=s, steps=1).batch_sampler.draw()[1]) <= B - 4)
+    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1, loss_reduction="mean")
+    mean = lambda m: lambda x, y: nn.functional.cross_entropy(m(x), y)  # noqa: E731
+    eager, _, engine, _ = run(truncated(seed=seed, steps=1), False, loss_of=mean, **settings)
+    engine.detach()
+    engine, model, optimizer, dp_loader = private(truncated(seed=seed, steps=1), PrivacyEngine(accountant="pld"),
+                                                  **settings)
+    step = capture_step(optimizer, lambda x, y: nn.functional.cross_entropy(model(x), y, reduction="none"),
+                        compile=False, rows_per_replay=2)
+    x, y = next(iter(dp_loader))
+    real = len(truncated(seed=seed, steps=1).batch_sampler.draw()[1])
+    optimizer.zero_grad()
+    loss = step(x, y)
+    torch.testing.assert_close(loss, nn.functional.cross_entropy(model(x[:real]), y[:real]).detach())
+    optimizer.step()
+    for u, v in zip(eager[0], [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-7)
+    assert step.traces == 1  # and the ledger took the draw's rows (optimizer.step() refuses a round it was not told)
+    engine.detach()
+
+
+@pytest.mark.parametrize("options", [dict(rows_per_replay=0), dict(rows_per_replay=True), dict(pad_to_multiple_of=-1),
+                                     dict(rows_per_replay=4, pad_to_multiple_of=4)])
+def test_row_options_out_of_range_or_together_are_refused(options):
+    engine, model, optimizer, _ = private(truncated(), PrivacyEngine(accountant="pld"))
+    with pytest.raises(ValueError, match="pad_to_multiple_of|rows_per_replay"):
+        capture_step(optimizer, cross_entropy(model), compile=False, **options)
+    engine.detach()
+
+
 def test_a_loss_of_another_shape_is_refused_naming_the_contract():
     engine, model, optimizer, dp_loader = private(truncated(), PrivacyEngine(accountant="pld"), noise_multiplier=0.0,
                                                   max_grad_norm=0.1)
@@ -470,6 +540,24 @@ def test_a_200_step_run_of_fixed_shape_batches_traces_and_compiles_once():
         optimizer.zero_grad()
         step(x, y)
         optimizer.step()
+    assert step.traces == 1 and counters["stats"]["unique_graphs"] == 1 and len(engine.accountant) == 200
+    engine.detach()
+
+
+def test_a_200_step_poisson_run_in_replays_of_a_fixed_width_traces_and_compiles_once():
+    from torch._dynamo.utils import counters  # noqa: PLC0415 - Dynamo's own record of what it compiled
+
+    torch._dynamo.reset()
+    counters.clear()
+    loader = DPDataLoader(dataset(), sample_rate=Q, seed=3, steps=200)
+    sizes = {len(y) for _, y in DPDataLoader(dataset(), sample_rate=Q, seed=3, steps=200)}
+    engine, model, optimizer, dp_loader = private(loader, PrivacyEngine(accountant="rdp"), noise_multiplier=1.0)
+    step = capture_step(optimizer, cross_entropy(model), rows_per_replay=4)
+    for x, y in dp_loader:
+        optimizer.zero_grad()
+        step(x, y)
+        optimizer.step()
+    assert len(sizes) > 8 and max(sizes) > 8  # Poisson sizes, most of them more than one replay
     assert step.traces == 1 and counters["stats"]["unique_graphs"] == 1 and len(engine.accountant) == 200
     engine.detach()
 

@@ -124,8 +124,30 @@ def test_cuda_graph_modes_are_refused_by_capture(tmp_path):
                      torch_compile=True, torch_compile_mode="reduce-overhead")
 
 
-@pytest.mark.parametrize("value, message", [("yes", "capture_step must be"), (0, "capture_pad_to_multiple_of must")])
-def test_capture_arguments_are_checked(value, message):
-    field = "capture_step" if message.startswith("capture_step") else "capture_pad_to_multiple_of"
+def test_micro_batches_in_replays_of_a_fixed_width_trace_one_shape(tmp_path):
+    """capture_rows_per_replay=2: every Poisson micro-batch, whatever its size, runs as replays of 2 rows; the run is
+    the eager one (within float32 rounding: the pieces' sums are added in their order) and so is its logged loss."""
+    fixed = DataCollatorForPrivateCausalLanguageModeling(TOKENIZER, pad_to_multiple_of=32)
+    eager = trained(tmp_path, False, collator=fixed)
+    captured = trained(tmp_path, True, collator=fixed, privacy={"capture_rows_per_replay": 2})
+    assert captured.dp_capture.traces == 1
+    assert_same_run(eager, captured, exact=False)
+    assert logged(captured, "loss") == pytest.approx(logged(eager, "loss"), rel=1e-5)
+
+
+def test_row_options_of_a_run_that_steps_eagerly_are_named_unused(tmp_path):
+    with pytest.warns(UserWarning, match=r"not used.*torch_compile=False|torch_compile=False.*not used"):
+        make_trainer(tmp_path, privacy=PrivacyArguments(noise_multiplier=1.0, target_delta=1e-3,
+                                                        capture_rows_per_replay=4))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(capture_step="yes"), "capture_step must be"),
+    (dict(capture_pad_to_multiple_of=0), "capture_pad_to_multiple_of must"),
+    (dict(capture_rows_per_replay=True), "capture_rows_per_replay must"),
+    (dict(capture_rows_per_replay=4, capture_step=False), "capture_rows_per_replay shapes .* capture_step=False"),
+    (dict(capture_rows_per_replay=4, capture_pad_to_multiple_of=4), "not both"),
+])
+def test_capture_arguments_are_checked(options, message):
     with pytest.raises(ValueError, match=message):
-        PrivacyArguments(noise_multiplier=1.0, **{field: value})
+        PrivacyArguments(noise_multiplier=1.0, **options)

@@ -77,12 +77,17 @@ class PrivacyArguments:
                   "None (default): captured when torch_compile=True and the set-up allows it, else eager (a step "
                   "that does not trace warns and runs eagerly); True: captured, refusing a set-up it cannot be; "
                   "False: eager. Give fixed shapes: the collator's pad_to_multiple_of for lengths, "
-                  "capture_pad_to_multiple_of for rows."},
+                  "capture_rows_per_replay (or capture_pad_to_multiple_of) for rows."},
     )
     capture_pad_to_multiple_of: Optional[int] = field(
         default=None,
         metadata={"help": "Captured step: pad each Poisson micro-batch with masked rows (exactly 0 to the sums, not "
                   "counted) to a multiple of this many rows, so that fewer batch shapes are traced and compiled."},
+    )
+    capture_rows_per_replay: Optional[int] = field(
+        default=None,
+        metadata={"help": "Captured step: run each Poisson micro-batch as replays of exactly this many rows (the last "
+                  "padded with masked rows), so that one batch shape is traced and compiled whatever the draw's size."},
     )
     secure_mode: bool = field(
         default=False, metadata={"help": "Draw the noise and the Poisson sampling from the OS CSPRNG (not replayable)."}
@@ -201,11 +206,16 @@ class PrivacyArguments:
             raise ValueError(f"audit_confidence must be in (0, 1), got {self.audit_confidence}")
         if self.capture_step is not None and not isinstance(self.capture_step, bool):
             raise ValueError(f"capture_step must be None (auto), True or False, got {self.capture_step!r}")
-        pad = self.capture_pad_to_multiple_of
-        if pad is not None and not (isinstance(pad, int) and pad > 0):
-            raise ValueError(f"capture_pad_to_multiple_of must be a positive whole number or None, got {pad!r}")
-        if pad is not None and self.capture_step is False:
-            raise ValueError("capture_pad_to_multiple_of pads the captured step's batches, but capture_step=False")
+        rows = {name: getattr(self, name) for name in ("capture_pad_to_multiple_of", "capture_rows_per_replay")
+                if getattr(self, name) is not None}
+        for name, value in rows.items():
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"{name} must be a positive whole number or None, got {value!r}")
+            if self.capture_step is False:
+                raise ValueError(f"{name} shapes the captured step's batches, but capture_step=False")
+        if len(rows) > 1:
+            raise ValueError("give capture_rows_per_replay (one shape) or capture_pad_to_multiple_of (one shape per "
+                             "multiple), not both")
         if self.secure_mode and self.noise_seed is not None:
             raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
         if self.secure_mode and self.sampling_seed is not None:

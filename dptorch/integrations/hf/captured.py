@@ -27,6 +27,7 @@ class TrainerCapture:
         self.required = required
         self.compile = trainer_compile_options(trainer.args)
         self.pad_to_multiple_of = trainer.privacy_args.capture_pad_to_multiple_of
+        self.rows_per_replay = trainer.privacy_args.capture_rows_per_replay
         self._step: Optional[CapturedStep] = None
         #: Why the run went on eagerly (a step that did not trace, under capture_step=None), or None.
         self.gave_up: Optional[str] = None
@@ -35,13 +36,17 @@ class TrainerCapture:
     def for_trainer(cls, trainer: Any) -> Optional["TrainerCapture"]:
         """The trainer's capture, or None for eager steps; ``capture_step=True`` with a set-up that cannot be
         captured raises ValueError naming why."""
-        wanted = trainer.privacy_args.capture_step
-        if wanted is False or (wanted is None and not trainer.args.torch_compile):
+        privacy = trainer.privacy_args
+        wanted = privacy.capture_step
+        if wanted is False:
             return None
-        reasons = uncapturable(trainer)
+        reasons = uncapturable(trainer) if wanted or trainer.args.torch_compile else ["torch_compile=False"]
         if reasons and wanted:
             raise ValueError("capture_step=True, but the captured step does not support " + "; ".join(reasons)
                              + ": leave capture_step unset (None) or False for eager steps")
+        if reasons and (privacy.capture_pad_to_multiple_of or privacy.capture_rows_per_replay):
+            warnings.warn("capture_pad_to_multiple_of and capture_rows_per_replay shape the captured step's batches, "
+                          f"but this run steps eagerly ({'; '.join(reasons)}): they are not used", stacklevel=3)
         return None if reasons else cls(trainer, required=bool(wanted))
 
     def run(self, trainer: Any, model: Any, inputs: Dict[str, Any]) -> Optional[torch.Tensor]:
@@ -54,7 +59,8 @@ class TrainerCapture:
         try:
             if self._step is None:
                 self._step = CapturedStep(trainer._dp_optimizer(), partial(_loss, trainer), compile=self.compile,
-                                          pad_to_multiple_of=self.pad_to_multiple_of)
+                                          pad_to_multiple_of=self.pad_to_multiple_of,
+                                          rows_per_replay=self.rows_per_replay)
             with trainer.compute_loss_context_manager():
                 return self._step(inputs).detach()
         except CaptureRefused as error:  # raised before anything was kept: the eager step runs this micro-batch
