@@ -13,9 +13,11 @@ row one length (the collator's ``pad_to_multiple_of``), SGD, one thread. Each mo
   ``--batch`` rows expected), ``capture_step=False``.
 * ``captured_dp``: the same with ``torch_compile=True`` (the captured step, its default there) and
   ``capture_pad_to_multiple_of=2 * --batch``: one shape unless a draw exceeds it.
+* ``captured_dp_pieces``: the same with ``capture_rows_per_replay=--rows-per-replay`` (default ``--batch``)
+  instead: every micro-batch as replays of that many rows, one shape whatever the draw.
 
 Medians of ``--steps`` steps after three warm-up steps; the first step of each compiled mode
-(``*_first_step_s``: the trace and compilation) apart; ``captured_dp_traces``: the shapes traced.
+(``*_first_step_s``: the trace and compilation) apart; ``*_traces``: the shapes traced.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ except ImportError:  # run as a script: benchmarks/ is on the path
     from captured_step import SHAPES
     from models import build
 
-MODES = ("eager_plain", "compiled_plain", "eager_dp", "captured_dp")
+MODES = ("eager_plain", "compiled_plain", "eager_dp", "captured_dp", "captured_dp_pieces")
 
 
 def main() -> None:
@@ -54,6 +56,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows-per-replay", type=int, default=None, help="captured_dp_pieces' width (default --batch)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -79,15 +82,17 @@ def main() -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = build("gpt2", layers, width, vocab, True)
-        private = mode.endswith("dp")
+        private = "_dp" in mode
         training = cpu_training_args(
             tempfile.mkdtemp(), max_steps=args.steps + 4, optim="sgd", learning_rate=1e-3, logging_steps=10**6,
             max_grad_norm=0.0, per_device_train_batch_size=args.batch if private else 2 * args.batch,
             torch_compile=mode.startswith(("compiled", "captured")))
         kwargs = dict(model=model, args=training, train_dataset=dataset, data_collator=collator)
         if private:
-            privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, capture_step=mode == "captured_dp",
-                                       capture_pad_to_multiple_of=2 * args.batch if mode == "captured_dp" else None)
+            privacy = PrivacyArguments(noise_multiplier=1.0, target_delta=1e-5, capture_step=mode != "eager_dp",
+                                       capture_pad_to_multiple_of=2 * args.batch if mode == "captured_dp" else None,
+                                       capture_rows_per_replay=(args.rows_per_replay or args.batch)
+                                       if mode == "captured_dp_pieces" else None)
             trainer = DPTrainer(**kwargs, privacy_args=privacy)
         else:
             trainer = Trainer(**kwargs)
@@ -97,9 +102,10 @@ def main() -> None:
         if mode.startswith(("compiled", "captured")):
             result[f"{mode}_first_step_s"] = round(times.seconds[0], 2)
         result[f"{mode}_ms"] = statistics.median(times.seconds[4:]) * 1e3
-        if mode == "captured_dp":
-            result["captured_dp_traces"] = trainer.dp_capture.traces
-    for over, under in (("captured_dp", "compiled_plain"), ("eager_dp", "captured_dp"), ("eager_dp", "eager_plain")):
+        if mode.startswith("captured"):
+            result[f"{mode}_traces"] = trainer.dp_capture.traces
+    for over, under in (("captured_dp", "compiled_plain"), ("captured_dp_pieces", "compiled_plain"),
+                        ("eager_dp", "captured_dp"), ("eager_dp", "captured_dp_pieces"), ("eager_dp", "eager_plain")):
         if f"{over}_ms" in result and f"{under}_ms" in result:
             result[f"{over}_over_{under}"] = result[f"{over}_ms"] / result[f"{under}_ms"]
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}))

@@ -165,7 +165,8 @@ def test_the_loss_mixing_the_batch_before_the_model_is_refused():
     engine.detach()
 
 
-def test_a_failed_value_check_refuses_the_round_and_keeps_nothing():
+@pytest.mark.parametrize("rows_per_replay", [None, 2])
+def test_a_failed_value_check_refuses_the_round_and_keeps_nothing(rows_per_replay):
     class Regularised(nn.Module):
         """A shared layer output reaching the loss without meeting the batch: no per-sample split of it."""
 
@@ -183,7 +184,7 @@ def test_a_failed_value_check_refuses_the_round_and_keeps_nothing():
         out, table = model(x)
         return nn.functional.cross_entropy(out, y, reduction="sum") + table.pow(2).sum()
 
-    step = capture_step(optimizer, loss_fn, compile=False)
+    step = capture_step(optimizer, loss_fn, compile=False, rows_per_replay=rows_per_replay)
     with pytest.raises(PerSampleGradientError, match="emb is called on inputs that carry no batch dimension"):
         step(*next(iter(dp_loader)))
     assert step.traces == 1 and optimizer.accumulated_iterations == 0 and not optimizer._summed

@@ -240,9 +240,11 @@ def test_bad_setups_fail_at_construction_naming_the_fix(tmp_path, change, messag
 def test_torch_compile_trains_as_the_uncompiled_trainer(tmp_path, capture):
     """``torch_compile=True``: Accelerate compiles the model. By default the step is captured and its graph compiled
     (test_trainer_captured.py); with ``capture_step=False`` the private forwards run eagerly (each turns Dynamo off
-    for the compiled call). Either way the steps are the uncompiled trainer's."""
+    for the compiled call). Either way the steps are the uncompiled trainer's (captured, each micro-batch size traced:
+    replays of a fixed width add their sums in another order, test_trainer_captured.py)."""
     def trained(folder, **args):
-        privacy = PrivacyArguments(noise_multiplier=0.0, target_delta=1e-3, sampling_seed=1, capture_step=capture)
+        privacy = PrivacyArguments(noise_multiplier=0.0, target_delta=1e-3, sampling_seed=1, capture_step=capture,
+                                   capture_pad_to_multiple_of=1 if capture is None else None)
         trainer = make_trainer(tmp_path / folder, model=without_dropout(tiny_gpt2(TOKENIZER)), max_steps=2, **args,
                                privacy=privacy)
         trainer.train()

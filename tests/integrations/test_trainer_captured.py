@@ -45,8 +45,9 @@ def assert_same_run(eager, captured, exact=True):
 
 
 def test_the_captured_trainer_is_the_eager_trainer_bit_for_bit(tmp_path):
-    eager, captured = trained(tmp_path, False), trained(tmp_path, True)
-    assert eager.dp_capture is None and captured.dp_capture.traces >= 1
+    """Each micro-batch size traced (capture_pad_to_multiple_of=1): one replay a micro-batch, the eager sums."""
+    eager, captured = trained(tmp_path, False), trained(tmp_path, True, privacy={"capture_pad_to_multiple_of": 1})
+    assert eager.dp_capture is None and captured.dp_capture.traces > 1
     assert_same_run(eager, captured)
     assert logged(eager, "loss") == logged(captured, "loss")
     assert logged(eager, "grad_norm") == logged(captured, "grad_norm")
@@ -124,13 +125,17 @@ def test_cuda_graph_modes_are_refused_by_capture(tmp_path):
                      torch_compile=True, torch_compile_mode="reduce-overhead")
 
 
-def test_micro_batches_in_replays_of_a_fixed_width_trace_one_shape(tmp_path):
-    """capture_rows_per_replay=2: every Poisson micro-batch, whatever its size, runs as replays of 2 rows; the run is
-    the eager one (within float32 rounding: the pieces' sums are added in their order) and so is its logged loss."""
+@pytest.mark.parametrize("width", [None, 2])
+def test_micro_batches_in_replays_of_a_fixed_width_trace_one_shape(tmp_path, width):
+    """capture_rows_per_replay (by default per_device_train_batch_size, 4 here): every Poisson micro-batch, whatever
+    its size, runs as replays of that many rows; the run is the eager one (within float32 rounding: the pieces' sums
+    are added in their order) and so is its logged loss."""
     fixed = DataCollatorForPrivateCausalLanguageModeling(TOKENIZER, pad_to_multiple_of=32)
     eager = trained(tmp_path, False, collator=fixed)
-    captured = trained(tmp_path, True, collator=fixed, privacy={"capture_rows_per_replay": 2})
-    assert captured.dp_capture.traces == 1
+    default = {} if width else dict(torch_compile=True, torch_compile_backend="eager")  # the torch_compile default
+    captured = trained(tmp_path, None if default else True, collator=fixed, privacy={"capture_rows_per_replay": width},
+                       **default)
+    assert captured.dp_capture.rows_per_replay == (width or 4) and captured.dp_capture.traces == 1
     assert_same_run(eager, captured, exact=False)
     assert logged(captured, "loss") == pytest.approx(logged(eager, "loss"), rel=1e-5)
 

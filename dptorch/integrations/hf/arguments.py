@@ -82,12 +82,14 @@ class PrivacyArguments:
     capture_pad_to_multiple_of: Optional[int] = field(
         default=None,
         metadata={"help": "Captured step: pad each Poisson micro-batch with masked rows (exactly 0 to the sums, not "
-                  "counted) to a multiple of this many rows, so that fewer batch shapes are traced and compiled."},
+                  "counted) to a multiple of this many rows, one shape traced and compiled per multiple, instead of "
+                  "replays of capture_rows_per_replay rows."},
     )
     capture_rows_per_replay: Optional[int] = field(
         default=None,
         metadata={"help": "Captured step: run each Poisson micro-batch as replays of exactly this many rows (the last "
-                  "padded with masked rows), so that one batch shape is traced and compiled whatever the draw's size."},
+                  "padded with masked rows), so that one batch shape is traced and compiled whatever the draw's size. "
+                  "None: per_device_train_batch_size, unless capture_pad_to_multiple_of is given (1: trace each size)."},
     )
     secure_mode: bool = field(
         default=False, metadata={"help": "Draw the noise and the Poisson sampling from the OS CSPRNG (not replayable)."}

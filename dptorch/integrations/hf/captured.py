@@ -26,8 +26,12 @@ class TrainerCapture:
     def __init__(self, trainer: Any, required: bool) -> None:
         self.required = required
         self.compile = trainer_compile_options(trainer.args)
-        self.pad_to_multiple_of = trainer.privacy_args.capture_pad_to_multiple_of
-        self.rows_per_replay = trainer.privacy_args.capture_rows_per_replay
+        privacy = trainer.privacy_args
+        self.pad_to_multiple_of = privacy.capture_pad_to_multiple_of
+        #: Micro-batches run as replays of this many rows: by default the micro-batch size the run was given, so
+        #: one shape whatever the Poisson draw, and no replay larger than that (its memory).
+        self.rows_per_replay = privacy.capture_rows_per_replay or (
+            None if self.pad_to_multiple_of else trainer.args.per_device_train_batch_size)
         self._step: Optional[CapturedStep] = None
         #: Why the run went on eagerly (a step that did not trace, under capture_step=None), or None.
         self.gave_up: Optional[str] = None
