@@ -82,3 +82,22 @@ def test_the_baseline_leaves_the_private_run_s_random_draws_alone():
     with global_generators_kept():
         torch.rand(5), np.random.rand(2), random.random()
     assert torch.equal(torch.rand(3), expected[0]) and (np.random.rand(), random.random()) == expected[1:]
+
+
+def test_compiled_private_steps_train_as_the_eager_ones(capsys):
+    """--compiled: every Poisson batch (119.75 images expected) in replays of 128 rows, one trace; the run's draws,
+    noise and accounting are the eager run's, its parameters equal within float32 rounding."""
+    flags = ["--epochs", "2", "--no-baseline"]
+    eager = digits.main(flags + ["--json"])
+    compiled = digits.main(flags + ["--compiled", "eager"])  # Dynamo's eager backend: the graph, no code generation
+    assert "compiled private step (eager): 1 trace (each a proof and a compilation)" in capsys.readouterr().out
+    assert compiled["compiled"] == {"backend": "eager", "traces": 1} and eager["compiled"] is None
+    assert compiled["steps"] == eager["steps"] == 24 and compiled["epsilon"] == eager["epsilon"]
+    assert compiled["private_accuracy"] == pytest.approx(eager["private_accuracy"], abs=0.02)
+    assert compiled["final_loss"] == pytest.approx(eager["final_loss"], rel=0.02)
+
+
+def test_compiled_refuses_a_mode_it_does_not_capture_before_training(capsys):
+    with pytest.raises(SystemExit):
+        digits.main(["--compiled", "--mode", "functorch"])
+    assert "--compiled captures the modes bk, ghost, hooks (or auto), not --mode functorch" in capsys.readouterr().err

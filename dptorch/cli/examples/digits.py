@@ -5,6 +5,9 @@ example digits``). A plain PyTorch loop made private by ``PrivacyEngine.make_pri
 in non-wrapping mode (``wrap_model=False``: the CNN stays the CNN). Prints the test accuracy of
 the private model next to a non-private one trained the same way, and the privacy spent
 (epsilon at delta) with the noise multiplier that reached it; ``--plots DIR`` saves pictures.
+``--compiled`` runs the private steps through ``dptorch.capture_step``: each step's forward, backward
+and clipping one traced graph, compiled by ``torch.compile``, replayed for every Poisson batch in
+replays of ``--batch-size`` rows (one shape, so one trace and one compilation).
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from dptorch import PrivacyEngine
+from dptorch import PrivacyEngine, capture_step
 from dptorch.cli.examples.flags import add_shared_flags, check_shared_flags
 from dptorch.cli.examples.plots import show_report
 from dptorch.cli.examples.random_state import global_generators_kept
 from dptorch.cli.examples.threads import threads_to_use
 from dptorch.cli.plots import RunHistory, save_pictures
+from dptorch.optim.captured_step import CAPTURED_MODES
 
 
 def load_digits_splits(seed: int = 0) -> Tuple[TensorDataset, TensorDataset]:
@@ -67,12 +71,14 @@ def train(
     test_accuracy: Callable[[], float],
     epsilon: Optional[Callable[[], float]] = None,
     show_progress: bool = True,
+    backward: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
 ) -> float:
     """The same plain loop for both runs; records each step into ``history``, and the test accuracy
     before training and after each epoch; returns seconds (evaluations included).
 
     ``epsilon`` (private run) is asked after every step; the clipped fraction comes from the
-    optimizer when it is a ``DPOptimizer``.
+    optimizer when it is a ``DPOptimizer``. ``backward(x, y)`` (a captured step) replaces the forward
+    and ``loss.backward()``, returning the loss.
     """
     from tqdm.auto import tqdm
 
@@ -84,7 +90,9 @@ def train(
             for x, y in loader:
                 optimizer.zero_grad()
                 loss = math.nan
-                if len(y):  # a Poisson batch may be empty: the private step then adds noise only
+                if backward is not None:  # a captured step: an empty batch adds the noise alone there
+                    loss = backward(x, y).item() if len(y) else math.nan
+                elif len(y):  # a Poisson batch may be empty: the private step then adds noise only
                     batch_loss = criterion(model(x), y)
                     batch_loss.backward()
                     loss = batch_loss.item()
@@ -113,6 +121,7 @@ def run(
     lr: float = 0.1,
     mode: str = "auto",
     wrap_model: bool = False,
+    compiled: Optional[str] = None,
     seed: int = 0,
     threads: int = 1,
     plots: Optional[str] = None,
@@ -120,8 +129,9 @@ def run(
     verbose: bool = True,
 ) -> Dict[str, Any]:
     """Set up the private run (every check of the engine runs before anything trains), train the
-    non-private model (unless ``baseline=False``), then the private one; return the report as a
-    dict (pictures if ``plots``)."""
+    non-private model (unless ``baseline=False``), then the private one (its steps captured and
+    compiled by the ``torch.compile`` backend ``compiled``, if given); return the report as a dict
+    (pictures if ``plots``)."""
     threads = threads_to_use(threads)  # 1 by default: the CNN is too small to gain from more
     torch.set_num_threads(threads)
     start = time.perf_counter()
@@ -142,6 +152,10 @@ def run(
         wrap_model=wrap_model,
     )
     private_model = first if wrap_model else model  # wrap_model=False: the controller is returned, train the CNN
+    captured = None
+    if compiled:  # one loss per image (a trace cannot read the targets for cross-entropy's mean): the step reduces them
+        captured = capture_step(optimizer, lambda x, y: nn.functional.cross_entropy(private_model(x), y, reduction="none"),
+                                compile={"backend": compiled}, rows_per_replay=batch_size)
 
     non_private_history = RunHistory("non-private")
     non_private_accuracy = non_private_seconds = None
@@ -159,7 +173,7 @@ def run(
     private_history = RunHistory("private")
     private_seconds = train(
         private_model, optimizer, loader, epochs, private_history, test_accuracy=lambda: accuracy(private_model, test_set),
-        epsilon=lambda: engine.get_epsilon(delta), show_progress=verbose,
+        epsilon=lambda: engine.get_epsilon(delta), show_progress=verbose, backward=captured,
     )
     report = engine.privacy_report(delta)
     report.update(
@@ -172,6 +186,7 @@ def run(
         non_private_seconds=non_private_seconds,
         total_seconds=time.perf_counter() - start,
         histories={"private": private_history, "non_private": non_private_history},
+        compiled={"backend": compiled, "traces": captured.traces} if captured else None,
     )
     engine.detach()  # hooks and optimizer listener removed: `model` is exactly a plain CNN again
     if plots:
@@ -189,6 +204,9 @@ def build_parser(prog: str = "python -m dptorch.cli.examples.digits") -> argpars
                      "the 1437 training images at 128")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate of the private run (default 0.1)")
     parser.add_argument("--wrap-model", action="store_true", help="use the GradSampleModule wrapper")
+    parser.add_argument("--compiled", nargs="?", const="inductor", metavar="BACKEND",
+                        help="capture each private step (forward, backward, clipping) as one graph compiled by "
+                        "torch.compile with BACKEND (default inductor), replayed in replays of --batch-size rows")
     return parser
 
 
@@ -199,9 +217,11 @@ def main(argv: Optional[List[str]] = None, prog: Optional[str] = None) -> Dict[s
     check_shared_flags(args, parser, dataset_size=len(load_digits_splits(args.seed)[0]))
     if not args.lr > 0:
         parser.error(f"--lr must be > 0, got {args.lr}")
+    if args.compiled and args.mode not in ("auto", *CAPTURED_MODES):
+        parser.error(f"--compiled captures the modes {', '.join(CAPTURED_MODES)} (or auto), not --mode {args.mode}")
     report = run(
         epsilon=args.epsilon, delta=args.delta, epochs=args.epochs, batch_size=args.batch_size,
-        max_grad_norm=args.max_grad_norm, lr=args.lr, mode=args.mode, wrap_model=args.wrap_model,
+        max_grad_norm=args.max_grad_norm, lr=args.lr, mode=args.mode, wrap_model=args.wrap_model, compiled=args.compiled,
         seed=args.seed, threads=args.threads, plots=args.plots, baseline=not args.no_baseline, verbose=not args.json,
     )
     show_report(report, as_json=args.json)

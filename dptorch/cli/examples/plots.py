@@ -22,6 +22,10 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"wall time: {report['total_seconds']:.1f} s (private training {report['private_seconds']:.1f} s"
         + (f", non-private {report['non_private_seconds']:.1f} s)" if baseline else ")"),
     ]
+    if report.get("compiled"):
+        compiled = report["compiled"]
+        lines.append(f"compiled private step ({compiled['backend']}): {compiled['traces']} "
+                     f"trace{'s' if compiled['traces'] != 1 else ''} (each a proof and a compilation)")
     if report.get("pictures"):
         folder = os.path.dirname(report["pictures"][0]) or "."
         lines.append(f"pictures in {folder}/: " + ", ".join(os.path.basename(p) for p in report["pictures"]))
