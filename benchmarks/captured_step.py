@@ -2,10 +2,12 @@
 
     python benchmarks/captured_step.py [--shape dispatch-gpt2] [--batch 1] [--seq 4] [--steps 20]
     python benchmarks/captured_step.py --device cuda --dtype bfloat16 --shape gpt2-small --batch 16 --seq 1024
+    python benchmarks/captured_step.py --device cuda --dtype bfloat16 --shape llama-1b --lora 16 --batch 8 --seq 1024
 
-GPT-2 with its head tied, trained on token ids with cross-entropy (sum over tokens), SGD. Every step
-is timed whole, taking its batch from a loader: ``next`` of the loader's iterator, the step, the
-update.
+GPT-2 (or a Llama of Llama 3.2 1B's shape: 16 x 2048, 8 key-value heads, vocabulary 128256), its head tied,
+random weights, trained on token ids with cross-entropy (sum over tokens), SGD; ``--lora R``: LoRA adapters
+of rank R on every linear layer (peft), only they trained. Every step is timed whole, taking its batch
+from a loader: ``next`` of the loader's iterator, the step, the update.
 
 * ``eager_plain`` / ``compiled_plain``: a shuffling ``DataLoader`` of ``--batch`` rows; the model, or
   ``torch.compile`` of it; forward, backward, ``SGD.step``.
@@ -33,14 +35,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 try:
-    from benchmarks.models import build
+    from benchmarks.models import build, with_lora
 except ImportError:  # run as a script: benchmarks/ is on the path
-    from models import build
+    from models import build, with_lora
 
-SHAPES = {  # name: (layers, width, vocab), GPT-2 with its head tied to the token embedding
-    "dispatch-gpt2": (12, 64, 5000),
-    "narrow-gpt2": (4, 256, 5000),
-    "gpt2-small": (12, 768, 50257),  # for --device cuda
+SHAPES = {  # name: (family, layers, width, vocab, key-value heads), the head tied to the token embedding
+    "dispatch-gpt2": ("gpt2", 12, 64, 5000, None),
+    "narrow-gpt2": ("gpt2", 4, 256, 5000, None),
+    "narrow-llama": ("llama", 4, 256, 5000, 2),
+    "gpt2-small": ("gpt2", 12, 768, 50257, None),  # for --device cuda
+    "llama-1b": ("llama", 16, 2048, 128256, 8),  # for --device cuda, with --lora 16
 }
 
 
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank, only they trained (0: none)")
     parser.add_argument("--modes", nargs="+", default=["eager_plain", "compiled_plain", "eager_bk", "captured_bk"])
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -96,16 +101,19 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if not cuda:
         torch.set_num_threads(1)
-    layers, width, vocab = SHAPES[args.shape]
+    family, layers, width, vocab, kv_heads = SHAPES[args.shape]
     examples = 64 * args.batch
     ids = torch.randint(0, vocab, (examples, args.seq), generator=torch.Generator().manual_seed(0))
     data = TensorDataset(ids)
     result = {"shape": args.shape, "batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype,
-              "threads": None if cuda else 1}
+              "lora": args.lora, "threads": None if cuda else 1}
+    if cuda:
+        result["device_name"] = torch.cuda.get_device_name()
 
     def model_and_loss():
         torch.manual_seed(0)
-        model = build("gpt2", layers, width, vocab, True).to(device=args.device, dtype=getattr(torch, args.dtype))
+        model = build(family, layers, width, vocab, True, kv_heads)
+        model = with_lora(model.to(device=args.device, dtype=getattr(torch, args.dtype)), args.lora)
 
         def loss_fn(x):
             x = x.to(args.device)
@@ -118,7 +126,7 @@ def main() -> None:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         model, loss_fn = model_and_loss()
-        sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+        sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         if mode.endswith("plain"):
             call = torch.compile(model) if mode == "compiled_plain" else model
 

@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    layers, width, vocab = SHAPES[args.shape]
+    family, layers, width, vocab, kv_heads = SHAPES[args.shape]
     rows = 64 * args.batch
     ids = torch.randint(0, vocab, (rows, args.seq), generator=torch.Generator().manual_seed(0))
     dataset = Dataset.from_dict({"input_ids": ids.tolist()})
@@ -81,7 +81,7 @@ def main() -> None:
     for mode in args.modes:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = build("gpt2", layers, width, vocab, True)
+        model = build(family, layers, width, vocab, True, kv_heads)
         private = "_dp" in mode
         training = cpu_training_args(
             tempfile.mkdtemp(), max_steps=args.steps + 4, optim="sgd", learning_rate=1e-3, logging_steps=10**6,

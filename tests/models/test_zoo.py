@@ -111,3 +111,15 @@ def test_family_captured_is_exact_or_refused_naming_why(name, mode):
             assert_captured_exact(ZOO[name].build(), inputs, ZOO[name].loss, mode, n)
         return
     assert_captured_exact(ZOO[name].build(), inputs, ZOO[name].loss, mode, n)
+
+
+@pytest.mark.parametrize("name", LORA)
+def test_lora_adapters_captured_are_exact(name):
+    """LoRA adapters (peft) through ``capture_step`` (bk): the traced graph gives the oracle's norms and clipped sums,
+    the frozen base's products in it but none of its per-sample work (the GPU target's set-up, a Llama with LoRA)."""
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=list(ZOO[name].lora_targets), init_lora_weights=False)
+    model = peft.get_peft_model(ZOO[name].build(), config)
+    n, t = SIZES["T == n"]
+    inputs = ZOO[name].inputs(n, t, torch.Generator().manual_seed(n * 31 + t))
+    assert_captured_exact(model, inputs, ZOO[name].loss, "bk", n)
