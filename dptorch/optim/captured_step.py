@@ -26,7 +26,8 @@ Only then are its rows known to be the draw's, in order (a padded draw's mask), 
 into them before the forward. Fixed-shape batches (``TruncatedPoissonDataLoader``, fixed-size
 selection) trace once; Poisson batches trace once per size seen, with ``pad_to_multiple_of=m`` once per
 multiple of ``m``, and with ``rows_per_replay=m`` once: the batch runs as replays of exactly ``m`` rows,
-whose clipped sums add up to one round (every row clipped once, in one replay). Either way the step
+whose clipped sums add up to one round (every row clipped once, in one replay; a piece of a padded
+draw's padding alone is not replayed, its outputs known). Either way the step
 appends copies of a first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed:
 exactly 0 to the clipped sum, not counted), and the plan is told the draw's real rows.
 """
@@ -107,6 +108,8 @@ class CapturedStep:
         self._graphs: Dict[Any, Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]], ModelGuard]] = {}
         #: How many times a step was traced (each one a proof, and with ``compile`` a compilation).
         self.traces = 0
+        #: How many times a traced graph was replayed (a batch in pieces: one per piece holding a real row).
+        self.replays = 0
 
     def __call__(self, *batch: Any) -> torch.Tensor:
         with draw_watch.aside():  # the library's own work: the draw's watch, if one runs, leaves the mode stack
@@ -138,12 +141,15 @@ class CapturedStep:
         masked = padding is not None or bool(self.pad_to_multiple_of or self.rows_per_replay)
         round_, masks = None, []
         for piece, mask in self._pieces(tensors, padding, rows):
+            masks.append(mask)
+            if round_ is not None and bool(mask.all()):  # padding alone: nothing to add or count, its outputs known
+                round_.add_padding(len(mask))
+                continue
             piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=masked)
             if piece_round.nonfinite and not masked:  # a unit whose gradient is not finite: only the masked graph zeroes it
                 piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=True)
             real = int((~mask).sum())
             round_ = piece_round.counted(real) if round_ is None else round_.add(piece_round, real, hooks.loss_reduction)
-            masks.append(mask)
         mask = torch.cat(masks)
         padding = mask.to(device) if bool(mask.any()) else None  # on the device of the norms the optimizer masks with
         optimizer.keep_captured_round(rows, round_.sums, round_.total,
@@ -182,6 +188,7 @@ class CapturedStep:
                               "graph) or pad_to_multiple_of=m",
                               stacklevel=3)
         graph, params, errors, _ = entry
+        self.replays += 1
         with torch.no_grad():
             try:
                 outputs = graph(*tensors, mask, bound)
@@ -288,6 +295,12 @@ class CapturedRound:
             self.loss = piece.loss if not self.real else (self.loss * self.real + piece.loss * real) / (self.real + real)
         self.real += real
         return self
+
+    def add_padding(self, rows: int) -> None:
+        """Join ``rows`` padding rows without a replay: what the graph gives them (norm 0, within the bound, dropped)."""
+        self.total = torch.cat([self.total, self.total.new_zeros(rows)])
+        self.within = torch.cat([self.within, self.within.new_ones(rows)])
+        self.dropped = torch.cat([self.dropped, self.dropped.new_ones(rows)])
 
 
 def _reduced(loss: Any, padding: torch.Tensor, reduction: str) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -488,12 +488,13 @@ def test_poisson_batches_in_replays_of_a_fixed_width_trace_once_and_train_as_the
 
 
 def test_a_padded_draw_in_replays_with_pieces_of_padding_alone():
-    """A truncated Poisson draw (padding rows at its end) in replays of 2 rows: pieces holding padding alone add
-    exactly nothing and leave the reported mean loss the real rows'; the ledger is told the draw's rows."""
+    """A truncated Poisson draw (padding rows at its end) in replays of 2 rows: pieces holding padding alone are not
+    replayed, add exactly nothing and leave the reported mean loss the real rows'; the ledger is told the draw's
+    rows, the clipping statistics count the real rows."""
     seed = next(s for s in range(1000) if 0 < len(truncated(seed=s, steps=1).batch_sampler.draw()[1]) <= B - 4)
-    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1, loss_reduction="mean")
+    settings = dict(noise_multiplier=0.0, max_grad_norm=0.1, loss_reduction="mean", clipping_stats="raw")
     mean = lambda m: lambda x, y: nn.functional.cross_entropy(m(x), y)  # noqa: E731
-    eager, _, engine, _ = run(truncated(seed=seed, steps=1), False, loss_of=mean, **settings)
+    eager, _, engine, eager_optimizer = run(truncated(seed=seed, steps=1), False, loss_of=mean, **settings)
     engine.detach()
     engine, model, optimizer, dp_loader = private(truncated(seed=seed, steps=1), PrivacyEngine(accountant="pld"),
                                                   **settings)
@@ -508,6 +509,12 @@ def test_a_padded_draw_in_replays_with_pieces_of_padding_alone():
     for u, v in zip(eager[0], [p.grad for p in model.parameters()]):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-7)
     assert step.traces == 1  # and the ledger took the draw's rows (optimizer.step() refuses a round it was not told)
+    assert step.replays == -(-real // 2) < B // 2  # the pieces with a real row
+    stats, eager_stats = optimizer.last_clipping_stats, eager_optimizer.last_clipping_stats
+    assert stats.keys() == eager_stats.keys()  # the norms to rounding: each piece's mean is over its own 2 rows
+    assert {k: v for k, v in stats.items() if k != "norm_quantiles"} == {
+        k: v for k, v in eager_stats.items() if k != "norm_quantiles"}
+    assert stats["norm_quantiles"] == pytest.approx(eager_stats["norm_quantiles"], rel=1e-6)
     engine.detach()
 
 
