@@ -94,6 +94,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--lora", type=int, default=0, help="LoRA adapters of this rank, only they trained (0: none)")
+    parser.add_argument("--rows-per-replay", type=int, default=None,
+                        help="captured_bk runs each padded batch as replays of this many rows (pieces of padding alone "
+                        "are not replayed); default: one replay of --batch rows")
     parser.add_argument("--modes", nargs="+", default=["eager_plain", "compiled_plain", "eager_bk", "captured_bk"])
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -148,7 +151,8 @@ def main() -> None:
             _, optimizer, loader = engine.make_private(
                 module=model, optimizer=sgd, data_loader=truncated, noise_multiplier=1.0, max_grad_norm=1.0,
                 loss_reduction="sum", grad_sample_mode="bk", wrap_model=False)
-            captured = capture_step(optimizer, loss_fn) if mode == "captured_bk" else None
+            captured = (capture_step(optimizer, loss_fn, rows_per_replay=args.rows_per_replay)
+                        if mode == "captured_bk" else None)
 
             def step(batch, optimizer=optimizer, captured=captured, loss_fn=loss_fn):
                 optimizer.zero_grad(set_to_none=True)
@@ -166,6 +170,7 @@ def main() -> None:
             result[f"{mode}_peak_mib"] = peak_mib(cuda)
         if mode == "captured_bk":
             result["captured_bk_traces"] = captured.traces
+            result["captured_bk_rows_per_replay"] = args.rows_per_replay
         if not mode.endswith("plain"):
             engine.detach()
     if "captured_bk_ms" in result and "compiled_plain_ms" in result:

@@ -146,10 +146,11 @@ class CapturedStep:
                 round_.add_padding(len(mask))
                 continue
             piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=masked)
-            if piece_round.nonfinite and not masked:  # a unit whose gradient is not finite: only the masked graph zeroes it
+            if piece_round.nonfinite and not masked:  # a non-finite unit's gradient: only the masked graph zeroes it
                 piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=True)
             real = int((~mask).sum())
-            round_ = piece_round.counted(real) if round_ is None else round_.add(piece_round, real, hooks.loss_reduction)
+            round_ = (piece_round.counted(real) if round_ is None
+                      else round_.add(piece_round, real, hooks.loss_reduction))
         mask = torch.cat(masks)
         padding = mask.to(device) if bool(mask.any()) else None  # on the device of the norms the optimizer masks with
         optimizer.keep_captured_round(rows, round_.sums, round_.total,
@@ -184,9 +185,8 @@ class CapturedStep:
             entry = self._graphs[key] = (*self._trace(leaves, spec, tensors, mask, bound, masked), guard)
             if len(self._graphs) == MANY_SHAPES + 1:
                 warnings.warn(f"the captured step traced {len(self._graphs)} batch shapes or settings, each a proof and a "
-                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader), or rows_per_replay=m (one "
-                              "graph) or pad_to_multiple_of=m",
-                              stacklevel=3)
+                              "compilation: give it fixed-shape batches (TruncatedPoissonDataLoader), or "
+                              "rows_per_replay=m (one graph) or pad_to_multiple_of=m", stacklevel=3)
         graph, params, errors, _ = entry
         self.replays += 1
         with torch.no_grad():
