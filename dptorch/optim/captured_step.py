@@ -27,9 +27,9 @@ into them before the forward. Fixed-shape batches (``TruncatedPoissonDataLoader`
 selection) trace once; Poisson batches trace once per size seen, with ``pad_to_multiple_of=m`` once per
 multiple of ``m``, and with ``rows_per_replay=m`` once: the batch runs as replays of exactly ``m`` rows,
 whose clipped sums add up to one round (every row clipped once, in one replay; a piece of a padded
-draw's padding alone is not replayed, its outputs known). Either way the step
-appends copies of a first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed:
-exactly 0 to the clipped sum, not counted), and the plan is told the draw's real rows.
+draw's padding alone is not replayed, its outputs known). Either way the step appends copies of a
+first row, which the graph masks as a padded loader's rows are (factor 0, rows zeroed: exactly 0 to
+the clipped sum, not counted), and the plan is told the draw's real rows.
 """
 
 from __future__ import annotations
