@@ -90,8 +90,8 @@ def train(
             for x, y in loader:
                 optimizer.zero_grad()
                 loss = math.nan
-                if backward is not None:  # a captured step: an empty batch adds the noise alone there
-                    loss = backward(x, y).item() if len(y) else math.nan
+                if len(y) and backward is not None:  # the captured forward, backward and clipping
+                    loss = backward(x, y).item()
                 elif len(y):  # a Poisson batch may be empty: the private step then adds noise only
                     batch_loss = criterion(model(x), y)
                     batch_loss.backward()
