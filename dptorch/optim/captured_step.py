@@ -90,12 +90,7 @@ class CapturedStep:
                  rows_per_replay: Optional[int] = None) -> None:
         if not isinstance(optimizer, DPOptimizer):
             raise TypeError(f"capture_step needs the DP optimizer make_private returned, got {type(optimizer).__name__}")
-        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("rows_per_replay", rows_per_replay)):
-            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if pad_to_multiple_of is not None and rows_per_replay is not None:
-            raise ValueError("capture_step: give pad_to_multiple_of (one graph per multiple) or rows_per_replay (one "
-                             "graph, the batch in replays of that many rows), not both")
+        check_row_options(pad_to_multiple_of, rows_per_replay)
         _check_supported(optimizer)
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -317,6 +312,17 @@ def _reduced(loss: Any, padding: torch.Tensor, reduction: str) -> Tuple[torch.Te
     if reduction == "sum":
         return loss.sum(), real
     return loss.mean(), real / (~padding).sum()
+
+
+def check_row_options(pad_to_multiple_of: Any, rows_per_replay: Any, prefix: str = "") -> None:
+    """Refuse row options (named with ``prefix``, as the Trainer's arguments are) that are not positive whole numbers
+    or None, or both given."""
+    for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("rows_per_replay", rows_per_replay)):
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{prefix}{name} must be a positive whole number or None, got {value!r}")
+    if pad_to_multiple_of is not None and rows_per_replay is not None:
+        raise ValueError(f"give {prefix}rows_per_replay (one shape, the batch in replays of that many rows) or "
+                         f"{prefix}pad_to_multiple_of (one shape per multiple), not both")
 
 
 def compile_options(compile: Union[bool, Dict[str, Any]]) -> Optional[Dict[str, Any]]:

@@ -16,6 +16,7 @@ from dptorch.grad_sample.modes.auto import MODES as _ACCEPTED_MODES
 from dptorch.noise.banded.mechanism import NOISE_MECHANISMS, _check_mechanism
 from dptorch.clipping.adaptive import CLIPPING_STATS, clipping_plan_fields
 from dptorch.clipping.factors import CLIPPING_MODES
+from dptorch.optim.captured_step import check_row_options
 from dptorch.optim.loss_scaling import check_schedule
 
 #: "auto" (the default: bk where a layer has a norm sampler, else hooks) and every controller mode; "ghost" is
@@ -208,16 +209,10 @@ class PrivacyArguments:
             raise ValueError(f"audit_confidence must be in (0, 1), got {self.audit_confidence}")
         if self.capture_step is not None and not isinstance(self.capture_step, bool):
             raise ValueError(f"capture_step must be None (auto), True or False, got {self.capture_step!r}")
-        rows = {name: getattr(self, name) for name in ("capture_pad_to_multiple_of", "capture_rows_per_replay")
-                if getattr(self, name) is not None}
-        for name, value in rows.items():
-            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"{name} must be a positive whole number or None, got {value!r}")
-            if self.capture_step is False:
+        check_row_options(self.capture_pad_to_multiple_of, self.capture_rows_per_replay, prefix="capture_")
+        for name in ("capture_pad_to_multiple_of", "capture_rows_per_replay"):
+            if getattr(self, name) is not None and self.capture_step is False:
                 raise ValueError(f"{name} shapes the captured step's batches, but capture_step=False")
-        if len(rows) > 1:
-            raise ValueError("give capture_rows_per_replay (one shape) or capture_pad_to_multiple_of (one shape per "
-                             "multiple), not both")
         if self.secure_mode and self.noise_seed is not None:
             raise ValueError("secure_mode draws noise from the OS CSPRNG and takes no noise_seed; remove one of them")
         if self.secure_mode and self.sampling_seed is not None:
