@@ -140,12 +140,11 @@ class CapturedStep:
             if round_ is not None and bool(mask.all()):  # padding alone: nothing to add or count, its outputs known
                 round_.add_padding(len(mask))
                 continue
-            piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=masked)
-            if piece_round.nonfinite and not masked:  # a non-finite unit's gradient: only the masked graph zeroes it
-                piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, masked=True)
             real = int((~mask).sum())
-            round_ = (piece_round.counted(real) if round_ is None
-                      else round_.add(piece_round, real, hooks.loss_reduction))
+            piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, real, masked=masked)
+            if piece_round.nonfinite and not masked:  # a non-finite unit's gradient: only the masked graph zeroes it
+                piece_round = self._replay(leaves, spec, piece, mask.to(device), bound, real, masked=True)
+            round_ = piece_round if round_ is None else round_.add(piece_round, hooks.loss_reduction)
         mask = torch.cat(masks)
         padding = mask.to(device) if bool(mask.any()) else None  # on the device of the norms the optimizer masks with
         optimizer.keep_captured_round(rows, round_.sums, round_.total,
@@ -172,7 +171,7 @@ class CapturedStep:
         return pieces
 
     def _replay(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
-                masked: bool) -> "CapturedRound":
+                real: int, masked: bool) -> "CapturedRound":
         key = (_settings(self.optimizer, leaves, spec, tensors), masked)
         entry = self._graphs.get(key)
         if entry is None or not entry[3].holds():  # a new shape or setting, or the model changed: proven afresh
@@ -193,7 +192,7 @@ class CapturedStep:
                     f"captured step: torch.compile failed on the traced step ({str(error).strip().splitlines()[0]}); "
                     "pass compile=False to replay the traced graph uncompiled (the same operations), or choose "
                     "another backend (compile={'backend': ...})") from error
-            return CapturedRound(outputs, params, errors)
+            return CapturedRound(outputs, params, errors, real)
 
     def _trace(self, leaves: list, spec: Any, tensors: List[torch.Tensor], mask: torch.Tensor, bound: torch.Tensor,
                masked: bool) -> Tuple[Callable, List[nn.Parameter], List[Callable[[], Exception]]]:
@@ -258,10 +257,11 @@ class CapturedStep:
 
 
 class CapturedRound:
-    """One replay's outputs, with its value checks read (one host read; a failed check raises here)."""
+    """One replay's outputs, of ``real`` real (not padding) rows, with its value checks read (one host read; a failed
+    check raises here)."""
 
     def __init__(self, outputs: List[torch.Tensor], params: List[nn.Parameter],
-                 errors: List[Callable[[], Exception]]) -> None:
+                 errors: List[Callable[[], Exception]], real: int) -> None:
         self.loss, self.total, self.within, self.dropped, counts = outputs[:5]
         self.sums = dict(zip(params, outputs[5:]))
         read = counts.tolist()
@@ -269,26 +269,22 @@ class CapturedRound:
         #: Real units dropped for a non-finite gradient; real units clipped.
         self.nonfinite, self.clipped = int(read[-2]), int(read[-1])
         #: The real (not padding) rows behind the round's loss.
-        self.real = 0
-
-    def counted(self, real: int) -> "CapturedRound":
-        """This round, of ``real`` real rows."""
         self.real = real
-        return self
 
-    def add(self, piece: "CapturedRound", real: int, reduction: str) -> "CapturedRound":
-        """This round with the next piece's of the same batch (``real`` real rows) taken in: sums added in the pieces'
-        order (as a virtual step adds its physical batches), each row's outputs joined, the loss reported over every
-        real row by the controller's ``reduction``."""
+    def add(self, piece: "CapturedRound", reduction: str) -> "CapturedRound":
+        """This round with the next piece's of the same batch taken in: sums added in the pieces' order (as a virtual
+        step adds its physical batches), each row's outputs joined, the loss reported over every real row by the
+        controller's ``reduction``."""
         self.sums = {p: s + piece.sums[p] for p, s in self.sums.items()}
         self.total, self.within, self.dropped = (torch.cat(pair) for pair in (
             (self.total, piece.total), (self.within, piece.within), (self.dropped, piece.dropped)))
         self.nonfinite, self.clipped = self.nonfinite + piece.nonfinite, self.clipped + piece.clipped
         if reduction == "sum":
             self.loss = self.loss + piece.loss
-        elif real:  # a mean over the real rows: a piece of padding alone adds none (its own mean is 0 / 0)
-            self.loss = piece.loss if not self.real else (self.loss * self.real + piece.loss * real) / (self.real + real)
-        self.real += real
+        elif piece.real:  # a mean over the real rows: a piece of padding alone adds none (its own mean is 0 / 0)
+            self.loss = piece.loss if not self.real else (
+                (self.loss * self.real + piece.loss * piece.real) / (self.real + piece.real))
+        self.real += piece.real
         return self
 
     def add_padding(self, rows: int) -> None:
