@@ -33,8 +33,12 @@ demo: $(STAMP)
 	$(BIN)/python -m dptorch.cli.examples.minilm --plots $(PLOTS) $(if $(filter no 0 false off,$(BASELINE)),--no-baseline)
 	@echo "== Pictures in $(PLOTS)/. Use the environment in a new shell with: source $(VENV)/bin/activate"
 
+# make test WORKERS=n: the suite on n worker processes (2 by default, one per core of the 2-core machine it is
+# timed on; 0 runs it in this one process). Files that share a launch of several processes run on one worker.
+WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/layers.py

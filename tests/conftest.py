@@ -28,3 +28,21 @@ def _no_tracker_outlives_its_test():
                 torch._C._push_on_torch_function_stack(m)
     drawn.hand_out(())
     unseen.off()  # and the guard of unseen operations, on torch's dispatch stack while a tracker followed the loop
+
+
+#: Session fixtures that launch processes, shared by several files: a file using one runs on the worker that
+#: holds the launch (``make test`` runs the suite on two workers, ``--dist loadgroup``), so each launches once.
+_SHARED_LAUNCHES = {"spawned": "engine-launch", "result": "engine-launch", "hf_ddp": "hf-launch", "hf_fsdp": "hf-launch",
+                    "hf_offload": "hf-launch", "hf_hsdp": "hf-launch", "hf_ddp4": "hf-launch"}
+
+
+def pytest_collection_modifyitems(items):
+    """Each test in one group with its file (module fixtures made once), files sharing a launch in one group."""
+    files = {}
+    for item in items:
+        for name in getattr(item, "fixturenames", ()):
+            if name in _SHARED_LAUNCHES:
+                files[item.path] = _SHARED_LAUNCHES[name]
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(files.get(item.path, str(item.path))))
+
