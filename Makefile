@@ -34,11 +34,12 @@ demo: $(STAMP)
 	@echo "== Pictures in $(PLOTS)/. Use the environment in a new shell with: source $(VENV)/bin/activate"
 
 # make test WORKERS=n: the suite on n worker processes (2 by default, one per core of the 2-core machine it is
-# timed on; 0 runs it in this one process). Files that share a launch of several processes run on one worker.
+# timed on; 0 runs it in this one process). Each file runs on one worker, and the files sharing a launch of
+# several processes (tests/conftest.py) on one.
 WORKERS ?= 2
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -n $(WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/layers.py

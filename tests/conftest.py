@@ -30,19 +30,45 @@ def _no_tracker_outlives_its_test():
     unseen.off()  # and the guard of unseen operations, on torch's dispatch stack while a tracker followed the loop
 
 
-#: Session fixtures that launch processes, shared by several files: a file using one runs on the worker that
-#: holds the launch (``make test`` runs the suite on two workers, ``--dist loadgroup``), so each launches once.
-_SHARED_LAUNCHES = {"spawned": "engine-launch", "result": "engine-launch", "hf_ddp": "hf-launch", "hf_fsdp": "hf-launch",
-                    "hf_offload": "hf-launch", "hf_hsdp": "hf-launch", "hf_ddp4": "hf-launch"}
+
+#: Test files that share a session fixture launching processes (``tests/distributed/conftest.py``), by the
+#: launch they share: a parallel run (``make test``: ``-n 2 --dist loadfile``) sends each set to one worker,
+#: so the launch is made once, as every other file's module fixtures are.
+SHARED_LAUNCHES = {
+    "engine": ("tests/distributed/test_ddp.py", "tests/distributed/test_fsdp.py",
+               "tests/distributed/test_nonfinite_sharded.py"),
+    "hf": ("tests/distributed/test_hf_ddp.py", "tests/distributed/test_hf_deepspeed.py",
+           "tests/distributed/test_hf_fsdp.py", "tests/distributed/test_hf_hsdp.py", "tests/distributed/test_hf_trl.py"),
+}
+_LAUNCH_FIXTURES = {"spawned", "result", "hf_ddp", "hf_fsdp", "hf_offload", "hf_hsdp", "hf_ddp4"}  # in tests/distributed
+_GROUP_OF_FILE = {path: group for group, paths in SHARED_LAUNCHES.items() for path in paths}
 
 
-def pytest_collection_modifyitems(items):
-    """Each test in one group with its file (module fixtures made once), files sharing a launch in one group."""
-    files = {}
+def pytest_collection_modifyitems(config, items):
+    """A file using a shared launch must be listed in ``SHARED_LAUNCHES``, under one group with the other users
+    of that launch (else a parallel run would launch it once per worker)."""
+    groups = {}
     for item in items:
-        for name in getattr(item, "fixturenames", ()):
-            if name in _SHARED_LAUNCHES:
-                files[item.path] = _SHARED_LAUNCHES[name]
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(files.get(item.path, str(item.path))))
+        path = item.nodeid.split("::", 1)[0]
+        if not path.startswith("tests/distributed/"):  # the fixtures' conftest is there (other files' names are their own)
+            continue
+        for name in _LAUNCH_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            groups.setdefault(name, set()).add(_GROUP_OF_FILE.get(path, path))
+    split = {name: sorted(found) for name, found in groups.items() if len(found) > 1 or not found <= set(SHARED_LAUNCHES)}
+    if split:
+        raise pytest.UsageError(f"tests/conftest.py: list the files using these launches under one group of "
+                                f"SHARED_LAUNCHES: {split}")
 
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, with the files of one shared launch sent to one worker as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LoadFileSharingLaunches(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF_FILE.get(path, path)
+
+    return LoadFileSharingLaunches(config, log)
