@@ -33,10 +33,12 @@ demo: $(STAMP)
 	$(BIN)/python -m dptorch.cli.examples.minilm --plots $(PLOTS) $(if $(filter no 0 false off,$(BASELINE)),--no-baseline)
 	@echo "== Pictures in $(PLOTS)/. Use the environment in a new shell with: source $(VENV)/bin/activate"
 
-# make test WORKERS=n: the suite on n worker processes (2 by default, one per core of the 2-core machine it is
-# timed on; 0 runs it in this one process). Each file runs on one worker, and the files sharing a launch of
-# several processes (tests/conftest.py) on one.
-WORKERS ?= 2
+# make test WORKERS=n: the suite on n worker processes (pytest-xdist; 0, the default and what CI runs, is this one
+# process). Each file runs on one worker, and the files sharing a launch of several processes (tests/conftest.py)
+# on one. WORKERS=2 took 10:40-10:58 on 2 cores against 16-19 minutes, but one run of five failed one test
+# that passes alone and in one process (tests/validate/test_validator.py::test_fixed_resnet_trains_privately):
+# an order dependence not yet found, so it is not the default.
+WORKERS ?= 0
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(WORKERS) --dist loadfile
