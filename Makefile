@@ -35,7 +35,7 @@ demo: $(STAMP)
 
 # make test WORKERS=n: the suite on n worker processes (pytest-xdist; 0, the default and what CI runs, is this one
 # process). Each file runs on one worker, and the files sharing a launch of several processes (tests/conftest.py)
-# on one. WORKERS=2 took 10:40-10:58 on 2 cores against 16-19 minutes, but one run of five failed one test
+# on one. WORKERS=2 took 10:40-10:58 on 2 cores against 15-19 minutes, but one run of six failed one test
 # that passes alone and in one process (tests/validate/test_validator.py::test_fixed_resnet_trains_privately):
 # an order dependence not yet found, so it is not the default.
 WORKERS ?= 0
