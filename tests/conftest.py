@@ -30,9 +30,8 @@ def _no_tracker_outlives_its_test():
     unseen.off()  # and the guard of unseen operations, on torch's dispatch stack while a tracker followed the loop
 
 
-
 #: Test files that share a session fixture launching processes (``tests/distributed/conftest.py``), by the
-#: launch they share: a parallel run (``make test``: ``-n 2 --dist loadfile``) sends each set to one worker,
+#: launch they share: a parallel run (``make test WORKERS=2``: ``-n 2 --dist loadfile``) sends each set to one worker,
 #: so the launch is made once, as every other file's module fixtures are.
 SHARED_LAUNCHES = {
     "engine": ("tests/distributed/test_ddp.py", "tests/distributed/test_fsdp.py",
@@ -44,12 +43,17 @@ _LAUNCH_FIXTURES = {"spawned", "result", "hf_ddp", "hf_fsdp", "hf_offload", "hf_
 _GROUP_OF_FILE = {path: group for group, paths in SHARED_LAUNCHES.items() for path in paths}
 
 
+def _file_of(nodeid: str) -> str:
+    """The test file of a node id, as the rootdir-relative path ``SHARED_LAUNCHES`` lists."""
+    return nodeid.split("::", 1)[0]
+
+
 def pytest_collection_modifyitems(config, items):
     """A file using a shared launch must be listed in ``SHARED_LAUNCHES``, under one group with the other users
     of that launch (else a parallel run would launch it once per worker)."""
     groups = {}
     for item in items:
-        path = item.nodeid.split("::", 1)[0]
+        path = _file_of(item.nodeid)
         if not path.startswith("tests/distributed/"):  # the fixtures' conftest is there (other files' names are their own)
             continue
         for name in _LAUNCH_FIXTURES.intersection(getattr(item, "fixturenames", ())):
@@ -68,7 +72,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class LoadFileSharingLaunches(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
+            path = _file_of(nodeid)
             return _GROUP_OF_FILE.get(path, path)
 
     return LoadFileSharingLaunches(config, log)
